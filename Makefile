@@ -1,0 +1,35 @@
+# Every target sets itself up: a .venv in the repo, CPU torch first (a plain `torch` request could
+# pull a multi-GB CUDA build), then packfwd in editable mode with its test extra.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.packfwd-installed
+
+.PHONY: demo test test-thorough bench bench-smoke clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m packfwd.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests packfwd
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(PY) -m pytest -q --nbmake notebooks; fi
+
+# The thorough Hypothesis profile: many more examples per property (minutes, not seconds).
+test-thorough: $(STAMP)
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+bench-smoke: $(STAMP)
+	$(PY) benchmarks/run_all.py --smoke
+
+clean:
+	rm -rf $(VENV) .hypothesis .pytest_cache

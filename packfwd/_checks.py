@@ -1,0 +1,95 @@
+"""Argument checks shared by the planning functions.  Each error names the argument and the fix."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}; pass e.g. {name}=2")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}; use {name}=1 when that parallelism is off")
+    return value
+
+
+def check_rank(name: str, rank: object, size: int, size_name: str) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{name} must be a Python int, got {type(rank).__name__}")
+    if not 0 <= rank < size:
+        raise ValueError(f"{name}={rank} is out of range for {size_name}={size}; pass a rank in [0, {size - 1}]")
+    return rank
+
+
+def check_tensor(name: str, x: object) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def check_mask(attention_mask: object, x: Tensor | None = None) -> Tensor:
+    """Validate the mask's type, dtype, rank, shape and device; return it as bool ``[b, s]``.
+
+    Values of integer masks are checked by the caller together with its one host sync (see ``mask_value_error``).
+    """
+    mask = check_tensor("attention_mask", attention_mask)
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(
+            f"attention_mask has dtype {mask.dtype}; pass a bool mask, or an integer mask holding only 0 and 1 "
+            "(for a float mask that holds 0/1, use attention_mask.bool())"
+        )
+    if mask.dtype != torch.bool and mask.dtype not in _INT_DTYPES:
+        raise TypeError(f"attention_mask has dtype {mask.dtype}; pass a bool or integer 0/1 mask")
+    if mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask must be 2-D [b, s], got shape {tuple(mask.shape)}; "
+            "pass one row per sequence with one column per padded position"
+        )
+    if x is not None:
+        if x.dim() < 2 or tuple(x.shape[:2]) != tuple(mask.shape):
+            raise ValueError(
+                f"x has shape {tuple(x.shape)} but attention_mask has shape {tuple(mask.shape)}; "
+                "x must be [b, s, ...] with the same b and s as the mask"
+            )
+        if x.device != mask.device:
+            raise ValueError(
+                f"x is on {x.device} but attention_mask is on {mask.device}; move both to one device "
+                "(e.g. attention_mask.to(x.device))"
+            )
+    return mask
+
+
+def mask_bad_values(mask: Tensor) -> Tensor:
+    """Count of entries other than 0/1 in an integer mask (a device scalar; 0 for a bool mask)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=torch.long, device=mask.device)
+    return ((mask != 0) & (mask != 1)).sum()
+
+
+MASK_VALUES_MESSAGE = (
+    "attention_mask holds values other than 0 and 1; pass a bool mask or an integer mask of 0/1 "
+    "(for example attention_mask.ne(0) if every nonzero entry means a real token)"
+)
+
+
+def check_host_seqlens(seqlens: object, batch: int) -> list[int]:
+    """Validate caller-provided host lengths: a sequence (or CPU tensor) of ``batch`` non-negative ints."""
+    if isinstance(seqlens, Tensor):
+        if seqlens.device.type != "cpu":
+            raise ValueError(
+                "seqlens must live on the host (a list or a CPU tensor); it exists to avoid a device sync, "
+                "so pass seqlens.tolist() computed where it is free, or leave seqlens=None"
+            )
+        seqlens = seqlens.tolist()
+    if not isinstance(seqlens, Sequence) or not all(isinstance(v, int) and not isinstance(v, bool) for v in seqlens):
+        raise TypeError("seqlens must be a list of Python ints (one real length per row)")
+    if len(seqlens) != batch:
+        raise ValueError(f"seqlens has {len(seqlens)} entries but the batch has {batch} rows; pass one length per row")
+    if any(v < 0 for v in seqlens):
+        raise ValueError("seqlens must be non-negative")
+    return list(seqlens)

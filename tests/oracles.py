@@ -1,0 +1,102 @@
+"""Plain per-sequence loops: the independent references the transforms are checked against."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ref_sequences(x: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Each row's real tokens, in order."""
+    return [x[i][mask[i].bool()] for i in range(mask.shape[0])]
+
+
+def ref_unpad(x, mask):
+    seqs = ref_sequences(x, mask)
+    if not seqs:
+        return x.reshape(0, *x.shape[2:])
+    return torch.cat(seqs)
+
+
+def ref_padded_lengths(lengths: list[int], tp: int, cp: int, align: int | None) -> list[int]:
+    """The documented rule: round each length up to the alignment (2*cp under CP, 1 without, unless given), then
+    grow the last sequence until the total divides by lcm(align, tp*cp)."""
+    a = align if align is not None else (2 * cp if cp > 1 else 1)
+    p = [math.ceil(n / a) * a for n in lengths]
+    unit = math.lcm(a, tp * cp)
+    while p and sum(p) % unit:
+        p[-1] += a
+    return p
+
+
+def ref_thd_rank(x, mask, tp, cp, rank, align=None):
+    """This rank's THD tensor, built sequence by sequence with slicing (no index arithmetic shared with packfwd)."""
+    seqs = ref_sequences(x, mask)
+    p = ref_padded_lengths([len(s) for s in seqs], tp, cp, align)
+    parts = []
+    for seq, pl in zip(seqs, p):
+        padded = torch.zeros((pl, *x.shape[2:]), dtype=x.dtype)
+        padded[: len(seq)] = seq
+        if cp == 1:
+            parts.append(padded)
+            continue
+        chunks = padded.chunk(2 * cp) if pl else []
+        if pl:
+            parts += [chunks[rank], chunks[2 * cp - 1 - rank]]
+    if not parts:
+        return x.new_zeros((0, *x.shape[2:]))
+    return torch.cat(parts)
+
+
+def ref_verl_layout(x, mask, tp, cp, rank):
+    """The layout verl's packing builds for CP rank ``rank``, written from its definition: each sequence padded to a
+    multiple of ``tp*cp*2`` (``tp`` without CP) and, under CP, this rank's half-chunks ``rank`` and ``2cp-1-rank``
+    taken from the front and from the back of the padded sequence."""
+    align = tp * cp * 2 if cp > 1 else tp
+    out = []
+    for i in range(mask.shape[0]):
+        d = x[i][mask[i].bool()]
+        n = d.shape[0]
+        pl = (n + align - 1) // align * align
+        if cp == 1:
+            seg = torch.zeros((pl, *x.shape[2:]), dtype=x.dtype)
+            seg[:n] = d
+            out.append(seg)
+            continue
+        half = pl // cp // 2
+        seg = torch.zeros((2 * half, *x.shape[2:]), dtype=x.dtype)
+        front = d[half * rank : half * (rank + 1)]
+        seg[: front.shape[0]] = front
+        back_start = pl - half * (rank + 1)
+        back = d[back_start : pl - half * rank]
+        seg[half : half + back.shape[0]] = back
+        out.append(seg)
+    return torch.cat(out) if out else x.new_zeros((0, *x.shape[2:]))
+
+
+def ref_masked(x, mask, fill=0):
+    """``x`` with ``fill`` at padded positions."""
+    m = mask.bool().reshape(*mask.shape, *([1] * (x.dim() - 2)))
+    return torch.where(m, x, torch.full_like(x, fill))
+
+
+def ref_next_token_labels(ids, mask, ignore=-100):
+    out = torch.full_like(ids, ignore)
+    for i in range(ids.shape[0]):
+        cols = mask[i].bool().nonzero().flatten().tolist()
+        for a, b in zip(cols, cols[1:]):
+            out[i, a] = ids[i, b]
+    return out
+
+
+def ref_positions(lengths_padded, cp, rank):
+    pos = []
+    for pl in lengths_padded:
+        r = list(range(pl))
+        if cp == 1:
+            pos += r
+        elif pl:
+            c = pl // (2 * cp)
+            pos += r[rank * c : (rank + 1) * c] + r[(2 * cp - 1 - rank) * c : (2 * cp - rank) * c]
+    return pos
