@@ -56,7 +56,7 @@ def scatter_rows(
     if fill_rows.numel():
         canvas.index_fill_(0, fill_rows, fill_value)
     for y, dst in zip(ys, dsts):
-        canvas.index_copy_(0, dst, y)
+        canvas.index_put_((dst,), y)  # index_put_ (unlike index_copy_) has a vmap batching rule
     return canvas[:canvas_rows]
 
 

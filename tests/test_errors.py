@@ -1,0 +1,71 @@
+"""Bad input fails at planning time with a ValueError/TypeError that names the argument and the fix."""
+
+import pytest
+import torch
+
+from packfwd import from_bshd, from_thd, next_token_labels, plan_thd, sp_pad, to_bshd, to_thd, unpad
+
+X = torch.randn(2, 5, 3)
+MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda: to_thd(X, MASK[:, :4]), ValueError, "attention_mask has shape"),
+        (lambda: to_thd(X, MASK[0]), ValueError, "must be 2-D"),
+        (lambda: to_thd(X, MASK.float()), TypeError, "attention_mask.bool()"),
+        (lambda: to_thd(X, MASK.long() * 2), ValueError, "other than 0 and 1"),
+        (lambda: to_thd(X, MASK.long() - 1), ValueError, "other than 0 and 1"),
+        (lambda: to_thd(X, MASK.tolist()), TypeError, "attention_mask must be a torch.Tensor"),
+        (lambda: to_thd(X, MASK, tp_size=0), ValueError, "tp_size must be >= 1"),
+        (lambda: to_thd(X, MASK, cp_size=0), ValueError, "cp_size must be >= 1"),
+        (lambda: to_thd(X, MASK, tp_size=2.0), TypeError, "tp_size must be a Python int"),
+        (lambda: to_thd(X, MASK, cp_size=2, cp_rank=2), ValueError, "cp_rank=2 is out of range"),
+        (lambda: to_thd(X, MASK, cp_size=2, cp_rank=-1), ValueError, "cp_rank=-1 is out of range"),
+        (lambda: to_thd(X, MASK, cp_size=2, seq_align=6), ValueError, "multiple of 4"),
+        (lambda: to_thd(X, MASK, seq_align=0), ValueError, "seq_align must be >= 1"),
+        (lambda: to_thd(X, MASK, max_seqlen=2), ValueError, "max_seqlen=2 is below"),
+        (lambda: to_thd(X, MASK, seqlens=[3, 5, 1]), ValueError, "seqlens has 3 entries"),
+        (lambda: to_thd(X, plan_thd(MASK), tp_size=2), TypeError, "pass one or the other"),
+        (lambda: to_thd(X, None), TypeError, "attention_mask is required"),
+        (lambda: unpad(X, MASK.to(torch.float16)), TypeError, "attention_mask has dtype"),
+        (lambda: sp_pad(X, 0), ValueError, "tp_size must be >= 1"),
+        (lambda: to_bshd(X, MASK, tp_size=-1), ValueError, "tp_size must be >= 1"),
+        (lambda: next_token_labels(X[..., 0].long(), MASK[:1]), ValueError, "attention_mask has shape"),
+    ],
+)
+def test_planning_errors(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()
+
+
+def test_from_thd_checks_outputs_against_the_plan():
+    infos = [plan_thd(MASK, cp_size=2, cp_rank=r) for r in range(2)]
+    outs = [to_thd(X, i)[0] for i in infos]
+    with pytest.raises(TypeError, match="list of all 2 CP ranks"):
+        from_thd(outs[0], infos[0])
+    with pytest.raises(ValueError, match="got 1 rank outputs"):
+        from_thd(outs[:1], infos[0])
+    with pytest.raises(ValueError, match="tokens but the plan has"):
+        from_thd([outs[0][:-1], outs[1]], infos[0])
+    one = plan_thd(MASK)
+    with pytest.raises(ValueError, match="tokens but the plan has"):
+        from_thd(torch.zeros(one.local_tokens + 1, 3), one)
+
+
+def test_from_bshd_checks_shape():
+    y, info = to_bshd(X, MASK)
+    with pytest.raises(ValueError, match="the plan expects"):
+        from_bshd(y[:, :-1], info)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_devices_must_match():
+    with pytest.raises(ValueError, match="move both to one device"):
+        to_thd(X.cuda(), MASK)
+
+
+def test_devices_must_match_meta():
+    with pytest.raises(ValueError, match="move both to one device"):
+        to_thd(X.to("meta"), MASK)
