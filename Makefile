@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
+	# verl's own packing functions: a reference for tests and benchmarks only (it needs just torch + megatron-core)
+	$(PY) -m pip install -q --no-deps "verl==0.9.1"
 	touch $(STAMP)
 
 demo: $(STAMP)
