@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci",
-    max_examples=40,
+    max_examples=100,
     derandomize=True,
     deadline=None,
     print_blob=True,
