@@ -1,0 +1,352 @@
+"""Run a function on ``world_size`` local processes joined in one ``torch.distributed`` group.
+
+``run_local`` is the small launcher behind packfwd's multi-process tests and examples: it spawns the ranks,
+initialises the process group (gloo on CPU, NCCL with one GPU per rank), runs ``fn(rank, world_size, *args)``
+on each, and brings the results back in rank order.  It never hangs: a failing rank, a rank that dies without
+reporting (segfault, ``os._exit``) or the overall timeout end the whole run, and every child is reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from multiprocessing import connection
+from typing import Any, Callable
+
+__all__ = ["RankError", "run_local"]
+
+# After the first rank fails, wait this long for the others to report (they often fail the same way, or fail
+# in a collective once the first one is gone) before killing them.
+_FAILURE_GRACE_S = 2.0
+# A rank whose process has ended gets this long for its report to arrive in the pipe.
+_EXIT_GRACE_S = 1.0
+# Children terminated with SIGTERM get this long before SIGKILL.
+_TERM_GRACE_S = 1.0
+_ENV_LOCK = threading.Lock()
+
+
+class RankError(RuntimeError):
+    """A rank of :func:`run_local` raised or died.
+
+    Attributes: ``rank`` (the first rank that failed), ``traceback`` (its formatted traceback, ``""`` when the
+    process died without reporting) and ``failures`` (``{rank: (type_name, message, traceback)}`` for every
+    rank that failed before the others were stopped).
+    """
+
+    def __init__(self, message: str, rank: int, tb: str, failures: dict[int, tuple[str, str, str]]):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = tb
+        self.failures = failures
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rank, self.traceback, self.failures)
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the results by rank.
+
+    Each child calls ``torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)`` on a
+    free localhost port, runs ``fn``, destroys the group and sends its result back (through ``torch.save``, so
+    tensors work; CUDA tensors arrive on the CPU).  ``backend=None`` picks ``"nccl"`` with one GPU per rank
+    (``torch.cuda.set_device(rank)``) when CUDA is available, else ``"gloo"``.
+
+    ``fn`` must be a module-level function of an importable module: lambdas, closures and functions defined in
+    a notebook or an interactive ``__main__`` cannot reach the spawned children and raise ``TypeError`` here.
+    A script that calls ``run_local`` at top level needs an ``if __name__ == "__main__":`` guard (spawn
+    re-imports it).  ``args`` must be picklable (they are copied to each child).  The children's stdout and
+    stderr are those of this process (from a notebook, they show in the kernel's terminal, not the cell).
+
+    The children's environment is this process's, plus ``env``, plus ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``NCCL_NVLS_ENABLE=0`` and, unless set,
+    ``OMP_NUM_THREADS=1`` (as torchrun does, to avoid oversubscribing the cores).
+
+    Raises ``RankError`` when a rank raises or dies (it names the rank and carries the child's traceback; the
+    other ranks are killed after a short grace), ``TimeoutError`` naming the unfinished ranks when ``timeout``
+    seconds pass.  No child outlives the call.
+
+    >>> from packfwd.launch import run_local, _example_all_reduce
+    >>> run_local(_example_all_reduce, 2, 10.0, backend="gloo")
+    [21.0, 21.0]
+    """
+    world_size, backend, timeout = _check_arguments(fn, world_size, backend, timeout, env)
+    payload = _pickle_payload(fn, args)
+    deadline = time.monotonic() + timeout
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main, args=(rank, world_size, backend, payload, writer), name=f"packfwd-rank{rank}"
+            )
+            with _child_env(_rank_env(rank, world_size, port, env)):
+                proc.start()
+            writer.close()  # the parent's copy: with it closed, a dead child shows as EOF on `reader`
+            procs.append(proc)
+            conns.append(reader)
+        return _collect(procs, conns, deadline, timeout)
+    finally:
+        _stop(procs)
+        for c in conns:
+            c.close()
+
+
+def _check_arguments(fn, world_size, backend, timeout, env) -> tuple[int, str, float]:
+    if not callable(fn):
+        raise TypeError(f"fn must be a module-level function, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be a Python int, got {type(world_size).__name__}; pass e.g. 2")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if env is not None and not (
+        isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise TypeError("env must be a dict of str to str, e.g. env={'OMP_NUM_THREADS': '2'}")
+    import torch
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str such as 'gloo' or 'nccl', got {type(backend).__name__}")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, which is not available; use backend='gloo'")
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"backend='nccl' uses one GPU per rank, but world_size={world_size} > "
+                f"{torch.cuda.device_count()} visible GPUs; lower world_size or use backend='gloo'"
+            )
+    return world_size, backend, float(timeout)
+
+
+def _pickle_payload(fn, args) -> bytes:
+    name = getattr(fn, "__qualname__", repr(fn))
+    if "<lambda>" in name or "<locals>" in name:
+        raise TypeError(f"fn={name} is a lambda or closure; pass a function defined at module level")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
+        raise TypeError(
+            f"fn={name} is defined in an interactive session (notebook); spawned processes cannot import it. "
+            "Put it in a .py module and import it from there"
+        )
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not os.path.exists(main_file):
+        raise RuntimeError(
+            f"the main script {main_file!r} is not a file (read from stdin?), and spawned processes re-import "
+            "it; save the script to a file and run that"
+        )
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise TypeError(f"fn={name} is not picklable ({exc}); pass a function defined at module level") from exc
+    try:
+        return pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(f"args of run_local are not picklable ({exc}); pass tensors, numbers, strings...") from exc
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(rank: int, world_size: int, port: int, env: dict[str, str] | None) -> dict[str, str]:
+    out = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
+    out.update(env or {})
+    out.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NCCL_NVLS_ENABLE="0",
+    )
+    return out
+
+
+@contextlib.contextmanager
+def _child_env(updates: dict[str, str]):
+    """Set ``updates`` in ``os.environ`` while a child starts (spawn copies the environment at exec time, so
+    variables read at import, such as ``OMP_NUM_THREADS``, take effect); restore it afterwards."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in updates}
+        os.environ.update(updates)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _collect(procs, conns, deadline: float, timeout: float) -> list:
+    n = len(procs)
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[str, str, str]] = {}  # in the order the failures were seen
+    eof: set[int] = set()
+    dead_since: dict[int, float] = {}
+    first_failure_at = None
+    while len(results) + len(failures) < n:
+        now = time.monotonic()
+        if first_failure_at is not None and now - first_failure_at > _FAILURE_GRACE_S:
+            break
+        if now > deadline:
+            if failures:
+                break
+            pending = [r for r in range(n) if r not in results]
+            raise TimeoutError(f"run_local timed out after {timeout:g} s; ranks {pending} did not finish")
+        running = [r for r in range(n) if r not in results and r not in failures]
+        waitables = [conns[r] for r in running if r not in eof] + [procs[r].sentinel for r in running]
+        connection.wait(waitables, timeout=min(0.2, max(deadline - now, 0.0)))
+        for r in running:
+            if r not in eof and conns[r].poll():
+                _receive(r, conns[r], results, failures, eof)
+            if r not in results and r not in failures and not procs[r].is_alive():
+                # A report written before exit is already in the pipe; give it a moment before calling it lost.
+                dead_since.setdefault(r, time.monotonic())
+                if r in eof or time.monotonic() - dead_since[r] > _EXIT_GRACE_S:
+                    failures[r] = ("ProcessDied", _exit_description(procs[r].exitcode), "")
+            if r in failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+    if failures:
+        raise _rank_error(failures, n, [r for r in range(n) if r not in results and r not in failures])
+    return [results[r] for r in range(n)]
+
+
+def _receive(rank: int, conn, results: dict, failures: dict, eof: set) -> None:
+    try:
+        msg = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        eof.add(rank)  # closed without a report: the exit-code path reports it
+        return
+    if msg[0] == "ok":
+        import torch
+
+        results[rank] = torch.load(io.BytesIO(msg[1]), map_location="cpu", weights_only=False)
+    else:
+        failures[rank] = msg[1:]
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            sig = signal.Signals(-code).name
+        except ValueError:
+            sig = f"signal {-code}"
+        return f"process was killed by {sig} without reporting a result"
+    return f"process exited with code {code} without reporting a result"
+
+
+def _rank_error(failures: dict, world_size: int, killed: list[int]) -> RankError:
+    rank = next(iter(failures))  # the first failure seen: later ones are often its echo in a collective
+    kind, message, tb = failures[rank]
+    head = f"rank {rank} of {world_size} failed: {kind}: {message}"
+    if len(failures) == world_size and len({f[:2] for f in failures.values()}) == 1:
+        verb = "died the same way" if kind == "ProcessDied" else "raised the same"
+        head = f"every rank ({world_size} of {world_size}) {verb} {kind}: {message}"
+    elif len(failures) > 1:
+        head += f" (ranks {sorted(failures)} failed)"
+    if killed:
+        head += f"; ranks {killed} were still running and were killed"
+    body = f"\n\n--- traceback of rank {rank} ---\n{tb}" if tb else ""
+    return RankError(head + body, rank, tb, dict(failures))
+
+
+def _stop(procs) -> None:
+    """Terminate (then kill) every child still running and reap them all, so that none is left a zombie."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + _TERM_GRACE_S
+    for p in procs:
+        p.join(timeout=max(end - time.monotonic(), 0.0))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+        p.close()
+
+
+# ----------------------------------------------------------------------------------------------- child side
+
+
+def _child_main(rank: int, world_size: int, backend: str, payload: bytes, conn) -> None:
+    _exit_with_parent()
+    failed = False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        fn, args = pickle.loads(payload)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        msg = ("ok", buf.getvalue())
+    except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
+        failed = True
+        msg = ("err", type(exc).__name__, str(exc), traceback.format_exc())
+    conn.send_bytes(pickle.dumps(msg))  # report first: tearing down a broken group may block
+    conn.close()
+    if failed:
+        _best_effort_destroy()
+
+
+def _best_effort_destroy() -> None:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the parent already has the real error
+        pass
+
+
+def _exit_with_parent() -> None:
+    """Exit this child if its parent disappears (killed parent: no orphan stuck in a collective)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="packfwd-parent-watch").start()
+
+
+def _example_all_reduce(rank: int, world_size: int, x: float) -> float:
+    """Doctest helper for :func:`run_local`: all-reduce ``x + rank`` over the group."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x + rank])
+    dist.all_reduce(t)
+    return t.item()
