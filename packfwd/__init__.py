@@ -8,6 +8,9 @@ from .bshd import from_bshd as from_bshd
 from .bshd import plan_bshd as plan_bshd
 from .bshd import to_bshd as to_bshd
 from .labels import next_token_labels as next_token_labels
+from .layers import LayerOwner as LayerOwner
+from .layers import layer_owner as layer_owner
+from .layers import layer_partition as layer_partition
 from .padding import UnpadInfo as UnpadInfo
 from .padding import pad as pad
 from .padding import plan_unpad as plan_unpad
