@@ -1,0 +1,467 @@
+"""Log-probabilities and entropy of packed logits in bounded memory, vocab-parallel aware.
+
+These are the logits processors of packfwd's forward: ``processor(logits: [t, v_local], **packed_args) ->
+dict[str, Tensor [t]]``.  ``log_probs_and_entropy`` is one as is; bind the group of a vocab-parallel output
+layer with ``functools.partial(log_probs_and_entropy, tp_group=group)``.
+
+Math, per token, with ``x = logits / temperature``: ``lse = logsumexp(x)``, ``log_prob = x[label] - lse``,
+``entropy = lse - sum(softmax(x) * x)``.  Gradients: ``dlog_prob/dx = onehot(label) - p`` and
+``dentropy/dx = -p * (log p + entropy)``; both are local to each vocab entry once ``lse`` and ``entropy`` are
+known, which is what lets the backward recompute one block at a time and lets vocab shards skip communication.
+
+Memory.  The plain way (``log_softmax(logits.float() / T)``) holds several ``[t, v]`` float32 buffers in the
+forward and more in the backward.  Here the forward keeps only ``[t]`` statistics; the backward recomputes
+``log p`` one block of rows (or, for the fused linear, of vocab entries) at a time and writes the gradient
+straight into its ``[t, v]`` result in the logits' dtype.  Work buffers are two float32 blocks of about
+``_BLOCK_ELEMENTS`` entries.
+
+Vocab parallel (``tp_group`` given).  Each rank holds the contiguous slice ``[rank * v_local, (rank + 1) *
+v_local)`` of the (padded) vocab, as Megatron's vocab-parallel output layer does; the padded entries take part
+in the softmax, as in Megatron's own cross entropy.  Two all-reduces per call (max, then one stacked sum) make
+every rank's outputs equal to the full-vocab ones; the gradient of each rank's logits is the matching slice of
+the full-vocab gradient and needs no communication.
+
+Masked vocab entries (logits of ``-inf``, e.g. from top-k filtering) are allowed, with at least one finite
+logit per token and per vocab shard; only the gradient w.r.t. a tensor temperature then is NaN.
+
+Labels: a negative label (such as ``-100``) is ignored: its log-prob is 0 and it sends no gradient.  Labels must
+be below the (global) vocab size; this is not checked, as checking would cost a device-to-host sync.
+A float temperature must be positive.  In a tensor temperature, entries <= 0 are read as 1: packed layouts fill
+padding slots with 0, and 1 / 0 there would turn the padding rows' gradients into NaN.
+Results are float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["entropy", "fused_log_probs_and_entropy", "log_probs", "log_probs_and_entropy"]
+
+# Entries of one float32 work block: 2**26 * 4 B = 256 MiB.  At most two such buffers live at once, far below
+# the [t, v] float32 buffers they replace, while each kernel stays big enough to hide its launch (at v = 128k a
+# block is 512 tokens; for the fused linear at t = 16k, 4096 vocab rows).
+_BLOCK_ELEMENTS = 1 << 26
+
+
+# ----------------------------------------------------------------------------------------------- public API
+
+
+def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) -> Tensor:
+    """Log-probability of each token's label: ``log_softmax(logits / temperature)[i, labels[i]]``.
+
+    logits: ``[t, v]`` (``[t, v_local]``, this rank's vocab slice, when ``tp_group`` is given), any float dtype;
+    labels: ``[t]`` integer, negative = ignored (result 0, no gradient); temperature: a positive float or a
+    ``[t]`` tensor (per token, entries <= 0 read as 1); chunk_size: tokens per work block (default: about 2**26
+    entries per block).
+    Returns ``[t]`` float32, differentiable w.r.t. ``logits`` and a tensor ``temperature``.
+
+    >>> import torch
+    >>> logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]])
+    >>> log_probs(logits, torch.tensor([1, -100]))
+    tensor([-1.3863,  0.0000])
+    """
+    return _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy=False)["log_probs"]
+
+
+def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) -> Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per token: ``[t, v] -> [t]`` float32.
+
+    Arguments as in :func:`log_probs`.
+
+    >>> import torch
+    >>> entropy(torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -float("inf"), -float("inf")]]))
+    tensor([1.3863, 0.6931])
+    """
+    return _chunked(logits, None, temperature, tp_group, chunk_size, want_entropy=True)["entropy"]
+
+
+def log_probs_and_entropy(
+    logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None
+) -> dict[str, Tensor]:
+    """Both :func:`log_probs` and :func:`entropy` in one pass: ``{"log_probs": [t], "entropy": [t]}``.
+
+    A logits processor as is.  Entropy is computed for every token, ignored labels included (mask it yourself).
+
+    >>> import torch
+    >>> out = log_probs_and_entropy(torch.zeros(3, 8), torch.tensor([0, 5, -100]),
+    ...                             temperature=torch.tensor([1.0, 0.5, 2.0]))
+    >>> out["log_probs"], out["entropy"]
+    (tensor([-2.0794, -2.0794,  0.0000]), tensor([2.0794, 2.0794, 2.0794]))
+    """
+    return _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy=True)
+
+
+def fused_log_probs_and_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None
+) -> dict[str, Tensor]:
+    """:func:`log_probs_and_entropy` of ``logits = hidden @ weight.T`` without materialising ``[t, v]`` logits.
+
+    hidden: ``[t, hdim]``, the final hidden states, identical on every rank of ``tp_group`` (gathered first if
+    sequence parallel); weight: ``[v_local, hdim]``, this rank's rows of the output layer, same dtype as hidden.
+    Each block of ``chunk_size`` vocab rows (default: about 2**26 / t) is multiplied, reduced and dropped; the
+    backward recomputes it.  Blocks run over the vocab, not the tokens, so the weight gradient of a block is one
+    full-``t`` matmul written once (no low-precision accumulation across blocks).  Logits are rounded to
+    ``hidden.dtype`` like a plain ``hidden @ weight.T`` before the float32 math.
+
+    Gradients: ``weight`` gets its own rows' gradient; ``hidden`` gets the full gradient (the sum over vocab
+    shards, all-reduced over ``tp_group``), so do not all-reduce it again (with sequence parallel, gather
+    ``hidden`` with an op whose backward only splits).
+
+    >>> import torch
+    >>> _ = torch.manual_seed(0)
+    >>> hidden, weight, labels = torch.randn(5, 3), torch.randn(11, 3), torch.tensor([0, 3, -100, 10, 7])
+    >>> out = fused_log_probs_and_entropy(hidden, weight, labels, chunk_size=4)
+    >>> torch.allclose(out["log_probs"], log_probs(hidden @ weight.T, labels), atol=1e-6)
+    True
+    """
+    hidden = _check_float("hidden", hidden, 2, "[t, hdim]")
+    weight = _check_float("weight", weight, 2, "[v_local, hdim]")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(
+            f"weight ({weight.dtype}, {weight.device}) and hidden ({hidden.dtype}, {hidden.device}) must share "
+            "dtype and device; cast one, e.g. hidden.to(weight.dtype)"
+        )
+    if weight.shape[1] != hidden.shape[1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but hidden has {tuple(hidden.shape)}; weight must be "
+            "[v_local, hdim] with v_local >= 1 and the hidden size of hidden"
+        )
+    t, v_local = hidden.shape[0], weight.shape[0]
+    labels = _check_labels(labels, t, hidden.device)
+    inv_t = _inverse_temperature(temperature, t, _compute_dtype(hidden.dtype), hidden.device)
+    chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // max(t, 1)), align=128)
+    group, unit = _check_group(tp_group), _is_one(temperature)
+    logp, ent = _FusedLinear.apply(hidden, weight, inv_t, labels, group, min(chunk, v_local), unit)
+    return {"log_probs": logp, "entropy": ent}
+
+
+def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy) -> dict[str, Tensor]:
+    logits = _check_float("logits", logits, 2, "[t, v]")
+    t, v = logits.shape
+    if v == 0:
+        raise ValueError("logits has an empty vocab dimension; pass [t, v] logits with v >= 1")
+    if labels is None:  # entropy only: every label ignored, so the log-prob side costs nothing
+        labels = torch.full((t,), -1, dtype=torch.long, device=logits.device)
+    labels = _check_labels(labels, t, logits.device)
+    inv_t = _inverse_temperature(temperature, t, _compute_dtype(logits.dtype), logits.device)
+    chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // v), align=1)
+    group, unit = _check_group(tp_group), _is_one(temperature)
+    logp, ent = _RowBlocks.apply(logits, inv_t, labels, group, chunk, want_entropy, unit)
+    return {"log_probs": logp, "entropy": ent} if want_entropy else {"log_probs": logp}
+
+
+# ------------------------------------------------------------------------------------------ autograd functions
+
+
+class _RowBlocks(torch.autograd.Function):
+    """(log_probs, entropy) of ``logits [t, v_local]``, blocks of ``chunk`` rows; saves only ``[t]`` vectors."""
+
+    @staticmethod
+    def forward(ctx, logits, inv_t, labels, group, chunk, want_entropy, unit):
+        t, v = logits.shape
+        idx, hit = _label_columns(labels, _vocab_start(group, v), v)
+        blocks = [
+            _block_stats(logits[r : r + chunk], inv_t[r : r + chunk], idx[r : r + chunk], hit[r : r + chunk],
+                         want_entropy, unit)
+            for r in range(0, max(t, 1), chunk)  # t = 0: one empty block, for the shapes
+        ]
+        stats = [None if k == 2 and not want_entropy else torch.cat([b[k] for b in blocks]) for k in range(5)]
+        m, s, mean_z, logp, ent = _finish(*_reduce_over_group(*stats, inv_t, group), labels >= 0)
+        ctx.save_for_backward(logits, inv_t, labels, m, s, mean_z if want_entropy else s)
+        ctx.group, ctx.chunk, ctx.want_entropy, ctx.unit = group, chunk, want_entropy, unit
+        ctx.set_materialize_grads(False)
+        if not want_entropy:
+            ent = torch.zeros_like(s)
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, inv_t, labels, m, s, mean_z = ctx.saved_tensors
+        g_logp, g_ent = _upstream(g_logp, g_ent if ctx.want_entropy else None, labels)
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None, None
+        t, v = logits.shape
+        idx, hit = _label_columns(labels, _vocab_start(ctx.group, v), v)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        need_dinv = ctx.needs_input_grad[1]
+        dinv = []
+        for r in range(0, max(t, 1), ctx.chunk):
+            rows = slice(r, r + ctx.chunk)
+            d = _block_grad(
+                logits[rows], inv_t[rows], m[rows], s[rows], mean_z[rows], _rows(g_logp, rows), _rows(g_ent, rows),
+                idx[rows], hit[rows], None if grad is None else grad[rows], need_dinv, ctx.unit,
+            )
+            dinv.append(d)
+        dinv = _all_reduce_sum(torch.cat(dinv), ctx.group) if need_dinv else None
+        return grad, dinv, None, None, None, None, None
+
+
+class _FusedLinear(torch.autograd.Function):
+    """(log_probs, entropy) of ``hidden @ weight.T``, blocks of ``chunk`` vocab rows; saves only ``[t]`` vectors."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, inv_t, labels, group, chunk, unit):
+        v_local = weight.shape[0]
+        start = _vocab_start(group, v_local)
+        stats = None
+        for col in range(0, v_local, chunk):
+            raw = hidden @ weight[col : col + chunk].T  # [t, chunk] logits of this block, in hidden's dtype
+            idx, hit = _label_columns(labels, start + col, raw.shape[1])
+            block = _block_stats(raw, inv_t, idx, hit, True, unit)
+            stats = block if stats is None else _merge(stats, block, inv_t)
+        m, s, mean_z, logp, ent = _finish(*_reduce_over_group(*stats, inv_t, group), labels >= 0)
+        ctx.save_for_backward(hidden, weight, inv_t, labels, m, s, mean_z)
+        ctx.group, ctx.chunk, ctx.unit = group, chunk, unit
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, inv_t, labels, m, s, mean_z = ctx.saved_tensors
+        g_logp, g_ent = _upstream(g_logp, g_ent, labels)
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None, None, None
+        need_h, need_w, need_dinv = ctx.needs_input_grad[:3]
+        v_local = weight.shape[0]
+        start = _vocab_start(ctx.group, v_local)
+        # float32 accumulator: the hidden gradient sums one matmul per vocab block
+        grad_h = torch.zeros(hidden.shape, dtype=inv_t.dtype, device=hidden.device) if need_h else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        dinv = torch.zeros_like(inv_t) if need_dinv else None
+        for col in range(0, v_local, ctx.chunk):
+            w_block = weight[col : col + ctx.chunk]
+            raw = hidden @ w_block.T  # recomputed [t, chunk] logits: the same matmul as in the forward
+            idx, hit = _label_columns(labels, start + col, raw.shape[1])
+            g_raw = torch.empty_like(raw)
+            d = _block_grad(raw, inv_t, m, s, mean_z, g_logp, g_ent, idx, hit, g_raw, need_dinv, ctx.unit)
+            if need_w:
+                torch.mm(g_raw.T, hidden, out=grad_w[col : col + ctx.chunk])
+            if need_h:
+                grad_h += g_raw @ w_block
+            if need_dinv:
+                dinv += d
+        if need_h:  # each shard holds part of the sum over the vocab
+            grad_h = _all_reduce_sum(grad_h, ctx.group).to(hidden.dtype)
+        if need_dinv:
+            dinv = _all_reduce_sum(dinv, ctx.group)
+        return grad_h, grad_w, dinv, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------ block math
+#
+# Statistics of a block of vocab columns, per row, with x = raw * inv_t and z = (raw - m) * inv_t:
+#   m = max raw (raw units: inv_t > 0, so it is also where x is largest),  s = sum exp(z),
+#   e = sum exp(z) z,  zl = z[label] (0 when the label is elsewhere),  hit = whether the label is in the block.
+# Then log_prob = zl - log s and entropy = log s - e / s.  lse = m * inv_t + log s is never formed, and z is
+# computed as (raw - m) * inv_t, so the top entry's z is exactly 0: rounding either (|x| ~ 50 at low
+# temperature) would cost ~1e-6 absolute on log-probs near 0 and on tiny entropies.  The backward recomputes z
+# with the same formula and the same m.
+
+
+def _shifted(raw: Tensor, m: Tensor, inv_t: Tensor, unit: bool) -> Tensor:
+    """``z = (raw - m) * inv_t`` as a new ``[r, k]`` tensor of ``inv_t.dtype`` (the multiply skipped if ``unit``)."""
+    z = torch.sub(raw, m[:, None])  # raw's dtype and m's float32 promote to float32
+    return z if unit else z.mul_(inv_t[:, None])
+
+
+def _block_stats(raw: Tensor, inv_t: Tensor, idx: Tensor, hit: Tensor, want_entropy: bool, unit: bool):
+    """``(m, s, e, zl, hit)`` of one block ``raw [r, k]`` (see above), each ``[r]``; ``e`` is None unless wanted."""
+    m = raw.amax(dim=-1).to(inv_t.dtype)
+    z = _shifted(raw, m, inv_t, unit)
+    zl = torch.where(hit, z.gather(1, idx[:, None])[:, 0], 0.0)
+    p = z.exp_()
+    e = torch.special.xlogy(p, p).sum(dim=-1) if want_entropy else None  # p log p is 0 where p = 0 (x = -inf)
+    return m, p.sum(dim=-1), e, zl, hit
+
+
+def _merge(a, b, inv_t):
+    """Statistics of the union of two column blocks (rescaled to the larger max)."""
+    (m1, s1, e1, zl1, hit1), (m2, s2, e2, zl2, hit2) = a, b
+    m = torch.maximum(m1, m2)
+    d1, d2 = (m1 - m) * inv_t, (m2 - m) * inv_t  # <= 0, and exactly 0 for the block holding the max
+    w1, w2 = torch.exp(d1), torch.exp(d2)
+    e = None if e1 is None else w1 * (e1 + d1 * s1) + w2 * (e2 + d2 * s2)
+    zl = torch.where(hit1, zl1 + d1, 0.0) + torch.where(hit2, zl2 + d2, 0.0)
+    return m, s1 * w1 + s2 * w2, e, zl, hit1 | hit2
+
+
+def _reduce_over_group(m, s, e, zl, hit, inv_t, group):
+    """``(m, s, e, zl)`` over the whole vocab: merge every rank's statistics with two all-reduces."""
+    if group is None:
+        return m, s, e, zl
+    import torch.distributed as dist
+
+    top = m.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    d = (m - top) * inv_t
+    w = torch.exp(d)
+    parts = [s * w, torch.where(hit, zl + d, 0.0)] + ([w * (e + d * s)] if e is not None else [])
+    packed = torch.stack(parts)
+    dist.all_reduce(packed, group=group)
+    return top, packed[0], (packed[2] if e is not None else None), packed[1]
+
+
+def _finish(m, s, e, zl, valid):
+    """``(m, s, mean_z = e / s, log_prob, entropy)``: log_prob 0 where ``valid`` is false; the last None w/o e."""
+    log_s = torch.log(s)
+    logp = torch.where(valid, zl - log_s, 0.0)
+    mean_z = e / s if e is not None else None  # E_p[z]
+    return m, s, mean_z, logp, (log_s - mean_z) if e is not None else None
+
+
+def _block_grad(raw, inv_t, m, s, mean_z, g_logp, g_ent, idx, hit, out, need_dinv, unit):
+    """Write ``dL/draw`` of one block ``raw [r, k]`` into ``out`` (if given); return ``dL/dinv_t [r]`` or None.
+
+    With ``E = exp(z)``, ``p = E / s`` and ``H = log s - mean_z``, off the label
+    ``dL/dx = -g_logp p - g_ent p (log p + H) = -E (g_logp - g_ent mean_z) / s - (g_ent / s) E log E``
+    (``E log E`` is 0 at ``E = 0``: a ``-inf`` logit gets 0, not NaN).  At the label, ``dL/dx = g_logp (1 - p)
+    - g_ent p (log p + H)`` is computed per row from ``log p`` (with ``expm1``: no cancellation as p -> 1) and
+    written over the block's value.  ``dL/draw = dL/dx * inv_t``.
+    """
+    z = _shifted(raw, m, inv_t, unit)
+    log_s = torch.log(s)
+    log_pl = z.gather(1, idx[:, None])[:, 0] - log_s  # log p at the label (where hit)
+    a = (g_logp if g_ent is None else -g_ent * mean_z if g_logp is None else g_logp - g_ent * mean_z) / s
+    b = None if g_ent is None else g_ent / s
+    dx_label = torch.zeros_like(log_pl)
+    if g_logp is not None:
+        dx_label = dx_label - g_logp * torch.expm1(log_pl)
+    if g_ent is not None:
+        dx_label = dx_label - g_ent * torch.exp(log_pl) * (log_pl + log_s - mean_z)
+    big_e = torch.exp(z) if need_dinv else z.exp_()
+    e_log_e = torch.special.xlogy(big_e, big_e) if b is not None else None
+    if need_dinv or out is None:
+        dx = big_e.mul_(-a[:, None]) if b is None else big_e.mul_(-a[:, None]).addcmul_(e_log_e, -b[:, None])
+        dx.scatter_(1, idx[:, None], torch.where(hit, dx_label, dx.gather(1, idx[:, None])[:, 0])[:, None])
+        # sum dL/dx * raw = sum dL/dx * z / inv_t + 0, as dL/dx sums to 0 over the vocab; z keeps it well conditioned
+        dinv = (dx * z).sum(dim=-1) / inv_t if need_dinv else None
+        if out is not None:
+            torch.mul(dx, inv_t[:, None], out=out)
+        return dinv
+    # no temperature gradient: write dL/draw straight into out, in out's dtype (one pass fewer)
+    scale = -inv_t[:, None]
+    if b is None:
+        torch.mul(big_e, a[:, None] * scale, out=out)
+    else:
+        torch.addcmul(big_e.mul_(a[:, None] * scale), e_log_e, b[:, None] * scale, out=out)
+    label_value = torch.where(hit, dx_label * inv_t, out.gather(1, idx[:, None])[:, 0].to(dx_label.dtype))
+    out.scatter_(1, idx[:, None], label_value.to(out.dtype)[:, None])
+    return None
+
+
+def _label_columns(labels: Tensor, col_start: int, cols: int):
+    """Column of each label inside the block ``[col_start, col_start + cols)`` (0 if outside) and whether inside."""
+    idx = labels - col_start
+    hit = (idx >= 0) & (idx < cols)  # ignored (negative) labels are never inside: col_start >= 0
+    return torch.where(hit, idx, 0), hit
+
+
+def _upstream(g_logp, g_ent, labels):
+    """Upstream gradients, with the log-prob one zeroed at ignored labels."""
+    if g_logp is not None:
+        g_logp = torch.where(labels >= 0, g_logp, 0.0)
+    return g_logp, g_ent
+
+
+def _rows(x, rows):
+    return None if x is None else x[rows]
+
+
+def _all_reduce_sum(x: Tensor, group) -> Tensor:
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _vocab_start(group, v_local: int) -> int:
+    if group is None:
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank(group=group) * v_local
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def _is_one(temperature) -> bool:
+    """A Python temperature of exactly 1: the scaling by 1 / temperature can be skipped."""
+    return not isinstance(temperature, (Tensor, bool)) and temperature == 1
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_float(name: str, x, ndim: int, shape: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {shape}, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} has dtype {x.dtype}; pass a floating tensor (bf16, fp16, fp32 or fp64)")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {shape}, got shape {tuple(x.shape)}; flatten it first")
+    return x
+
+
+def _check_labels(labels, t: int, device) -> Tensor:
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor [t] of token ids, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels has dtype {labels.dtype}; pass integer token ids (e.g. labels.long())")
+    if tuple(labels.shape) != (t,):
+        raise ValueError(f"labels must have shape [t] = ({t},) like the logits' rows, got {tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(f"labels are on {labels.device} but the logits on {device}; move them with .to()")
+    return labels.long()
+
+
+def _inverse_temperature(temperature, t: int, dtype: torch.dtype, device) -> Tensor:
+    """``1 / temperature`` as a ``[t]`` tensor of the compute dtype (differentiable for a tensor temperature)."""
+    if isinstance(temperature, Tensor):
+        if not temperature.dtype.is_floating_point:
+            raise TypeError(f"temperature has dtype {temperature.dtype}; pass a float tensor (e.g. .float())")
+        if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != t):
+            raise ValueError(
+                f"temperature must be a float, a 0-d tensor or a [t] = ({t},) tensor, got shape "
+                f"{tuple(temperature.shape)}; pack per-sequence temperatures like the logits"
+            )
+        if temperature.device != device:
+            raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; use .to()")
+        # entries <= 0 read as 1: packed layouts fill padding slots with 0, and 1 / 0 there would make the
+        # padding rows' gradients NaN (NaN * 0 upstream is still NaN) and poison the model's gradients
+        temperature = temperature.to(dtype)
+        return (1.0 / torch.where(temperature > 0, temperature, 1.0)).expand(t)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float or a tensor, got {type(temperature).__name__}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}; use 1.0 for none")
+    return torch.full((t,), 1.0 / temperature, dtype=dtype, device=device)
+
+
+def _check_chunk(chunk_size, default: int, align: int) -> int:
+    if chunk_size is None:
+        return default - default % align if default >= align else default
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be a Python int or None, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}; or pass None for the default")
+    return chunk_size
+
+
+def _check_group(tp_group):
+    if tp_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not isinstance(tp_group, dist.ProcessGroup):
+        raise TypeError(
+            f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}; "
+            "pass the tensor-parallel group over which the vocab is split"
+        )
+    return tp_group
