@@ -7,6 +7,7 @@ from .bshd import BshdInfo as BshdInfo
 from .bshd import from_bshd as from_bshd
 from .bshd import plan_bshd as plan_bshd
 from .bshd import to_bshd as to_bshd
+from .forward import make_forward as make_forward
 from .labels import next_token_labels as next_token_labels
 from .layers import LayerOwner as LayerOwner
 from .layers import layer_owner as layer_owner

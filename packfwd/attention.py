@@ -1,0 +1,380 @@
+"""Causal variable-length attention over packed sequences, and the core-attention module packfwd's models use.
+
+One call computes attention for many sequences laid end to end (``q: [t_q, h, d]``, ``k, v: [t_k, h_kv, d]``)
+without padding, described by ``cu_seqlens`` the way flash-attn and Megatron-Core describe it::
+
+    cu_seqlens = [0, 3, 5]      two sequences: tokens 0..2 and tokens 3..4
+    causal:  token 4 attends to tokens 3 and 4, never to 0..2
+
+Backends (``backend=`` a name, or None for the best available one for the inputs):
+
+* ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16), when flash-attn is installed.
+* ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16), PyTorch's own flash kernel.
+* ``"reference"``: pure PyTorch, any device and dtype, exact (float32 math for half inputs, float64 for float64).
+
+All follow flash-attn's semantics: grouped-query attention when ``h_kv`` divides ``h``; with ``causal`` and
+``seqlen_q != seqlen_k`` the causal mask is aligned to the bottom-right corner (query ``i`` of a sequence sees
+keys ``j <= i + seqlen_k - seqlen_q``); a query that sees no key outputs zeros.
+
+``CoreAttention`` plugs these into Megatron-Core's ``SelfAttention`` as its ``core_attention`` submodule; it is
+a plain ``torch.nn.Module`` (no parameters), so this file never imports Megatron-Core.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["BACKENDS", "CoreAttention", "available_backends", "varlen_attention", "varlen_attention_reference"]
+
+BACKENDS = ("flash_attn", "torch_varlen", "reference")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------- backends
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:  # not installed (or built for another torch): the backend is simply absent
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_func():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
+    """The backends usable for tensors on ``device``, best first (``"reference"`` is always last).
+
+    >>> available_backends("cpu")
+    ('reference',)
+    """
+    on_cuda = torch.device(device).type == "cuda"
+    names = []
+    if on_cuda and _flash_attn_func() is not None:
+        names.append("flash_attn")
+    if on_cuda and _torch_varlen_func() is not None:
+        names.append("torch_varlen")
+    return (*names, "reference")
+
+
+def _resolve(backend: str | None, q: Tensor) -> str:
+    if backend is None:
+        if q.dtype not in _HALF:  # the flash kernels take fp16/bf16 only
+            return "reference"
+        return available_backends(q.device)[0]
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None (automatic)")
+    if backend not in available_backends(q.device):
+        raise ValueError(
+            f"backend={backend!r} is not usable for tensors on {q.device} here (usable: "
+            f"{available_backends(q.device)}); install it, move the inputs to CUDA, or pass backend=None"
+        )
+    return backend
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    """Attention of packed sequences: ``q: [t_q, h, d]``, ``k: [t_k, h_kv, d]``, ``v: [t_k, h_kv, d_v]`` ->
+    ``[t_q, h, d_v]``.
+
+    ``cu_seqlens_q``/``cu_seqlens_k``: [n+1] int32 offsets of the n sequences; ``max_seqlen_q``/``_k``: Python
+    ints at least the longest sequence; ``softmax_scale``: default ``d ** -0.5``.  ``backend``: see the module
+    docstring; None picks the first of :func:`available_backends` that takes the inputs' dtype.
+
+    >>> import torch
+    >>> q = k = v = torch.randn(5, 2, 4)
+    >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    >>> out = varlen_attention(q, k, v, cu, cu, 3, 3)
+    >>> out.shape, torch.allclose(out[3], v[3])   # the first token of a sequence sees only itself
+    (torch.Size([5, 2, 4]), True)
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    name = _resolve(backend, q)
+    if name == "reference":
+        return varlen_attention_reference(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+        )
+    if name == "flash_attn":
+        return _flash_attn_func()(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+        )
+    return _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+    """``varlen_attn`` across its signatures: torch 2.10 has ``is_causal`` and no scale or GQA; later versions
+    take ``window_size=(-1, 0)`` for causal, ``scale`` and ``enable_gqa``."""
+    fn = _torch_varlen_func()
+    params = inspect.signature(fn).parameters
+    kwargs = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif causal:
+        kwargs["is_causal"] = True
+    if softmax_scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = softmax_scale
+        else:  # fold the scale into q: the kernel multiplies by d ** -0.5 itself
+            q = q * (softmax_scale * math.sqrt(q.shape[-1]))
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return fn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **kwargs)
+
+
+def varlen_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """Pure-PyTorch varlen attention with flash-attn's semantics (see the module docstring); differentiable.
+
+    Shapes as in :func:`varlen_attention`.  Each sequence is gathered into a ``[n, max_seqlen, ...]`` block and
+    all blocks go through one ``scaled_dot_product_attention``: plain causal for causal self-attention (equal
+    ``cu_seqlens``: the padding slots of a block come after its real tokens), else masked (real keys, causal
+    aligned bottom-right); the work is ``n * max_seqlen_q * max_seqlen_k`` per head.  Tokens of ``q`` past
+    ``cu_seqlens_q[-1]`` get zeros.
+
+    >>> import torch
+    >>> q = torch.randn(4, 2, 8); k = v = torch.randn(4, 1, 8)          # 2 query heads share 1 kv head
+    >>> cu = torch.tensor([0, 4], dtype=torch.int32)
+    >>> dense = torch.nn.functional.scaled_dot_product_attention(
+    ...     q.transpose(0, 1), k.transpose(0, 1).expand(2, 4, 8), v.transpose(0, 1).expand(2, 4, 8),
+    ...     is_causal=True).transpose(0, 1)
+    >>> torch.allclose(varlen_attention_reference(q, k, v, cu, cu, 4, 4), dense, atol=1e-6)
+    True
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    t_q, h, d = q.shape
+    h_kv, d_v = k.shape[1], v.shape[2]
+    n = cu_seqlens_q.numel() - 1
+    if t_q == 0 or n == 0 or k.shape[0] == 0:
+        return q.new_zeros(t_q, h, d_v)
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cu_q, cu_k = cu_seqlens_q.to(q.device, torch.long), cu_seqlens_k.to(q.device, torch.long)
+    len_q, len_k = cu_q.diff(), cu_k.diff()
+    rows_q, valid_q = _block_rows(cu_q, max_seqlen_q, t_q)  # [n, Mq]
+    rows_k, valid_k = _block_rows(cu_k, max_seqlen_k, k.shape[0])  # [n, Mk]
+
+    def blocks(x, rows):  # [t, heads, d] -> [n, heads, M, d]
+        return x.to(work).index_select(0, rows.reshape(-1)).reshape(*rows.shape, *x.shape[1:]).transpose(1, 2)
+
+    qb, kb, vb = blocks(q, rows_q), blocks(k, rows_k), blocks(v, rows_k)
+    if h != h_kv:
+        kb, vb = kb.repeat_interleave(h // h_kv, dim=1), vb.repeat_interleave(h // h_kv, dim=1)
+
+    if causal and max_seqlen_q == max_seqlen_k and (cu_seqlens_q is cu_seqlens_k or torch.equal(cu_q, cu_k)):
+        # Self-attention: each block's padding slots sit after its real tokens, so plain causal attention over
+        # the block is exact for the real queries (they never reach a padding key); padding rows are dropped.
+        out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+    else:
+        out = _masked_blocks(qb, kb, vb, valid_q, valid_k, len_q, len_k, causal, scale)
+    out = out.transpose(1, 2).reshape(n * max_seqlen_q, h, d_v)  # block slots, sequence after sequence
+
+    token = torch.arange(t_q, device=q.device)
+    seq = torch.searchsorted(cu_q[1:], token, right=True)  # sequence of each token (n past the end)
+    inside = seq < n
+    seq = seq.clamp(max=n - 1)
+    pos = (token - cu_q[seq]).clamp(0, max_seqlen_q - 1)
+    res = out.index_select(0, seq * max_seqlen_q + pos) * inside[:, None, None]
+    return res.to(q.dtype)
+
+
+def _masked_blocks(qb, kb, vb, valid_q, valid_k, len_q, len_k, causal: bool, scale: float) -> Tensor:
+    """Blocks [n, h, M, d] attended under the mask of real keys (and bottom-right causal): [n, h, Mq, d_v]."""
+    mq, mk = qb.shape[2], kb.shape[2]
+    allowed = valid_q[:, :, None] & valid_k[:, None, :]  # [n, Mq, Mk]
+    if causal:
+        i = torch.arange(mq, device=qb.device)[None, :, None]
+        j = torch.arange(mk, device=qb.device)[None, None, :]
+        allowed = allowed & (j <= i + (len_k - len_q)[:, None, None])
+    # A query that sees no key (a padding slot of the block, or flash-attn's "no key yet" under bottom-right
+    # causal) gets key 0 so the softmax stays finite; its output is zeroed just after.
+    has_key = allowed.any(-1)  # [n, Mq]
+    allowed = allowed | (~has_key[:, :, None] & (torch.arange(mk, device=qb.device) == 0))
+    out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed[:, None], scale=scale)
+    return out * has_key[:, None, :, None]
+
+
+def _block_rows(cu: Tensor, width: int, total: int) -> tuple[Tensor, Tensor]:
+    """[n, width] token row of each (sequence, position) slot (clamped into range) and whether it is real."""
+    pos = torch.arange(width, device=cu.device)
+    valid = pos[None, :] < cu.diff()[:, None]
+    rows = (cu[:-1, None] + pos[None, :]).clamp(0, max(total - 1, 0))
+    return rows, valid
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be a [tokens, heads, head_dim] tensor, got {getattr(x, 'shape', type(x))}")
+    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}: k and v need "
+                         "the same tokens and heads, q and k the same head_dim")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q has {q.shape[1]} heads and k has {k.shape[1]}; the kv heads must divide the q heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a 1-D integer tensor [n+1] (int32 offsets)")
+    if cu_q.numel() != cu_k.numel() or cu_q.numel() < 1:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must both have n+1 >= 1 entries, got {cu_q.numel()}, {cu_k.numel()}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- the module
+
+
+class CoreAttention(torch.nn.Module):
+    """Megatron-Core's ``core_attention`` submodule, computed by :func:`varlen_attention`.
+
+    Built by ``SelfAttention`` with Megatron's builder keywords; ``backend`` comes from the layer spec's params.
+    Called as Megatron calls it: ``(query, key, value, attention_mask, *, attn_mask_type, attention_bias,
+    packed_seq_params)``, with
+
+    * THD (``packed_seq_params.qkv_format == "thd"``): ``[t, h, d]`` (or ``[t, 1, h, d]``) -> ``[t, h*d]``.
+      Sequences are cut at ``cu_seqlens_q_padded`` (pads sit at each sequence's tail, so real tokens never see
+      them). When the context-parallel group has more than one rank (``packed_seq_params.cp_group``, else the
+      group Megatron passes in ``pg_collection.cp``), ``packfwd.parallel.context.context_parallel_attention``
+      computes it over the zigzag split.
+    * BSHD (``packed_seq_params is None``): ``[s, b, h, d]`` -> ``[s, b, h*d]``, each row one sequence of length
+      ``s`` (real tokens first, as ``packfwd.to_bshd`` lays them out).
+
+    ``attention_mask`` must be None: the causal mask is implied, and padding is removed by packing.
+
+    >>> from types import SimpleNamespace
+    >>> config = SimpleNamespace(attention_dropout=0.0, window_size=None, kv_channels=8)
+    >>> attn = CoreAttention(config, layer_number=1, attn_mask_type=SimpleNamespace(name="causal"))
+    >>> q = torch.randn(5, 2, 3, 8)  # [s, b, h, d]
+    >>> attn(q, q, q, None).shape
+    torch.Size([5, 2, 24])
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        backend: str | None = None,
+    ):
+        super().__init__()
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout={dropout}: packfwd's core attention has no dropout; set it to 0.0")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("packfwd's core attention is full causal attention; set config.window_size=None")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.backend = backend
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
+        self.cp_group = getattr(pg_collection, "cp", None)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_mask is not None:
+            raise ValueError(
+                "packfwd's core attention takes attention_mask=None: it is causal over each packed sequence (THD) or "
+                "each row (BSHD, real tokens first); pack the batch with packfwd.to_thd or packfwd.to_bshd instead"
+            )
+        if attention_bias is not None:
+            raise ValueError("packfwd's core attention does not take an attention_bias; pass None")
+        causal = _is_causal(self.attn_mask_type if attn_mask_type is None else attn_mask_type)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._thd(query, key, value, causal, packed_seq_params)
+        if packed_seq_params is not None:
+            raise ValueError(f"qkv_format={packed_seq_params.qkv_format!r} is not supported; use 'thd' or no params")
+        return self._bshd(query, key, value, causal)
+
+    def _thd(self, q, k, v, causal, params):
+        if q.dim() == 4:  # [t, 1, h, d]
+            q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        group = params.cp_group if getattr(params, "cp_group", None) is not None else self.cp_group
+        cp_size = _group_size(group)
+        attn = functools.partial(varlen_attention, backend=self.backend)
+        if cp_size > 1:
+            if not causal:
+                raise ValueError("context-parallel attention is causal only; use attn_mask_type=causal")
+            from packfwd.parallel.context import context_parallel_attention
+
+            out = context_parallel_attention(
+                q, k, v, cu_q, params.max_seqlen_q, cp_size=cp_size, cp_rank=group.rank(), cp_group=group,
+                attn_fn=attn, softmax_scale=self.softmax_scale,
+            )
+        else:
+            out = attn(q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal, self.softmax_scale)
+        return out.reshape(out.shape[0], -1)
+
+    def _bshd(self, q, k, v, causal):
+        if _group_size(self.cp_group) > 1:
+            raise ValueError("context parallelism needs the THD layout; use data_format='thd'")
+        s, b = q.shape[:2]
+        rows = torch.arange(b + 1, device=q.device, dtype=torch.int32) * s
+
+        def flat(x):  # [s, b, h, d] -> [b*s, h, d]
+            return x.transpose(0, 1).reshape(b * s, *x.shape[2:])
+
+        out = varlen_attention(flat(q), flat(k), flat(v), rows, rows, s, s, causal, self.softmax_scale,
+                               backend=self.backend)
+        return out.reshape(b, s, -1).transpose(0, 1)
+
+
+def _is_causal(mask_type) -> bool:
+    name = getattr(mask_type, "name", str(mask_type))
+    if name == "causal":
+        return True
+    if name == "no_mask":
+        return False
+    raise ValueError(f"attn_mask_type={name}: packfwd's core attention supports 'causal' and 'no_mask' only")
+
+
+def _group_size(group) -> int:
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return group.size()

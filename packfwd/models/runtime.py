@@ -1,0 +1,114 @@
+"""Megatron-Core's parallel state for packfwd's model builders.
+
+Megatron-Core's modules read their tensor-, context- and pipeline-parallel groups from
+``megatron.core.parallel_state``, which needs ``torch.distributed``.  :func:`ensure_model_parallel` makes that
+state usable: in a process where ``torch.distributed`` is not initialised it creates a one-process ``gloo``
+world (an in-memory store: no port, no environment variables) and Megatron's groups of size 1, so the builders
+work in a fresh Python process.  Under a real launcher (torchrun, ``packfwd.launch.run_local``) the caller
+initialises both and the sizes are only checked.
+
+:func:`stage_process_groups` lets one process build any pipeline stage: Megatron-Core takes a stage's rank from
+``pg_collection.pp`` (its layer numbers, and whether it is the first or last stage), so when the real pipeline
+group is smaller than the requested ``pp`` (building all stages in one process, to compose them in a test)
+it stands in a :class:`StagePlacement` that reports the requested rank and size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StagePlacement", "ensure_model_parallel", "stage_process_groups"]
+
+
+def ensure_model_parallel(*, tp_size: int | None = None, cp_size: int | None = None) -> None:
+    """Make ``megatron.core.parallel_state`` usable; check its TP/CP sizes against the given ones (None: any).
+
+    Side effect, documented: without an initialised ``torch.distributed`` this creates a single-process gloo
+    world and Megatron's model-parallel groups (all of size 1).  A size other than 1 then is a ValueError: a
+    real TP/CP run needs a launcher that starts one process per rank.
+
+    >>> ensure_model_parallel(tp_size=1)
+    >>> from megatron.core import parallel_state
+    >>> parallel_state.get_tensor_model_parallel_world_size(), torch.distributed.get_world_size()
+    (1, 1)
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if (tp_size or 1) != 1 or (cp_size or 1) != 1:
+            raise ValueError(
+                f"tp_size={tp_size}, cp_size={cp_size} need one process per rank; start them with torchrun or "
+                "packfwd.launch.run_local and initialise megatron.core.parallel_state there"
+            )
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size or 1, context_parallel_size=cp_size or 1
+        )
+    have = {
+        "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "cp_size": parallel_state.get_context_parallel_world_size(),
+    }
+    for name, want in (("tp_size", tp_size), ("cp_size", cp_size)):
+        if want is not None and want != have[name]:
+            raise ValueError(
+                f"{name}={want} but megatron.core.parallel_state was initialised with {have[name]}; pass "
+                f"{name}={have[name]} (or None), or initialise the parallel state with the sizes you want"
+            )
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """A stand-in for the pipeline process group when one process builds a stage of a larger pipeline.
+
+    Megatron-Core asks the group only for its ``rank()`` and ``size()`` while building and running a stage.
+
+    >>> StagePlacement(rank_=1, size_=4).rank()
+    1
+    """
+
+    rank_: int
+    size_: int
+
+    def rank(self) -> int:
+        return self.rank_
+
+    def size(self) -> int:
+        return self.size_
+
+
+def stage_process_groups(pp_rank: int, pp_size: int):
+    """Megatron-Core's ``ProcessGroupCollection`` for pipeline stage ``pp_rank`` of ``pp_size``.
+
+    The real groups of ``parallel_state``, except ``pp`` (a :class:`StagePlacement` when the real pipeline group
+    does not have ``pp_size`` ranks) and, then, ``embd`` (None: the first and last stages are not separate
+    processes that could share tied embeddings).
+
+    >>> ensure_model_parallel()
+    >>> groups = stage_process_groups(pp_rank=1, pp_size=2)   # in a process without pipeline parallelism
+    >>> groups.pp.rank(), groups.pp.size(), groups.embd
+    (1, 2, None)
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    real = parallel_state.get_pipeline_model_parallel_world_size()
+    if real == pp_size:
+        if parallel_state.get_pipeline_model_parallel_rank() != pp_rank:
+            raise ValueError(
+                f"pp_rank={pp_rank} but this process is pipeline rank "
+                f"{parallel_state.get_pipeline_model_parallel_rank()}; pass that rank"
+            )
+        return groups
+    if real != 1:
+        raise ValueError(
+            f"pp_size={pp_size} but the pipeline group has {real} ranks; pass pp_size={real}, or build stages "
+            "of another pipeline size only in a process without pipeline parallelism"
+        )
+    groups.pp = StagePlacement(rank_=pp_rank, size_=pp_size)
+    groups.embd = None
+    return groups

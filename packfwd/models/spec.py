@@ -1,0 +1,108 @@
+"""The layer spec of packfwd's Llama/Qwen2 models: Megatron-Core's own ``TransformerLayer`` and ``SelfAttention``
+with Megatron's tensor-parallel linears, and packfwd's :class:`~packfwd.attention.CoreAttention` as the one
+swapped-in submodule.
+
+Per layer (names as in the state dict)::
+
+    input_layernorm        RMSNorm
+    self_attention         SelfAttention (causal)
+      linear_qkv           ColumnParallelLinear, fused [q, k, v] grouped by query group (bias: add_qkv_bias)
+      core_attention       packfwd CoreAttention (THD via PackedSeqParams, or BSHD)
+      linear_proj          RowParallelLinear
+    pre_mlp_layernorm      RMSNorm
+    mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...
+
+Megatron-Core is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RMSNorm", "block_spec", "layer_spec"]
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built the way Megatron-Core builds a norm: ``(config=, hidden_size=, eps=)``.
+
+    Parameters take ``config.params_dtype``, and are marked ``sequence_parallel`` under sequence parallelism
+    (each rank then sees a slice of the tokens, so Megatron all-reduces their gradients over the TP group).
+
+    >>> from types import SimpleNamespace
+    >>> import torch
+    >>> norm = RMSNorm(SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False), hidden_size=4, eps=1e-6)
+    >>> norm(torch.ones(2, 4))
+    tensor([[1.0000, 1.0000, 1.0000, 1.0000],
+            [1.0000, 1.0000, 1.0000, 1.0000]], grad_fn=<MulBackward0>)
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        if getattr(config, "sequence_parallel", False):
+            for p in self.parameters():
+                p.sequence_parallel = True
+
+
+def layer_spec(*, attention_backend: str | None = None):
+    """The ``ModuleSpec`` of one decoder layer (see the module docstring).
+
+    ``attention_backend``: forwarded to :class:`~packfwd.attention.CoreAttention` (None: automatic).
+
+    >>> spec = layer_spec(attention_backend="reference")
+    >>> core = spec.submodules.self_attention.submodules.core_attention
+    >>> core.module.__name__, core.params
+    ('CoreAttention', {'backend': 'reference'})
+    """
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from packfwd.attention import CoreAttention
+
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=ModuleSpec(module=CoreAttention, params={"backend": attention_backend}),
+            linear_proj=RowParallelLinear,
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+    mlp = ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def block_spec(num_local_layers: int, *, attention_backend: str | None = None):
+    """``TransformerBlockSubmodules`` with ``num_local_layers`` layers and the final RMSNorm.
+
+    Giving the block its layers explicitly (instead of one layer spec that Megatron-Core repeats) fixes the
+    final norm to :class:`RMSNorm` whatever extensions are installed, and lets the pipeline-stage builder state
+    the layer count it expects from ``packfwd.layers.layer_partition``.
+
+    >>> block = block_spec(3)
+    >>> len(block.layer_specs), block.layer_norm.__name__
+    (3, 'RMSNorm')
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = layer_spec(attention_backend=attention_backend)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)

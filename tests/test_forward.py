@@ -1,0 +1,170 @@
+"""packfwd.forward.make_forward: layouts, processor arguments, jagged input, pipeline stages, vision kwargs.
+
+Strategy: the padded-layout results are checked against HF transformers per sequence in test_hf_interop.py;
+here every other way in (jagged input, per-sequence and scalar processor arguments, sequence-parallel
+alignment, a pipeline's last stage) is checked against the plain padded call, and per-token processor
+arguments against a float64 computation on the padded logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packfwd import next_token_labels, to_thd
+from packfwd.forward import make_forward
+from packfwd.logits import log_probs_and_entropy
+from packfwd.models import from_hf
+
+from .test_hf_interop import hf_model, ragged_batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    return from_hf(hf_model("qwen2-gqa-bias"))
+
+
+def jagged(x, mask):
+    return torch.nested.nested_tensor([x[i][mask[i]] for i in range(x.shape[0])], layout=torch.jagged)
+
+
+def float64_log_probs(logits, labels, temperature):
+    logp = torch.log_softmax(logits.double() / temperature, -1)
+    return torch.where(labels >= 0, logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0)
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_processor_arguments_are_packed_like_the_logits(model, data_format):
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    with torch.no_grad():
+        logits = make_forward(data_format)(model, ids, mask)
+        forward = make_forward(data_format, logits_processor=log_probs_and_entropy)
+        per_sequence = forward(model, ids, mask, labels=labels, temperature=torch.tensor([1.0, 0.5, 2.0, 1.0]))
+        scalar = forward(model, ids, mask, labels=labels, temperature=0.5)
+    temps = torch.tensor([1.0, 0.5, 2.0, 1.0], dtype=torch.float64)[:, None, None]
+    want = float64_log_probs(logits, labels, temps) * mask
+    torch.testing.assert_close(per_sequence["log_probs"].double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scalar["log_probs"].double(), float64_log_probs(logits, labels, 0.5) * mask,
+                               atol=1e-5, rtol=1e-5)
+    assert per_sequence["entropy"].shape == ids.shape and not per_sequence["entropy"][~mask].any()
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_jagged_in_jagged_out(model, data_format):
+    ids, mask = ragged_batch("left")
+    labels = next_token_labels(ids, mask)
+    with torch.no_grad():
+        padded = make_forward(data_format)(model, ids, mask)
+        out = make_forward(data_format)(model, jagged(ids, mask), None)
+        processed = make_forward(data_format, logits_processor=log_probs_and_entropy)(
+            model, jagged(ids, mask), None, labels=jagged(labels, mask), temperature=torch.tensor([1.0, 2.0, 1.0, 3.0])
+        )
+        want = make_forward(data_format, logits_processor=log_probs_and_entropy)(
+            model, ids, mask, labels=labels, temperature=torch.tensor([1.0, 2.0, 1.0, 3.0])
+        )
+    assert out.is_nested and processed["log_probs"].is_nested
+    torch.testing.assert_close(out.values(), padded[mask])
+    torch.testing.assert_close(processed["log_probs"].values(), want["log_probs"][mask])
+
+
+def test_sequence_parallel_alignment_changes_nothing(model):
+    ids, mask = ragged_batch("right")
+    with torch.no_grad():
+        want = make_forward("thd")(model, ids, mask)
+        aligned = make_forward("thd", tp_size=4, seq_align=4)(model, ids, mask)
+        bshd = make_forward("bshd", tp_size=8)(model, ids, mask)
+    torch.testing.assert_close(aligned, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bshd, want, atol=1e-5, rtol=1e-5)
+
+
+def test_caller_position_ids_are_packed():
+    """HF-style positions of a left-padded batch (cumsum - 1) reach the model as 0..n-1 per sequence."""
+    ids, mask = ragged_batch("left")
+    hf_positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    lengths = mask.sum(-1).tolist()
+    stub = VisionStub()
+    make_forward("thd")(stub, ids, mask, position_ids=hf_positions)
+    assert stub.seen["position_ids"].tolist() == [sum((list(range(n)) for n in lengths), [])]
+    make_forward("bshd")(stub, ids, mask, position_ids=hf_positions)
+    width = max(lengths)
+    assert stub.seen["position_ids"].tolist() == [list(range(n)) + [0] * (width - n) for n in lengths]
+    make_forward("bshd")(stub, ids, mask)  # default: 0..width-1 on every row
+    assert stub.seen["position_ids"].tolist() == [list(range(width))] * len(lengths)
+
+
+def test_last_pipeline_stage_applies_the_processor():
+    hf = hf_model("llama-tied-mha")
+    whole = from_hf(hf)
+    first, last = (from_hf(hf, pp_rank=r, pp_size=2) for r in (0, 1))
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy)
+    with torch.no_grad():
+        hidden = forward(first, ids, mask, labels=labels)  # a middle stage ignores the processor
+        last.set_input_tensor(hidden)
+        got = forward(last, ids, mask, labels=labels)
+        want = forward(whole, ids, mask, labels=labels)
+    assert hidden.shape == (int(mask.sum()), 1, 64)
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5)
+
+
+class VisionStub(torch.nn.Module):
+    """Records what a vision-language model would receive; returns one-hot logits of the packed ids."""
+
+    def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None, **multimodal):
+        self.seen = dict(input_ids=input_ids, position_ids=position_ids, params=packed_seq_params, **multimodal)
+        return torch.nn.functional.one_hot(input_ids, 128).float()
+
+
+def test_vision_inputs_reach_the_model():
+    ids, mask = ragged_batch("mixed")
+    mrope = torch.stack([mask.long().cumsum(-1) * k for k in (1, 2, 3)])  # [3, b, s]
+    pixels, grid = torch.randn(6, 8), torch.tensor([[1, 2, 3]])
+    stub = VisionStub()
+    out = make_forward("thd", vision=True)(stub, ids, mask, position_ids=mrope,
+                                           multi_modal_inputs={"pixel_values": pixels, "image_grid_thw": grid})
+    assert stub.seen["pixel_values"] is pixels and stub.seen["image_grid_thw"] is grid
+    packed, info = to_thd(ids, mask)
+    assert torch.equal(stub.seen["input_ids"], packed[None])
+    assert stub.seen["position_ids"].shape == (3, 1, packed.shape[0])
+    for k in range(3):
+        assert torch.equal(stub.seen["position_ids"][k, 0], to_thd(mrope[k], info)[0])
+    assert torch.equal(out.argmax(-1)[mask], ids[mask])
+    with pytest.raises(ValueError, match="vision=True"):
+        make_forward("thd")(stub, ids, mask, multi_modal_inputs={"pixel_values": pixels})
+
+
+def test_bad_calls_are_refused(model):
+    ids, mask = ragged_batch("right")
+    with pytest.raises(ValueError, match="data_format"):
+        make_forward("sbhd")
+    with pytest.raises(ValueError, match="cp_group"):
+        make_forward("thd", cp_size=2)
+    with pytest.raises(ValueError, match="thd"):
+        make_forward("bshd", cp_size=2, cp_group=object())
+    with pytest.raises(TypeError, match="no logits_processor"):
+        make_forward("thd")(model, ids, mask, labels=ids)
+    with pytest.raises(ValueError, match="shape"):
+        make_forward("thd", logits_processor=log_probs_and_entropy)(model, ids, mask, labels=ids[:, :3])
+    with pytest.raises(TypeError, match="dict"):
+        make_forward("thd", logits_processor=lambda logits: logits)(model, ids, mask)
+    with pytest.raises(ValueError, match="cp_size=1"):
+        make_forward("thd", cp_size=2, cp_rank=1, cp_group=object())(model, ids, mask)
+
+
+def test_cp_plan_keeps_megatrons_rope_table_unambiguous():
+    """Megatron-Core reads a THD RoPE table of max_seqlen * cp rows that equals the packed total as per-token
+    offsets; two sequences of equal padded length under cp=2 would hit that, so the forward reports a larger
+    max_seqlen."""
+    from packfwd.forward import _Thd
+
+    ids = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    for rank in (0, 1):
+        info, packed = _Thd(1, 2, rank, None, None).pack(ids, mask)
+        assert info.total_tokens == 16 and info.max_seqlen * 2 != info.total_tokens and info.max_seqlen % 4 == 0
+        assert packed.shape == (1, 8)
+    info, _ = _Thd(1, 2, 0, None, None).pack(ids, torch.tensor([[1] * 8, [1] * 4 + [0] * 4]).bool())
+    assert info.max_seqlen == 8  # no collision (total 12): the plan is left as it is

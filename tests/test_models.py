@@ -1,0 +1,187 @@
+"""packfwd.models: the CPU support shim, the builders, pipeline stages, and functional use.
+
+Strategy: the shim's rotary table is compared with Megatron-Core's own ``RotaryEmbedding.get_emb`` (run with
+``torch.cuda.current_device`` pointed at the CPU for the comparison only); pipeline stages are composed one
+after another in one process and compared with the unsplit model; ``torch.func.functional_call`` is compared
+with loading the same weights into the module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+from packfwd import to_thd
+from packfwd.forward import make_forward
+from packfwd.layers import layer_partition
+from packfwd.models import ModelArgs, ValueHead, build_model, ensure_model_parallel, load_weights, model_args
+from packfwd.models.cpu import config_overrides, is_host, keep_rotary_on_host
+from packfwd.models.runtime import StagePlacement, stage_process_groups
+
+from .test_hf_interop import hf_model, ragged_batch
+
+ARGS = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_attention_heads=4,
+                 num_query_groups=2, head_dim=16, qkv_bias=True)
+
+
+# ----------------------------------------------------------------------------------------------- CPU shim
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_host_rotary_table_equals_megatrons(monkeypatch, interleaved):
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved, rotary_base=500000,
+                           use_cpu_initialization=True)
+    holder = torch.nn.Sequential(rope)
+    keep_rotary_on_host(holder)
+    assert type(rope) is not RotaryEmbedding and isinstance(rope, RotaryEmbedding)
+    ours = rope.get_emb(11, offset=3)
+    assert ours.device.type == "cpu" and rope.inv_freq.device.type == "cpu"
+
+    original = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved,
+                               rotary_base=500000, use_cpu_initialization=True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    assert torch.equal(ours, original.get_emb(11, offset=3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the unshimmed path works where CUDA exists")
+def test_unshimmed_rotary_needs_cuda():
+    """Why the shim exists: Megatron-Core's rotary table moves to CUDA on every call."""
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
+    with pytest.raises((AssertionError, RuntimeError)):
+        rope.get_emb(4)
+
+
+def test_shim_applies_on_the_cpu_only():
+    assert config_overrides("cpu") == {"use_cpu_initialization": True}
+    assert config_overrides(torch.device("cuda", 1)) == {"use_cpu_initialization": False}
+    assert is_host("cpu") and not is_host("cuda")
+    model = build_model(ARGS)
+    assert model.config.use_cpu_initialization
+    assert type(model.rotary_pos_emb) is not RotaryEmbedding  # swapped on the CPU
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------- runtime
+
+
+def test_parallel_state_is_set_up_and_checked():
+    ensure_model_parallel()
+    assert torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+    ensure_model_parallel(tp_size=1, cp_size=1)
+    with pytest.raises(ValueError, match="tp_size=2"):
+        ensure_model_parallel(tp_size=2)
+    with pytest.raises(ValueError, match="cp_size=2"):
+        build_model(ARGS, cp_size=2)
+    groups = stage_process_groups(2, 4)
+    assert groups.pp == StagePlacement(rank_=2, size_=4) and groups.embd is None
+    assert stage_process_groups(0, 1).pp is parallel_state.get_pipeline_model_parallel_group()
+
+
+# ----------------------------------------------------------------------------------------------- builders
+
+
+def test_model_args_validation_and_read_back():
+    with pytest.raises(ValueError, match="divide"):
+        ModelArgs(vocab_size=8, hidden_size=64, ffn_hidden_size=8, num_layers=1, num_attention_heads=4,
+                  num_query_groups=3)
+    with pytest.raises(ValueError, match="positive int"):
+        ModelArgs(vocab_size=0, hidden_size=64, ffn_hidden_size=8, num_layers=1, num_attention_heads=4)
+    with pytest.raises(TypeError, match="ModelArgs"):
+        build_model({"vocab_size": 128})
+    assert model_args(build_model(ARGS, init=False)) == ARGS
+
+
+def test_value_model_outputs_one_column():
+    args = ModelArgs(**{**ARGS.__dict__, "value_head": True, "value_head_bias": True, "num_layers": 2})
+    model = build_model(args)
+    assert isinstance(model.output_layer, ValueHead) and model.output_layer.bias is not None
+    ids, mask = ragged_batch("mixed")
+    with torch.no_grad():
+        raw = model(ids, None, None)
+        values = make_forward("bshd")(model, ids, mask)
+    assert raw.shape == (4, 12, 1) and values.shape == (4, 12)
+
+
+def _composed(stages, ids, mask):
+    """Run pipeline stages one after another (the THD packing as the forward does it)."""
+    packed, info = to_thd(ids, mask)
+    params, hidden = info.packed_seq_params(), None
+    for stage in stages:
+        if hidden is not None:
+            stage.set_input_tensor(hidden)
+        hidden = stage(packed[None], None, None, packed_seq_params=params)
+    return hidden
+
+
+@pytest.mark.parametrize(
+    "num_layers, pp, vpp, first, last",
+    [(4, 2, 1, None, None), (4, 2, 2, None, None), (5, 3, 1, 1, 2), (6, 3, 2, None, None)],
+)
+def test_stages_compose_to_the_whole_model(num_layers, pp, vpp, first, last):
+    args = ModelArgs(**{**ARGS.__dict__, "num_layers": num_layers, "tie_embeddings": True})
+    torch.manual_seed(0)
+    whole = build_model(args)
+    weights = {n: p.detach() for n, p in whole.named_parameters()}
+    partition = layer_partition(num_layers, pp, vpp, first_stage_layers=first, last_stage_layers=last)
+    stages = []
+    for v in range(vpp):  # virtual stage 0 of every rank, then virtual stage 1, ...
+        for r in range(pp):
+            stage = build_model(args, pp_rank=r, pp_size=pp, vpp_rank=v, vpp_size=vpp, first_stage_layers=first,
+                                last_stage_layers=last, init=False)
+            layers = partition[r][v]
+            assert [layer.layer_number for layer in stage.decoder.layers] == [i + 1 for i in layers]
+            assert stage.pre_process == (r == 0 and v == 0) and stage.post_process == (r == pp - 1 and v == vpp - 1)
+            own = {}
+            for name, _ in stage.named_parameters():
+                source = name
+                if name.startswith("decoder.layers."):
+                    local, rest = name[len("decoder.layers."):].split(".", 1)
+                    source = f"decoder.layers.{layers[int(local)]}.{rest}"
+                elif name == "output_layer.weight" and args.tie_embeddings:
+                    source = "embedding.word_embeddings.weight"
+                own[name] = weights[source]
+            stages.append(load_weights(stage, own))
+    ids, mask = ragged_batch("mixed")
+    with torch.no_grad():
+        want = make_forward("thd")(whole, ids, mask)
+        packed_out = _composed(stages, ids, mask)
+        middle = make_forward("thd")(stages[0], ids, mask)
+    from packfwd import from_thd
+
+    got = from_thd(packed_out[0], to_thd(ids, mask)[1])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert middle.shape == (int(mask.sum()), 1, 64)  # a first stage returns its hidden states [t, 1, h]
+
+
+def test_functional_call_with_a_params_dict():
+    hf = hf_model("llama-gqa")
+    from packfwd.models import from_hf
+
+    model = from_hf(hf)
+    ids, mask = ragged_batch("left")
+    forward = make_forward("thd")
+    params = {n: p.detach() * 1.5 if n.endswith("layernorm.weight") else p.detach()
+              for n, p in model.named_parameters()}
+    with torch.no_grad():
+        base = forward(model, ids, mask)
+        functional = torch.func.functional_call(model, params, (), {"input_ids": ids, "position_ids": None,
+                                                                    "attention_mask": None})
+        through_forward = forward(_Functional(model, params), ids, mask)
+        loaded = forward(load_weights(model, params), ids, mask)
+    assert not torch.allclose(base, loaded)
+    torch.testing.assert_close(through_forward, loaded, atol=1e-6, rtol=1e-6)
+    assert functional.shape == (4, 12, 128)
+
+
+class _Functional(torch.nn.Module):
+    """``model`` called through ``torch.func.functional_call`` with ``params``."""
+
+    def __init__(self, model, params):
+        super().__init__()
+        self.module, self.params = model, params
+
+    def forward(self, **kwargs):
+        return torch.func.functional_call(self.module, self.params, (), kwargs)
