@@ -313,6 +313,9 @@ class CoreAttention(torch.nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.cp_group = getattr(pg_collection, "cp", None)
+        # RoPE of THD batches (packfwd.models.rope.PackedRope, set by install_packed_rope): applied here, with no
+        # host sync, instead of Megatron-Core's per-sequence THD RoPE.  None: q and k arrive rotated.
+        self.rope = None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -337,6 +340,8 @@ class CoreAttention(torch.nn.Module):
         cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         group = params.cp_group if getattr(params, "cp_group", None) is not None else self.cp_group
         cp_size = _group_size(group)
+        if self.rope is not None:
+            q, k = self.rope(q, k, cu_q, params.max_seqlen_q, cp_size, group.rank() if cp_size > 1 else 0)
         attn = functools.partial(varlen_attention, backend=self.backend)
         if cp_size > 1:
             if not causal:

@@ -50,15 +50,26 @@ def make_forward(
     cp_rank: int = 0,
     cp_group=None,
     seq_align: int | None = None,
+    check_group=None,
 ) -> Callable:
-    """A pure ``forward(model, input_ids, attention_mask, position_ids=None, multi_modal_inputs=None,
-    **processor_args)`` (see the module docstring).
+    """A pure ``forward(model, input_ids, attention_mask, position_ids=None, multi_modal_inputs=None, *,
+    seqlens=None, **processor_args)`` (see the module docstring).
+
+    ``seqlens``: the real length of every row as host ints (a list, or a CPU tensor), when the caller knows them
+    (an RL trainer does): the plan is then made with no host sync, and the whole forward makes none.  Without
+    it the plan reads the lengths back from the device once.
 
     ``tp_size``: the tensor-parallel size when the model uses sequence parallelism (packed lengths must divide by
     it); ``cp_size``/``cp_rank``/``cp_group``: context parallelism (THD only): each rank packs its zigzag share,
     and the outputs of all CP ranks are all-gathered over ``cp_group`` to unpack them (the gather's backward keeps
     this rank's share of the gradient: every rank must compute the same loss from the unpacked outputs).
     ``seq_align``: per-sequence alignment of ``plan_thd``.
+
+    ``check_group``: a process group whose ranks must all get the same batch (e.g. Megatron-Core's
+    tensor-and-context-parallel group).  With it, each call validates its inputs and plans the packing on every
+    rank, then compares the outcome across the group (``packfwd.parallel.check_across_ranks``: one all-gather of a
+    few integers and a host sync) before the model runs: a rank with bad or different inputs makes every rank
+    raise the same error, where otherwise the others would wait for it in the model's collectives.
 
     >>> import torch
     >>> class Toy(torch.nn.Module):        # one-hot "logits" of the input ids, under any packing
@@ -87,14 +98,26 @@ def make_forward(
         raise ValueError(f"cp_rank={cp_rank} must lie in [0, cp_size={cp_size})")
     layout = _Thd(tp_size, cp_size, cp_rank, cp_group, seq_align) if data_format == "thd" else _Bshd(tp_size)
 
-    def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None,
-                **processor_args):
+    def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
+                seqlens=None, **processor_args):
         if processor_args and logits_processor is None:
             raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
         if multi_modal_inputs and not vision:
             raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
-        _check_model(model, tp_size, cp_size)
-        plan, ids = layout.pack(input_ids, attention_mask)
+        error = None
+        try:
+            _check_model(model, tp_size, cp_size)
+            plan, ids = layout.pack(input_ids, attention_mask, seqlens)
+            args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}
+        except (ValueError, TypeError) as exc:
+            if check_group is None:
+                raise
+            error = exc
+        if check_group is not None:
+            from .parallel.checks import check_across_ranks
+
+            fingerprint = () if error is not None else layout.fingerprint(plan)
+            check_across_ranks(check_group, error=error, values=fingerprint, what="batches")
         positions = layout.positions(plan, ids, position_ids)
         extra = dict(multi_modal_inputs or {})
         out = model(input_ids=ids, position_ids=positions, attention_mask=None,
@@ -105,7 +128,6 @@ def make_forward(
         if logits_processor is None:
             full = layout.unpack(logits, plan)
             return full.squeeze(-1) if _is_value_model(model) else full
-        args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}
         results = logits_processor(logits, **args)
         if not isinstance(results, Mapping):
             raise TypeError(f"logits_processor must return a dict of [t, ...] tensors, got {type(results).__name__}")
@@ -122,15 +144,15 @@ class _Thd:
         self.kw = dict(tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, seq_align=seq_align)
         self.cp_group = cp_group
 
-    def pack(self, input_ids, attention_mask):
-        info = plan_thd(attention_mask, x=input_ids, **self.kw)
+    def pack(self, input_ids, attention_mask, seqlens=None):
+        info = plan_thd(attention_mask, x=input_ids, seqlens=seqlens, **self.kw)
         if info.cp_size > 1 and info.max_seqlen * info.cp_size == info.total_tokens:
             # Megatron-Core's THD RoPE takes a table of max_seqlen * cp_size rows whose length equals the packed
             # total as "one row per packed token" and offsets each sequence's positions by its start; report
             # a larger max_seqlen (still valid: an upper bound, a multiple of 2*cp) so the table means "positions
             # 0, 1, ..." of each sequence.
             bumped = info.max_seqlen + 2 * info.cp_size
-            info = plan_thd(attention_mask, x=input_ids, max_seqlen=bumped, **self.kw)
+            info = plan_thd(attention_mask, x=input_ids, max_seqlen=bumped, seqlens=seqlens, **self.kw)
         ids, _ = to_thd(input_ids, info)
         return info, ids[None]  # [1, t]
 
@@ -144,6 +166,10 @@ class _Thd:
 
     def model_kwargs(self, info):
         return {"packed_seq_params": info.packed_seq_params()}
+
+    def fingerprint(self, info):
+        """Host ints every rank of a TP/CP group must agree on (no device sync)."""
+        return (info.batch_size, info.seq_len, info.source.total, info.total_tokens, info.max_seqlen)
 
     def tokens(self, out, info):
         return out.reshape(info.local_tokens, *out.shape[2:])  # [1, t, v] -> [t, v]
@@ -161,8 +187,8 @@ class _Bshd:
     def __init__(self, tp_size):
         self.tp_size = tp_size
 
-    def pack(self, input_ids, attention_mask):
-        ids, info = to_bshd(input_ids, attention_mask, tp_size=self.tp_size)
+    def pack(self, input_ids, attention_mask, seqlens=None):
+        ids, info = to_bshd(input_ids, attention_mask, tp_size=self.tp_size, seqlens=seqlens)
         return info, ids  # [b, s_c]
 
     def positions(self, info, ids, position_ids):
@@ -174,6 +200,9 @@ class _Bshd:
 
     def model_kwargs(self, info):
         return {}
+
+    def fingerprint(self, info):
+        return (info.source.batch_size, info.source.seq_len, info.source.total, info.width)
 
     def tokens(self, out, info):
         return out.reshape(-1, *out.shape[2:])  # [b, s_c, v] -> [b*s_c, v]

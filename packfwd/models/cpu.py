@@ -12,21 +12,39 @@ the modules run exactly as Megatron-Core ships them.
    subclass whose ``get_emb`` computes the same table on ``inv_freq``'s own device.
 3. The CUDA RNG tracker (``model_parallel_cuda_manual_seed``).  Megatron draws from it to initialise weights on
    the GPU and for dropout in tensor-parallel regions.  On the CPU nothing draws from it (point 1, and packfwd's
-   configs have no dropout), so nothing is set up; on CUDA :func:`ensure_cuda_rng_tracker` seeds it once when no
-   one has.
+   configs have no dropout); on CUDA :func:`ensure_cuda_rng_tracker` seeds it once when no one has.  Under
+   sequence parallelism Megatron still *enters* the tracker around its (zero) dropouts, which reads CUDA RNG
+   states; for a model on the CPU, :func:`ensure_host_rng_tracker` installs Megatron's own inference tracker
+   (``initialize_rng_tracker(inference_rng_tracker=True)``, whose ``fork`` does nothing) when no states exist.
 4. Megatron's ``DotProductAttention`` takes its scratch buffer from a global CUDA memory buffer; packfwd's
    layer spec replaces it with :class:`packfwd.attention.CoreAttention`, so it is never built.
+5. Communication buffers.  Megatron's sequence-parallel all-gathers and reduce-scatters (and its global memory
+   buffer) allocate on ``torch.cuda.current_device()``.  Inside :func:`host_collectives` that returns the CPU
+   device, so gloo gathers into host tensors.  A sequence-parallel model built on the CPU enters it around its
+   own forward (:func:`run_forward_on_host`); run the backward inside it yourself (``with host_collectives():
+   loss.backward()``; :func:`packfwd.parallel.pipeline_forward_backward` does).  Tensor parallelism without
+   sequence parallelism, and context parallelism, need none of this.
 
 A model built on one device runs there: build on the device you use (``device=`` of the builders).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 
-__all__ = ["config_overrides", "ensure_cuda_rng_tracker", "is_host", "keep_rotary_on_host"]
+__all__ = [
+    "config_overrides",
+    "ensure_cuda_rng_tracker",
+    "ensure_host_rng_tracker",
+    "host_collectives",
+    "is_host",
+    "keep_rotary_on_host",
+    "run_forward_on_host",
+]
 
 
 def is_host(device: torch.device | str) -> bool:
@@ -96,7 +114,84 @@ def ensure_cuda_rng_tracker(seed: int = 1234) -> None:
     """
     if not torch.cuda.is_available():
         return
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        initialize_rng_tracker,
+        model_parallel_cuda_manual_seed,
+    )
+
+    tracker = get_cuda_rng_tracker()
+    if not tracker.get_states():
+        if getattr(tracker, "is_inference_rng_tracker", False):  # ensure_host_rng_tracker's: it keeps no states
+            initialize_rng_tracker(force_reset=True)
+        model_parallel_cuda_manual_seed(seed)
+
+
+def ensure_host_rng_tracker() -> None:
+    """Point 3 for a model on the CPU: if Megatron-Core's RNG tracker holds no states, replace it by Megatron's
+    inference tracker (its ``fork`` is a no-op), so that sequence-parallel regions run without CUDA.  A tracker
+    that someone seeded is left alone.
+
+    >>> ensure_host_rng_tracker()
+    >>> from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    >>> with get_cuda_rng_tracker().fork():   # no CUDA RNG state is read
+    ...     pass
+    """
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, initialize_rng_tracker
 
     if not get_cuda_rng_tracker().get_states():
-        model_parallel_cuda_manual_seed(seed)
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+_HOST_LOCK = threading.RLock()
+
+
+def _host_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def host_collectives():
+    """Point 5 of the module docstring: inside, ``torch.cuda.current_device()`` returns the CPU device.
+
+    Enter it around the forward and the backward of a sequence-parallel model that lives on the CPU (the model's
+    own forward enters it by itself, see :func:`run_forward_on_host`).  It replaces a function of ``torch.cuda``
+    for the duration, process-wide: do not run CUDA work in other threads meanwhile.  Re-entrant.
+
+    >>> with host_collectives():
+    ...     torch.empty(2, device=torch.cuda.current_device()).device
+    device(type='cpu')
+    """
+    with _HOST_LOCK:
+        saved = torch.cuda.current_device
+        torch.cuda.current_device = _host_current_device
+        try:
+            yield
+        finally:
+            torch.cuda.current_device = saved
+
+
+def run_forward_on_host(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model``'s forward run inside :func:`host_collectives` (forward hooks, in place); returns ``model``.
+
+    >>> class Where(torch.nn.Module):
+    ...     def forward(self):
+    ...         return torch.cuda.current_device()
+    >>> run_forward_on_host(Where())()
+    device(type='cpu')
+    """
+    state = threading.local()
+
+    def enter(module, args):
+        stack = getattr(state, "stack", None) or []
+        context = host_collectives()
+        context.__enter__()
+        stack.append(context)
+        state.stack = stack
+
+    def leave(module, args, output):
+        state.stack.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+    return model

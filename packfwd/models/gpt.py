@@ -191,6 +191,10 @@ def build_model(
     last (``post_process``); a later stage takes its input through ``model.set_input_tensor``.  Any stage can be
     built in a single process (see :func:`packfwd.models.runtime.stage_process_groups`).
 
+    ``sequence_parallel=True`` on the CPU (gloo): the forward works as is, the backward must run inside
+    ``packfwd.models.cpu.host_collectives()`` (Megatron allocates its gather buffers on CUDA otherwise; see
+    :mod:`packfwd.models.cpu`, point 5).
+
     ``attention_backend``: see :mod:`packfwd.attention`.  ``init=False`` leaves weights uninitialised (fast;
     for loading).  Weights are randomly initialised by Megatron otherwise (on the CPU from torch's default
     generator: seed it with ``torch.manual_seed``).
@@ -208,7 +212,9 @@ def build_model(
 
     from packfwd.layers import layer_partition
 
-    from .cpu import ensure_cuda_rng_tracker, is_host, keep_rotary_on_host
+    from .cpu import (ensure_cuda_rng_tracker, ensure_host_rng_tracker, is_host, keep_rotary_on_host,
+                      run_forward_on_host)
+    from .rope import install_packed_rope
     from .runtime import ensure_model_parallel, stage_process_groups
     from .spec import block_spec
 
@@ -237,6 +243,8 @@ def build_model(
     post_process = pp_rank == pp_size - 1 and vpp_rank == vpp_size - 1
     if not is_host(device):
         ensure_cuda_rng_tracker()
+    elif sequence_parallel:
+        ensure_host_rng_tracker()  # Megatron enters the RNG tracker in sequence-parallel regions (cpu.py)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         model = GPTModel(
             config, block_spec(len(local), attention_backend=attention_backend), vocab_size=args.vocab_size,
@@ -255,7 +263,11 @@ def build_model(
         model.output_layer = ValueHead(args.hidden_size, bias=args.value_head_bias, dtype=params_dtype,
                                        sequence_parallel=sequence_parallel, tp_group=groups.tp)
     model.to(device)
-    return keep_rotary_on_host(model) if is_host(device) else model
+    if is_host(device):
+        keep_rotary_on_host(model)
+        if sequence_parallel:
+            run_forward_on_host(model)  # Megatron's sequence-parallel buffers on the host (cpu.py, point 5)
+    return install_packed_rope(model)  # THD RoPE without host syncs (packfwd.models.rope)
 
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:

@@ -22,12 +22,20 @@ import torch
 __all__ = ["StagePlacement", "ensure_model_parallel", "stage_process_groups"]
 
 
-def ensure_model_parallel(*, tp_size: int | None = None, cp_size: int | None = None) -> None:
-    """Make ``megatron.core.parallel_state`` usable; check its TP/CP sizes against the given ones (None: any).
+def ensure_model_parallel(
+    *,
+    tp_size: int | None = None,
+    cp_size: int | None = None,
+    pp_size: int | None = None,
+    vpp_size: int | None = None,
+) -> None:
+    """Make ``megatron.core.parallel_state`` usable; check its sizes against the given ones (None: any).
 
     Side effect, documented: without an initialised ``torch.distributed`` this creates a single-process gloo
     world and Megatron's model-parallel groups (all of size 1).  A size other than 1 then is a ValueError: a
-    real TP/CP run needs a launcher that starts one process per rank.
+    real TP/CP/PP run needs a launcher that starts one process per rank.  Under a launcher (``torch.distributed``
+    initialised, Megatron's state not yet), it initialises Megatron's groups with the given sizes (None: 1), the
+    ranks laid out in Megatron's default order (TP fastest, then CP, DP, PP).
 
     >>> ensure_model_parallel(tp_size=1)
     >>> from megatron.core import parallel_state
@@ -37,22 +45,29 @@ def ensure_model_parallel(*, tp_size: int | None = None, cp_size: int | None = N
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    wanted = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "vpp_size": vpp_size}
     if not dist.is_initialized():
-        if (tp_size or 1) != 1 or (cp_size or 1) != 1:
+        if any((v or 1) != 1 for v in wanted.values()):
+            given = ", ".join(f"{k}={v}" for k, v in wanted.items() if v is not None)
             raise ValueError(
-                f"tp_size={tp_size}, cp_size={cp_size} need one process per rank; start them with torchrun or "
-                "packfwd.launch.run_local and initialise megatron.core.parallel_state there"
+                f"{given} need one process per rank; start them with torchrun or packfwd.launch.run_local (which "
+                "initialise torch.distributed) and call this again there"
             )
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp_size or 1, context_parallel_size=cp_size or 1
+            tensor_model_parallel_size=tp_size or 1,
+            pipeline_model_parallel_size=pp_size or 1,
+            virtual_pipeline_model_parallel_size=vpp_size if (vpp_size or 1) > 1 else None,
+            context_parallel_size=cp_size or 1,
         )
     have = {
         "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
         "cp_size": parallel_state.get_context_parallel_world_size(),
+        "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "vpp_size": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
     }
-    for name, want in (("tp_size", tp_size), ("cp_size", cp_size)):
+    for name, want in wanted.items():
         if want is not None and want != have[name]:
             raise ValueError(
                 f"{name}={want} but megatron.core.parallel_state was initialised with {have[name]}; pass "

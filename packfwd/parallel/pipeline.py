@@ -1,0 +1,261 @@
+"""Pipeline parallelism over ``torch.distributed`` point-to-point: microbatches through every rank's stages.
+
+Each pipeline rank holds one model chunk per virtual stage (``stages[v]`` for ``vpp_rank = v``, built with
+``packfwd.models.build_model``/``from_hf(..., pp_rank=, pp_size=, vpp_rank=, vpp_size=)``, whose layers
+``packfwd.layers.layer_partition`` places).  The chunks form one chain of ``pp * vpp`` global stages, stage
+``g = v * pp + r`` living on pipeline rank ``r`` (Megatron-Core's interleaved order)::
+
+    pp=2, vpp=2:   g0 (rank 0, v0) -> g1 (rank 1, v0) -> g2 (rank 0, v1) -> g3 (rank 1, v1) -> outputs
+
+:func:`pipeline_forward_backward` runs the microbatches through it: stage ``g`` receives its input from stage
+``g-1`` (``set_input_tensor``, as Megatron-Core's stages take it), runs, and sends its output to ``g+1``; with a
+``loss_fn`` the last stage backpropagates the loss of each microbatch and the gradient of every stage's input goes
+back along the chain.  Parameter gradients accumulate in ``.grad`` as in any backward.
+
+Schedule: one microbatch at a time through the whole chain, forward (all microbatches) then backward (all
+microbatches, stages in reverse).  Every rank performs its part of that one sequential program in the program's
+order, so each blocking send meets its receive as the next communication of both ranks: no deadlock whatever the
+backend buffers, and no reordering to reason about.  It is deliberately minimal (consecutive microbatches overlap
+only on a plain pipeline, not across virtual stages).  Tensors travel with a small header (dtype and shape), so
+stages may return any shape (packed lengths change from microbatch to microbatch); reading it is one host sync per
+transfer.
+
+Why not Megatron-Core's schedules (``megatron.core.pipeline_parallel.get_forward_backward_func``): they allocate
+on CUDA unconditionally (``torch.zeros([], device="cuda")`` for the token count, shape buffers on
+``torch.cuda.current_device()``, ``torch.cuda.synchronize()`` after each exchange in megatron-core 0.16), so they
+cannot run on a CPU with gloo.  On GPUs they run packfwd's stages as they are; packfwd's GPU tests check them
+against this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from .checks import check_across_ranks
+
+__all__ = ["pipeline_forward_backward"]
+
+# dtypes a stage may send; the header carries the index.  The header: [dtype, ndim, *shape, 0...].
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+_HEADER = 10
+
+
+def pipeline_forward_backward(
+    stages: Sequence[torch.nn.Module],
+    forward_step: Callable[[torch.nn.Module, Any], Any],
+    microbatches: Sequence[Any],
+    *,
+    pp_group: Any,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+) -> list | None:
+    """Run ``microbatches`` through the pipeline (see the module docstring); forward only when ``loss_fn`` is None.
+
+    ``stages``: this rank's model chunks, ``stages[v]`` for virtual stage ``v`` (every rank the same number).
+    ``forward_step(stage, microbatch)``: runs one chunk on one microbatch and returns its output: a tensor for
+    every stage but the last (the hidden states, e.g. ``[t, 1, h]`` from ``packfwd.make_forward``'s forward on a
+    middle stage), anything for the last.  Before the call the chunk gets the previous stage's output through
+    ``stage.set_input_tensor``.  ``pp_group``: the pipeline process group (rank ``r`` holds stages ``v * pp + r``).
+    ``loss_fn(output, microbatch) -> scalar``: on the last stage; its gradient is backpropagated through every
+    stage (scale it yourself, e.g. by the number of microbatches, if you want a mean).
+
+    Returns, on the rank that holds the last stage, the last stage's output for each microbatch (tensors detached);
+    None on the other ranks.  Without ``loss_fn`` everything runs under ``torch.no_grad()``.  Every rank must pass
+    the same number of microbatches and stages: this is checked across ``pp_group`` before any transfer, and a
+    rank's bad arguments make every rank raise the same error.  Stages on the CPU run inside
+    ``packfwd.models.cpu.host_collectives`` (forward and backward).
+
+    >>> from packfwd.launch import run_local
+    >>> from packfwd.parallel.pipeline import _example_pipeline
+    >>> # stage 0 (rank 0): y = a0 * x with a0 = 2; stage 1 (rank 1): z = a1 * y + 1 with a1 = 1; loss = sum(z)
+    >>> run_local(_example_pipeline, 2, backend="gloo")  # (outputs, d loss / d a) per rank; x = [1, 2]
+    [(None, 3.0), ([[3.0, 5.0]], 6.0)]
+    """
+    import torch.distributed as dist
+
+    error = None
+    try:
+        _check_arguments(stages, forward_step, microbatches, loss_fn)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    pp, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    counts = (len(stages), len(microbatches)) if error is None else (0, 0)
+    check_across_ranks(pp_group, error=error, values=counts, what="numbers of stages and microbatches")
+    chain = _Chain(pp, rank, len(stages), pp_group)
+    device = _device_of(stages[0])
+    host = contextlib.ExitStack()
+    if device.type == "cpu":
+        from packfwd.models.cpu import host_collectives
+
+        host.enter_context(host_collectives())
+    with host:
+        with torch.no_grad() if loss_fn is None else contextlib.nullcontext():
+            outputs, saved = _forward_all(stages, forward_step, microbatches, chain, device, loss_fn is not None)
+        if loss_fn is not None:
+            _backward_all(outputs, saved, microbatches, chain, device, loss_fn)
+    if not chain.is_last(len(stages) - 1):
+        return None
+    return [_detached(outputs[m][len(stages) - 1]) for m in range(len(microbatches))]
+
+
+class _Chain:
+    """Where global stage ``v * pp + rank`` sends to and receives from."""
+
+    def __init__(self, pp: int, rank: int, vpp: int, group: Any):
+        self.pp, self.rank, self.vpp, self.group = pp, rank, vpp, group
+
+    def stage(self, v: int) -> int:
+        return v * self.pp + self.rank
+
+    def is_first(self, v: int) -> bool:
+        return self.stage(v) == 0
+
+    def is_last(self, v: int) -> bool:
+        return self.stage(v) == self.pp * self.vpp - 1
+
+    def prev_rank(self) -> int:
+        return (self.rank - 1) % self.pp
+
+    def next_rank(self) -> int:
+        return (self.rank + 1) % self.pp
+
+
+def _forward_all(stages, forward_step, microbatches, chain: _Chain, device, need_grad: bool):
+    """All microbatches forward; returns ``outputs[m][v]`` and the received inputs ``saved[m][v]``."""
+    outputs, saved = [], []
+    for mb in microbatches:
+        outs, ins = [], []
+        for v, stage in enumerate(stages):
+            x = None
+            if not chain.is_first(v):
+                x = _recv(chain.prev_rank(), chain.group, device)
+                if need_grad:
+                    x.requires_grad_(True)
+            if x is not None:
+                _unwrap(stage).set_input_tensor(x)
+            out = forward_step(stage, mb)
+            if not chain.is_last(v):
+                if not isinstance(out, Tensor):
+                    raise TypeError(
+                        f"forward_step returned {type(out).__name__} on pipeline stage {chain.stage(v)}, which is not "
+                        "the last; a middle stage must return its hidden-states tensor"
+                    )
+                _send(out.detach(), chain.next_rank(), chain.group)
+            outs.append(out)
+            ins.append(x)
+        outputs.append(outs)
+        saved.append(ins)
+    return outputs, saved
+
+
+def _backward_all(outputs, saved, microbatches, chain: _Chain, device, loss_fn) -> None:
+    for m, mb in enumerate(microbatches):
+        for v in reversed(range(len(outputs[m]))):
+            out = outputs[m][v]
+            if chain.is_last(v):
+                loss = loss_fn(out, mb)
+                if not isinstance(loss, Tensor) or loss.numel() != 1:
+                    raise TypeError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
+                torch.autograd.backward(loss)
+            else:
+                grad = _recv(chain.next_rank(), chain.group, device)
+                torch.autograd.backward(out, grad.to(out.dtype))
+            x = saved[m][v]
+            if x is not None:
+                grad_in = x.grad if x.grad is not None else torch.zeros_like(x)
+                _send(grad_in, chain.prev_rank(), chain.group)
+
+
+# ----------------------------------------------------------------------------------------- point to point
+
+
+def _send(x: Tensor, dst: int, group: Any) -> None:
+    import torch.distributed as dist
+
+    if x.dtype not in _DTYPES or x.dim() > _HEADER - 2:
+        raise TypeError(f"cannot send a {x.dtype} tensor of {x.dim()} dims between stages; use one of {_DTYPES}")
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    peer = dist.get_global_rank(group, dst)
+    dist.send(header.to(x.device), peer, group=group)
+    dist.send(x.contiguous(), peer, group=group)
+
+
+def _recv(src: int, group: Any, device: torch.device) -> Tensor:
+    import torch.distributed as dist
+
+    peer = dist.get_global_rank(group, src)
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, peer, group=group)
+    code, ndim, *shape = header.tolist()
+    x = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=device)
+    dist.recv(x, peer, group=group)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _check_arguments(stages, forward_step, microbatches, loss_fn) -> None:
+    if not isinstance(stages, (list, tuple)) or not stages:
+        raise TypeError("stages must be a non-empty list of this rank's model chunks, one per virtual stage")
+    for v, stage in enumerate(stages):
+        if not isinstance(stage, torch.nn.Module) or not hasattr(_unwrap(stage), "set_input_tensor"):
+            raise TypeError(f"stages[{v}] must be a model chunk with set_input_tensor (a Megatron-Core GPTModel)")
+    if not callable(forward_step):
+        raise TypeError("forward_step must be callable: forward_step(stage, microbatch) -> output")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError("loss_fn must be None (forward only) or callable: loss_fn(output, microbatch) -> scalar")
+    if not isinstance(microbatches, (list, tuple)) or not microbatches:
+        raise ValueError("microbatches must be a non-empty list (one entry per microbatch, given to forward_step)")
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    depth = 0
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and depth < 8:
+        model, depth = model.module, depth + 1
+    return model
+
+
+def _device_of(stage: torch.nn.Module) -> torch.device:
+    for p in stage.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _detached(out: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, out)
+
+
+class _Affine(torch.nn.Module):
+    """Doctest stage: ``y = a * x + b`` on its input (the first stage takes the microbatch itself)."""
+
+    def __init__(self, a: float, b: float):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(a))
+        self.b = b
+        self.input_tensor = None
+
+    def set_input_tensor(self, x: Tensor) -> None:
+        self.input_tensor = x
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a * (x if self.input_tensor is None else self.input_tensor) + self.b
+
+
+def _example_pipeline(rank: int, world_size: int):
+    """Doctest helper for :func:`pipeline_forward_backward` (module level, so that ``run_local`` can spawn it)."""
+    import torch.distributed as dist
+
+    stage = _Affine(2.0, 0.0) if rank == 0 else _Affine(1.0, 1.0)
+    batches = [torch.tensor([1.0, 2.0])]
+    out = pipeline_forward_backward([stage], lambda s, x: s(x), batches, pp_group=dist.group.WORLD,
+                                    loss_fn=lambda y, x: y.sum())
+    # d loss / d a1 = sum(y) = 2 + 4; d loss / d a0 = sum(a1 * x) = 1 + 2
+    return (None if out is None else [o.tolist() for o in out]), stage.a.grad.item()

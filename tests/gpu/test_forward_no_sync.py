@@ -1,0 +1,156 @@
+"""Host syncs of a whole packed forward of packfwd's Megatron-Core model on the GPU, caught by
+``torch.cuda.set_sync_debug_mode``: with host ``seqlens`` passed to the forward, none (forward, forward with a
+logits processor, forward + backward; THD and BSHD); from the device mask alone, exactly one (the plan reads the
+lengths back once).  The no-sync forward gives the same logits as the planned-from-the-mask one, and the THD
+logits of the real tokens agree with the padded model's (bf16 rounding).
+
+Each sync is reported with the Python frames that made it, so a failure says where to look.
+
+    PYTHONPATH=. python3 -m pytest -q tests/gpu/test_forward_no_sync.py
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from packfwd import next_token_labels
+from packfwd.forward import make_forward
+from packfwd.logits import log_probs_and_entropy
+from packfwd.models import ModelArgs, build_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ARGS = ModelArgs(vocab_size=256, hidden_size=128, ffn_hidden_size=256, num_layers=2, num_attention_heads=4,
+                 num_query_groups=2)
+B, S = 5, 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(ARGS, device="cuda", params_dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def batch():
+    """ids, mask [5, 96] (right and left padding, a row with holes, a one-token row) and the host lengths."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    mask = torch.zeros(B, S, dtype=torch.bool, device="cuda")
+    mask[0, :96] = True
+    mask[1, :1] = True
+    mask[2, 40:] = True  # left padding
+    mask[3, :70] = True
+    mask[3, 10:20] = False  # holes
+    mask[4, :33] = True
+    ids = torch.randint(1, ARGS.vocab_size, (B, S), device="cuda", generator=g)
+    return ids, mask, [96, 1, 56, 60, 33]
+
+
+def _where() -> str:
+    frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in f.filename]
+    keep = [f for f in frames if "packfwd" in f.filename or "megatron" in f.filename] or frames
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(keep[-6:]))
+
+
+def syncs(fn):
+    """``(fn(), [where each host sync happened])`` under ``set_sync_debug_mode("warn")``."""
+    found = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        # torch's sync warning ("called a synchronizing CUDA operation"); set_sync_debug_mode's own first-use
+        # notice is not a sync
+        if "called a synchronizing" in str(message).lower():
+            found.append(_where())
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return out, found
+
+
+def no_sync(fn):
+    """Run ``fn`` under ``set_sync_debug_mode("error")`` (after a recording run that names any sync)."""
+    _, found = syncs(fn)
+    assert found == [], "host syncs:\n" + "\n".join(found)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_forward_with_seqlens_makes_no_sync(model, batch, data_format):
+    ids, mask, lengths = batch
+    forward = make_forward(data_format)
+    with torch.no_grad():
+        want = forward(model, ids, mask)  # planned from the device mask; also the warm-up
+        got = no_sync(lambda: forward(model, ids, mask, seqlens=lengths))
+    assert torch.equal(got, want)
+    assert got[mask].isfinite().all() and got[mask].abs().sum() > 0 and not got[~mask].any()
+
+
+def test_forward_with_a_logits_processor_and_seqlens_makes_no_sync(model, batch):
+    ids, mask, lengths = batch
+    labels = next_token_labels(ids, mask)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0], device="cuda")
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy)
+    with torch.no_grad():
+        want = forward(model, ids, mask, labels=labels, temperature=temperature)
+        got = no_sync(lambda: forward(model, ids, mask, seqlens=lengths, labels=labels, temperature=temperature))
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(got[key], want[key])
+    assert (got["log_probs"][mask & (labels >= 0)] < 0).all()
+
+
+def test_forward_and_backward_with_seqlens_makes_no_sync(model, batch):
+    ids, mask, lengths = batch
+    forward = make_forward("thd")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = forward(model, ids, mask, seqlens=lengths)
+        (out.float() * out.float()).sum().backward()
+        return out
+
+    step()  # warm-up: first-use allocations of the backward
+    no_sync(step)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.isfinite().all() for g in grads)
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_forward_from_the_device_mask_makes_exactly_one_sync(model, batch, data_format):
+    ids, mask, _ = batch
+    forward = make_forward(data_format)
+    with torch.no_grad():
+        forward(model, ids, mask)  # warm-up
+        _, found = syncs(lambda: forward(model, ids, mask))
+    assert len(found) == 1, "host syncs:\n" + "\n".join(found)
+
+
+def test_thd_logits_match_the_padded_model(model, batch):
+    """Packed RoPE and attention against the padded model (Megatron-Core's BSHD RoPE) on rows whose real tokens
+    come first: the same function, up to bf16 rounding."""
+    ids, _, lengths = batch
+    mask = torch.arange(S, device="cuda")[None] < torch.tensor(lengths, device="cuda")[:, None]
+    with torch.no_grad():
+        packed = make_forward("thd")(model, ids, mask, seqlens=lengths)
+        padded = model(input_ids=ids, position_ids=torch.arange(S, device="cuda").expand(B, S), attention_mask=None)
+    a, b = packed[mask].float(), padded[mask].float()
+    assert float((a - b).norm() / b.norm()) < 3e-2

@@ -1,0 +1,103 @@
+"""packfwd.models.rope: THD RoPE without host syncs.
+
+Strategy: positions are checked against ``packfwd.position_ids`` of the same THD plan (the layout's own map,
+computed another way) and a plain loop; the rotation against Megatron-Core's ``apply_rotary_pos_emb`` on the
+same THD tensor (bitwise: the arithmetic is the same op for op); and a whole model's THD forward against the
+same model with Megatron-Core's own THD RoPE put back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+from packfwd import plan_thd, position_ids
+from packfwd.attention import CoreAttention
+from packfwd.forward import make_forward
+from packfwd.models import ModelArgs, build_model, transformer_config
+from packfwd.models.cpu import keep_rotary_on_host
+from packfwd.models.rope import PackedRope, packed_positions
+from packfwd.models.runtime import StagePlacement
+
+from .test_hf_interop import ragged_batch
+
+ARGS = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
+                 num_query_groups=2, head_dim=16)
+
+
+def loop_positions(padded_lengths, cp, rank):
+    out = []
+    for p in padded_lengths:
+        c = p // (2 * cp)
+        chunks = (rank, 2 * cp - 1 - rank) if cp > 1 else (0,)
+        width = c if cp > 1 else p
+        for k in chunks:
+            out += range(k * width, (k + 1) * width)
+    return out
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_positions_match_the_plan_and_a_loop(cp):
+    g = torch.Generator().manual_seed(cp)
+    lengths = torch.randint(0, 20, (7,), generator=g)
+    lengths[2] = 0  # an empty row: a zero-length sequence
+    mask = torch.arange(20)[None] < lengths[:, None]
+    for rank in range(cp):
+        info = plan_thd(mask, cp_size=cp, cp_rank=rank, tp_size=2)
+        got = packed_positions(info.cu_seqlens_padded, info.local_tokens, cp, rank)
+        assert got.tolist() == position_ids(info).tolist()
+        assert got.tolist() == loop_positions(info.cu_seqlens_padded.diff().tolist(), cp, rank)
+
+
+def rotary(interleaved=False):
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved, rotary_base=10000,
+                           use_cpu_initialization=True)
+    keep_rotary_on_host(torch.nn.Sequential(rope))
+    return rope
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_rotation_is_megatrons_bit_for_bit(dtype, interleaved, cp):
+    cu = torch.tensor([0, 8, 12, 12, 24], dtype=torch.int32)  # padded lengths 8, 4, 0, 12 (multiples of 2cp)
+    max_seqlen = 12
+    config = dataclasses.replace(transformer_config(ARGS), rotary_interleaved=interleaved)
+    rope = rotary(interleaved)
+    table = rope.get_emb(max_seqlen)
+    for rank in range(cp):
+        t = int(cu[-1]) // cp
+        q, k = torch.randn(t, 4, 16).to(dtype), torch.randn(t, 2, 16).to(dtype)
+        group = StagePlacement(rank_=rank, size_=cp)
+        want_q = apply_rotary_pos_emb(q, table, config, cu_seqlens=cu, cp_group=group)
+        want_k = apply_rotary_pos_emb(k, table, config, cu_seqlens=cu, cp_group=group)
+        got_q, got_k = PackedRope(rope, interleaved)(q, k, cu, max_seqlen, cp, rank)
+        assert got_q.dtype == dtype and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def test_model_thd_forward_equals_megatrons_own_thd_rope():
+    torch.manual_seed(0)
+    model = build_model(ARGS)
+    assert model.rotary_pos_emb(16, packed_seq=True) is None
+    cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
+    assert len(cores) == 2 and all(c.rope is not None for c in cores)
+    ids, mask = ragged_batch("mixed")
+    with torch.no_grad():
+        ours = make_forward("thd")(model, ids, mask)
+        # put Megatron-Core's THD RoPE back: the rotary module's own class, no PackedRope
+        model.rotary_pos_emb.__class__ = type(model.rotary_pos_emb).__mro__[1]
+        for c in cores:
+            c.rope = None
+        assert model.rotary_pos_emb(16, packed_seq=True) is not None
+        megatron = make_forward("thd")(model, ids, mask)
+    torch.testing.assert_close(ours, megatron, rtol=0, atol=0)
+    assert ours[mask].abs().sum() > 0 and not ours[~mask].any()
+
+
+def test_state_dict_is_unchanged():
+    model = build_model(ARGS, init=False)
+    assert not any("rope" in name or "rotary" in name for name in model.state_dict())
