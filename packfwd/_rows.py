@@ -1,68 +1,77 @@
-"""Row gathers and scatters shared by every layout.
+"""Row gathers shared by every layout, and the host <-> device transfers of planning.
 
-Each packfwd layout is the same two moves over the token ("row") dimension of a flattened tensor:
+Every packfwd layout moves whole rows (tokens) of a flattened ``[rows, *]`` tensor, and every move is one gather::
 
-* gather: ``out[j] = src[index[j]]`` and then zero the rows that are padding in the new layout;
-* scatter: ``canvas[dst[j]] = y[j]`` onto a canvas filled at the positions nothing writes.
+    out[i] = src[index[i]]   if index[i] >= 0,   else fill_value
 
-Both are written as one index kernel plus one small fill, on freshly allocated tensors, so applying a plan
-reads each real row once and writes each output row once. Fresh tensors come from ``new_empty`` so that under
-``torch.func.vmap`` they carry the batch dimension and the in-place writes stay legal.
+with ``index`` fixed by the plan (``-1`` marks a padding row of the new layout).  The inverse move is the same
+gather with the inverse index, so applying a plan reads each real row once and writes each output row once, and
+the backward pass of a gather is again a gather (``inverse`` read the other way round).
+
+Two implementations compute it bit for bit alike:
+
+* on CUDA, for tensors of at least ``KERNEL_MIN_BYTES``, one Triton kernel behind the custom op
+  ``packfwd::gather_rows`` (see ``_gather_op``): a single pass at memory bandwidth;
+* everywhere else, plain torch: the sources and one fill row concatenated, then indexed (``-1`` picks the
+  fill row).  That is three small ops, cheaper than the custom op for small tensors, and the reference.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from . import _gather_op
 
-def static_nonzero(flags: Tensor, size: int, fill: int) -> Tensor:
-    """Positions of the true entries of 1-D ``flags``, padded with ``fill`` to exactly ``size`` entries.
-
-    ``torch.nonzero`` must learn its output size from the device (a host sync); here the caller already knows it,
-    so this is a cumsum and a scatter with a static shape.
-    """
-    flags = flags.reshape(-1)
-    if size == 0:
-        return torch.empty(0, dtype=torch.long, device=flags.device)
-    slot = torch.cumsum(flags, 0, dtype=torch.long) - 1
-    # Entries that are not selected (or beyond `size`) all land in one spare slot that is cut off below.
-    slot = torch.where(flags & (slot < size), slot, size)
-    out = torch.full((size + 1,), fill, dtype=torch.long, device=flags.device)
-    out.scatter_(0, slot, torch.arange(flags.numel(), device=flags.device))
-    return out[:size]
+# Tensors smaller than this take the torch path on CUDA too: for them launch overhead, not bytes, is the cost.
+KERNEL_MIN_BYTES = 1 << 22
 
 
-def gather_rows(src: Tensor, index: Tensor, zero_rows: Tensor) -> Tensor:
-    """``src[index]`` along dim 0, then rows ``zero_rows`` set to zero.  src: [n, *] -> [len(index), *]."""
-    out = src.index_select(0, index)
-    if zero_rows.numel():
-        out.index_fill_(0, zero_rows, 0)
-    return out
-
-
-def scatter_rows(
-    ys: Sequence[Tensor], dsts: Sequence[Tensor], canvas_rows: int, fill_rows: Tensor, fill_value: float
+def gather_rows(
+    srcs: Sequence[Tensor], index: Tensor, inverse: Tensor, fill_value: float = 0, *, inverse_offset: int = 0
 ) -> Tensor:
-    """Write each ``ys[k]`` at rows ``dsts[k]`` of a new ``[canvas_rows, *]`` tensor; ``fill_rows`` get ``fill_value``.
+    """``out[i] = cat(srcs)[index[i]]`` (``fill_value`` where ``index[i] == -1``).  srcs: k x [n, *] -> [len(index), *].
 
-    A destination equal to ``canvas_rows`` means "drop this row" (a padding row of the source layout): such rows go
-    to one spare row past the end, which is cut off, so they never reach the result nor receive gradient.
+    ``inverse`` is the inverse map (``index[inverse[j] - inverse_offset] == j`` wherever that is in range, -1
+    elsewhere); the custom op's backward pass gathers through it.  The torch path ignores it.
     """
-    y0 = ys[0]
-    canvas = y0.new_empty((canvas_rows + 1, *y0.shape[1:]))
-    if fill_rows.numel():
-        canvas.index_fill_(0, fill_rows, fill_value)
-    for y, dst in zip(ys, dsts):
-        canvas.index_put_((dst,), y)  # index_put_ (unlike index_copy_) has a vmap batching rule
-    return canvas[:canvas_rows]
+    if use_op(srcs[0]):
+        return _gather_op.gather_rows(srcs, index, inverse, fill_value, inverse_offset=inverse_offset)
+    return gather_rows_torch(srcs, index, fill_value)
 
 
-def host_ints(values: Sequence[Tensor]) -> list[int]:
-    """Bring a few device scalars to the host in one transfer: the planning step's single sync."""
-    if not values:
-        return []
-    flat = torch.cat([v.reshape(-1).to(torch.long) for v in values])
-    return flat.tolist()
+def use_op(src: Tensor) -> bool:
+    """Whether a gather from ``src`` goes through the custom op (CUDA, Triton installed, large enough)."""
+    return src.is_cuda and _gather_op.kernel_available() and src.numel() * src.element_size() >= KERNEL_MIN_BYTES
+
+
+def gather_rows_torch(srcs: Sequence[Tensor], index: Tensor, fill_value: float = 0) -> Tensor:
+    """The plain-torch gather: ``index == -1`` wraps to the appended fill row (autograd, vmap and compile native)."""
+    src0 = srcs[0]
+    fill = src0.new_full((1, *src0.shape[1:]), fill_value)
+    return torch.cat([*srcs, fill])[index]
+
+
+def to_host(values: Tensor) -> np.ndarray:
+    """A 1-D device tensor as a host int64 array: the planning step's single sync (free for CPU tensors)."""
+    return values.cpu().numpy().astype(np.int64, copy=False)
+
+
+def to_device(host: np.ndarray, device: torch.device) -> Tensor:
+    """Upload a small host int64 array without a sync: through pinned memory, asynchronously."""
+    t = torch.from_numpy(host)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def cumsum0(lengths: np.ndarray) -> np.ndarray:
+    """``[0, l0, l0+l1, ...]`` (host int64)."""
+    out = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out

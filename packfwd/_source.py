@@ -1,9 +1,13 @@
 """Where a batch's real tokens live before packing: a padded ``[b, s, *]`` tensor with a mask, or a jagged
 ``torch.nested`` tensor.  Every layout plan starts here.
 
-Planning learns the few integers that fix the output shapes (real token count, and whatever the layout derives
-from the lengths) in ONE host transfer.  It makes none when the mask lives on the CPU or when the caller passes
-``seqlens`` on the host; then the device-side lengths are checked against them asynchronously, without a sync.
+Planning is host-bound (many tiny tensors), so it is built to launch few kernels:
+
+1. the real lengths reach the host in ONE transfer (none when the mask is on the CPU, or when the caller
+   passes ``seqlens``: then the device lengths are checked against them asynchronously, without a sync);
+2. every per-sequence quantity (offsets, padded lengths, chunk sizes) is computed on the host, and uploaded in
+   ONE asynchronous copy;
+3. the per-token index maps are then a handful of elementwise kernels over the canvas (``rank_in_row``).
 """
 
 from __future__ import annotations
@@ -11,14 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import MASK_VALUES_MESSAGE, check_host_seqlens, check_mask, check_tensor, mask_bad_values
-from ._rows import host_ints, static_nonzero
+from ._checks import MASK_VALUES_MESSAGE, check_host_seqlens, check_mask, check_tensor
+from ._rows import cumsum0, to_device, to_host
 
-# Given the per-row lengths [b] (int64, on any device), return scalar tensors that fix a layout's shapes.
-ScalarsFn = Callable[[Tensor], Sequence[Tensor]]
+# Given the real lengths [b] on the host (an int64 numpy array), a layout returns the Python ints that fix its
+# shapes and the host int64 arrays it needs on the device.
+LayoutFn = Callable[[np.ndarray], tuple[Sequence[int], Sequence[np.ndarray]]]
 
 
 @dataclass(frozen=True)
@@ -27,30 +33,59 @@ class TokenSource:
 
     lengths: Tensor  # [b] int64, real tokens per row
     cu_seqlens: Tensor  # [b+1] int32
-    index: Tensor  # [t] int64, canvas row of each real token, sequence after sequence
-    fill_rows: Tensor  # [canvas_rows - t] int64, canvas rows holding no real token
+    mask: Tensor | None  # [b, s] bool on the data's device (None for nested input: every canvas row is real)
+    row_ids: Tensor | None  # [t] int64, the row of each canvas row (nested input only)
     batch_size: int
     seq_len: int  # s (for nested input: the longest row)
     canvas_rows: int
     total: int  # t
     nested_offsets: Tensor | None  # [b+1] for nested input, else None
 
+    def rank_in_row(self, row_offset: Tensor | None = None) -> Tensor:
+        """For each canvas row: how many real tokens of its row come up to and including it (1-based position of
+        a real token in its sequence), plus ``row_offset[row]`` if given.  Shape [b, s] (or [t] nested)."""
+        if self.mask is not None:
+            counts = self.mask.cumsum(1)
+            return counts if row_offset is None else counts + row_offset[:, None]
+        base = self.nested_offsets[:-1] if row_offset is None else self.nested_offsets[:-1] - row_offset
+        return torch.arange(1, self.canvas_rows + 1, device=base.device) - base[self.row_ids]
+
+    def per_row(self, table: Tensor) -> Tensor:
+        """``table [b]`` broadcast to the canvas shape ([b, 1] for padded input, [t] for nested)."""
+        return table[:, None] if self.mask is not None else table[self.row_ids]
+
+    def per_row_col(self, table: Tensor, col: Tensor) -> Tensor:
+        """``table[row, col]`` for every canvas row, with ``col`` of the canvas shape."""
+        return table.gather(1, col) if self.mask is not None else table[self.row_ids, col]
+
+    def where_real(self, value: Tensor, other: int) -> Tensor:
+        """``value`` at real tokens, ``other`` at padding, flattened to the canvas rows."""
+        if self.mask is None:
+            return value.reshape(-1)
+        return torch.where(self.mask, value, other).reshape(-1)
+
 
 def is_nested(x: object) -> bool:
     return isinstance(x, Tensor) and x.is_nested
 
 
-def plan_source(
-    x: Tensor | None, attention_mask: Tensor | None, seqlens: object, scalars: ScalarsFn
-) -> tuple[TokenSource, list[int]]:
-    """Validate the input, learn the shape-fixing integers once, and index the real tokens.
+@dataclass(frozen=True)
+class Lengths:
+    """A padded batch's validated mask with its real lengths, on the device and on the host."""
 
-    Returns the source and the integers ``scalars(lengths)`` evaluated to Python ints.
-    """
-    if x is not None and is_nested(x):
-        if attention_mask is not None:
-            raise ValueError("x is a nested (jagged) tensor, which carries its own lengths; pass attention_mask=None")
-        return _plan_nested(x, seqlens, scalars)
+    mask: Tensor  # [b, s] as given (bool or integer 0/1)
+    lengths: Tensor  # [b] int64 on the mask's device, mask.sum(-1)
+    host: np.ndarray  # [b] int64: the same lengths (synced once), or the caller's seqlens
+    from_caller: bool  # host came from ``seqlens`` (to be checked on the device, asynchronously)
+
+    @property
+    def is_int(self) -> bool:
+        return self.mask.dtype != torch.bool
+
+
+def read_lengths(x: Tensor | None, attention_mask: Tensor | None, seqlens: object) -> Lengths:
+    """Validate a padded batch's mask and learn its lengths on the host: the planning step's one sync (none for a
+    CPU mask or with ``seqlens``)."""
     if attention_mask is None:
         raise TypeError("attention_mask is required for a padded x; pass the [b, s] mask (or a jagged nested x)")
     if x is not None:
@@ -58,39 +93,87 @@ def plan_source(
     mask = check_mask(attention_mask, x)
     batch, seq_len = mask.shape
     lengths = mask.sum(1, dtype=torch.long)
-    bad = mask_bad_values(mask)
+    is_int = mask.dtype != torch.bool
     if seqlens is not None:
-        host = check_host_seqlens(seqlens, batch)
-        host_lengths = torch.tensor(host, dtype=torch.long)
-        if any(v > seq_len for v in host):
+        host = _host_seqlens(seqlens, batch)
+        if host.size and host.max() > seq_len:
             raise ValueError(f"seqlens has an entry larger than the mask width s={seq_len}")
-        values = host_ints([host_lengths.sum(), *scalars(host_lengths)])
-        # No sync: verified on the device, raising later (asynchronously) if the caller's lengths were wrong.
-        torch._assert_async(bad == 0, MASK_VALUES_MESSAGE)
-        torch._assert_async(
-            (lengths == host_lengths.to(lengths.device)).all(), "seqlens does not match attention_mask.sum(-1)"
-        )
-    else:
-        values = host_ints([lengths.sum(), bad, *scalars(lengths)])
-        if values.pop(1):
+        return Lengths(mask, lengths, host, True)
+    extra = [torch.stack(torch.aminmax(mask)).to(torch.long)] if is_int and mask.numel() else []
+    host = to_host(torch.cat([lengths, *extra]) if extra else lengths)  # the one sync
+    if extra:
+        host, (lo, hi) = host[:batch], host[batch:].tolist()
+        if lo < 0 or hi > 1:
             raise ValueError(MASK_VALUES_MESSAGE)
-    total = values[0]
-    flat = mask.reshape(-1).bool()
-    source = TokenSource(
-        lengths=lengths,
-        cu_seqlens=_cumsum0(lengths),
-        index=static_nonzero(flat, total, 0),
-        fill_rows=static_nonzero(~flat, batch * seq_len - total, 0),
+    return Lengths(mask, lengths, host, False)
+
+
+def _host_seqlens(seqlens: object, batch: int) -> np.ndarray:
+    if isinstance(seqlens, (list, tuple)):  # fast path: validated with numpy
+        arr = np.asarray(seqlens)
+        if arr.ndim == 1 and arr.dtype.kind in "iu" and arr.shape[0] == batch and (not arr.size or arr.min() >= 0):
+            return arr.astype(np.int64, copy=False)
+    return np.asarray(check_host_seqlens(seqlens, batch), dtype=np.int64).reshape(-1)
+
+
+def checked_lengths(src: Lengths) -> Tensor:
+    """The lengths to plan with on the device: the mask's own, or the caller's ``seqlens`` uploaded and checked
+    against the mask asynchronously (a wrong ``seqlens`` raises at a later sync, not silently)."""
+    if not src.from_caller:
+        return src.lengths
+    host = to_device(src.host, src.mask.device)
+    if src.is_int:
+        torch._assert_async(((src.mask == 0) | (src.mask == 1)).all(), MASK_VALUES_MESSAGE)
+    torch._assert_async((src.lengths == host).all(), "seqlens does not match attention_mask.sum(-1)")
+    return host
+
+
+def padded_source(src: Lengths, cu_seqlens: Tensor) -> TokenSource:
+    batch, seq_len = src.mask.shape
+    return TokenSource(
+        lengths=src.lengths,
+        cu_seqlens=cu_seqlens,
+        mask=src.mask if not src.is_int else src.mask.ne(0),
+        row_ids=None,
         batch_size=batch,
         seq_len=seq_len,
         canvas_rows=batch * seq_len,
-        total=total,
+        total=int(src.host.sum()),
         nested_offsets=None,
     )
-    return source, values[1:]
 
 
-def _plan_nested(x: Tensor, seqlens: object, scalars: ScalarsFn) -> tuple[TokenSource, list[int]]:
+def plan_source(
+    x: Tensor | None, attention_mask: Tensor | None, seqlens: object, layout: LayoutFn
+) -> tuple[TokenSource, list[int], list[Tensor]]:
+    """Validate the input, learn the lengths once, run ``layout`` on the host and upload what it returns (the
+    torch planning path).  Returns the source, the layout's ints, and its arrays on the data's device."""
+    if x is not None and is_nested(x):
+        if attention_mask is not None:
+            raise ValueError("x is a nested (jagged) tensor, which carries its own lengths; pass attention_mask=None")
+        return _plan_nested(x, seqlens, layout)
+    return plan_padded(read_lengths(x, attention_mask, seqlens), layout)
+
+
+def plan_padded(src: Lengths, layout: LayoutFn) -> tuple[TokenSource, list[int], list[Tensor]]:
+    """The torch planning path for a padded batch whose lengths are known."""
+    ints, arrays = layout(src.host)
+    on_device = src.mask.device.type != "cpu"
+    if src.from_caller and not on_device:  # CPU: the check is free, and raises here
+        if src.is_int and not ((src.mask == 0) | (src.mask == 1)).all():
+            raise ValueError(MASK_VALUES_MESSAGE)
+        if not np.array_equal(src.lengths.numpy(), src.host):
+            raise ValueError("seqlens does not match attention_mask.sum(-1); pass the real length of every row")
+    check = src.from_caller and on_device
+    cu_seqlens, *device_arrays = _upload(src.mask.device, [cumsum0(src.host), *arrays, *([src.host] if check else [])])
+    if check:  # verified on the device, raising later (asynchronously) if the caller's lengths were wrong
+        if src.is_int:
+            torch._assert_async(((src.mask == 0) | (src.mask == 1)).all(), MASK_VALUES_MESSAGE)
+        torch._assert_async((src.lengths == device_arrays.pop()).all(), "seqlens does not match attention_mask.sum(-1)")
+    return padded_source(src, cu_seqlens.to(torch.int32)), list(ints), device_arrays
+
+
+def _plan_nested(x: Tensor, seqlens: object, layout: LayoutFn) -> tuple[TokenSource, list[int], list[Tensor]]:
     if x.layout != torch.jagged:
         raise TypeError("nested x must use layout=torch.jagged (torch.nested.nested_tensor(..., layout=torch.jagged))")
     if x._ragged_idx != 1:
@@ -99,26 +182,36 @@ def _plan_nested(x: Tensor, seqlens: object, scalars: ScalarsFn) -> tuple[TokenS
     lengths = offsets.diff()
     total = x.values().shape[0]
     if seqlens is not None:
-        host_lengths = torch.tensor(check_host_seqlens(seqlens, x.size(0)), dtype=torch.long)
-        torch._assert_async((lengths == host_lengths.to(lengths.device)).all(), "seqlens does not match x.offsets()")
-        lengths_for_scalars = host_lengths
+        host_lengths = np.asarray(check_host_seqlens(seqlens, x.size(0)), dtype=np.int64).reshape(-1)
+        torch._assert_async(
+            (lengths == to_device(host_lengths, lengths.device)).all(), "seqlens does not match x.offsets()"
+        )
     else:
-        lengths_for_scalars = lengths
-    longest = lengths_for_scalars.max() if lengths_for_scalars.numel() else lengths_for_scalars.sum()
-    seq_len, *values = host_ints([longest, *scalars(lengths_for_scalars)])
-    empty = torch.empty(0, dtype=torch.long, device=offsets.device)
+        host_lengths = to_host(lengths)
+    ints, arrays = layout(host_lengths)
+    device_arrays = _upload(offsets.device, list(arrays))
+    b = x.size(0)
     source = TokenSource(
         lengths=lengths,
         cu_seqlens=offsets.to(torch.int32),
-        index=torch.arange(total, device=offsets.device),
-        fill_rows=empty,
-        batch_size=x.size(0),
-        seq_len=seq_len,
+        mask=None,
+        row_ids=torch.repeat_interleave(torch.arange(b, device=offsets.device), lengths, output_size=total),
+        batch_size=b,
+        seq_len=int(host_lengths.max()) if b else 0,
         canvas_rows=total,
         total=total,
         nested_offsets=offsets,
     )
-    return source, values
+    return source, list(ints), device_arrays
+
+
+def _upload(device: torch.device, arrays: list[np.ndarray]) -> list[Tensor]:
+    """Host int64 arrays to ``device`` in one asynchronous copy; returns views of the uploaded block."""
+    if not arrays:
+        return []
+    sizes = [a.size for a in arrays]
+    block = to_device(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int64, copy=False), device)
+    return [part.view(a.shape) for part, a in zip(block.split(sizes), arrays)]
 
 
 def canvas_rows_of(x: Tensor, source: TokenSource) -> Tensor:
@@ -137,7 +230,9 @@ def from_canvas(canvas: Tensor, source: TokenSource) -> Tensor:
     return canvas.reshape(source.batch_size, source.seq_len, *canvas.shape[1:])
 
 
-def _cumsum0(lengths: Tensor) -> Tensor:
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    out[1:] = torch.cumsum(lengths, 0)
-    return out
+def scatter_inverse(inverse: Tensor, rows: int, canvas_rows: int) -> Tensor:
+    """The forward map of a layout from its inverse: ``out[inverse[c]] = c`` for every canvas row ``c`` with
+    ``inverse[c] >= 0``; -1 at the ``rows`` positions nothing maps to.  (One spare slot takes the -1 entries.)"""
+    out = torch.full((rows + 1,), -1, dtype=torch.long, device=inverse.device)
+    out.scatter_(0, inverse.remainder(rows + 1), torch.arange(canvas_rows, device=inverse.device))
+    return out[:rows]

@@ -10,12 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ._checks import check_positive_int
-from ._rows import gather_rows, scatter_rows, static_nonzero
-from ._source import TokenSource, canvas_rows_of, from_canvas, plan_source
+from ._rows import gather_rows
+from . import _plan_kernel
+from ._source import (
+    TokenSource,
+    canvas_rows_of,
+    checked_lengths,
+    from_canvas,
+    is_nested,
+    padded_source,
+    plan_padded,
+    plan_source,
+    read_lengths,
+    scatter_inverse,
+)
 
 
 @dataclass(frozen=True)
@@ -26,9 +39,8 @@ class BshdInfo:
     width: int
     tp_size: int
     attention_mask: Tensor  # [b, width] bool, left-aligned
-    gather_index: Tensor  # [b*width] canvas row of each output slot (0 at padding)
-    zero_rows: Tensor  # output slots that are padding
-    scatter_index: Tensor  # [b*width] canvas row of each slot (canvas_rows at padding)
+    index: Tensor  # [b*width] canvas row of each output slot (-1 at padding)
+    inverse: Tensor  # [canvas_rows] output slot of each canvas row (-1 at padding)
 
     @property
     def cu_seqlens(self) -> Tensor:
@@ -47,26 +59,34 @@ def plan_bshd(
     """
     tp_size = check_positive_int("tp_size", tp_size)
 
-    def scalars(lengths: Tensor) -> list[Tensor]:
-        longest = lengths.max() if lengths.numel() else lengths.sum()
-        return [(longest + tp_size - 1) // tp_size * tp_size]
+    def layout(lengths):
+        longest = int(lengths.max()) if lengths.size else 0
+        width = -(-longest // tp_size) * tp_size
+        return [width], [np.arange(lengths.size) * width - 1]
 
-    source, (width,) = plan_source(x, attention_mask, seqlens, scalars)
+    if x is None or not is_nested(x):
+        src = read_lengths(x, attention_mask, seqlens)
+        if _plan_kernel.available(src.mask):  # CUDA: one kernel
+            (width,), _ = layout(src.host)
+            b = src.mask.shape[0]
+            out = _plan_kernel.plan_rows(_plan_kernel.BSHD, src.mask, checked_lengths(src), total=b * width, width=width)
+            return BshdInfo(
+                source=padded_source(src, out["cu_seqlens"]), width=width, tp_size=tp_size,
+                attention_mask=out["attention_mask"], index=out["index"], inverse=out["inverse"],
+            )
+        source, (width,), (row_offset,) = plan_padded(src, layout)
+    else:
+        source, (width,), (row_offset,) = plan_source(x, attention_mask, seqlens, layout)
     b = source.batch_size
+    inverse = source.where_real(source.rank_in_row(row_offset), -1)
     col = torch.arange(width, device=source.lengths.device)
-    mask = col[None, :] < source.lengths[:, None]  # [b, width]
-    k = (source.cu_seqlens[:-1].long()[:, None] + col[None, :]).clamp(max=max(source.total - 1, 0))
-    index = source.index if source.total else torch.zeros(1, dtype=torch.long, device=col.device)
-    rows = index[k].reshape(-1)
-    flat = mask.reshape(-1)
     return BshdInfo(
         source=source,
         width=width,
         tp_size=tp_size,
-        attention_mask=mask,
-        gather_index=torch.where(flat, rows, 0),
-        zero_rows=static_nonzero(~flat, b * width - source.total, 0),
-        scatter_index=torch.where(flat, rows, source.canvas_rows),
+        attention_mask=col[None, :] < source.lengths[:, None],
+        index=scatter_inverse(inverse, b * width, source.canvas_rows),
+        inverse=inverse,
     )
 
 
@@ -88,7 +108,7 @@ def to_bshd(
     else:
         info = plan_bshd(attention_mask, tp_size=tp_size, seqlens=seqlens, x=x)
     b = info.source.batch_size
-    out = gather_rows(canvas_rows_of(x, info.source), info.gather_index, info.zero_rows)
+    out = gather_rows([canvas_rows_of(x, info.source)], info.index, info.inverse)
     return out.reshape(b, info.width, *out.shape[1:]), info
 
 
@@ -101,5 +121,4 @@ def from_bshd(y: Tensor, info: BshdInfo, fill_value: float = 0) -> Tensor:
             "exactly the batch to_bshd produced"
         )
     rows = y.reshape(b * info.width, *y.shape[2:])
-    canvas = scatter_rows([rows], [info.scatter_index], info.source.canvas_rows, info.source.fill_rows, fill_value)
-    return from_canvas(canvas, info.source)
+    return from_canvas(gather_rows([rows], info.inverse, info.index, fill_value), info.source)

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from ._rows import gather_rows, scatter_rows
-from ._source import TokenSource, canvas_rows_of, from_canvas, plan_source
+from ._rows import cumsum0, gather_rows
+from . import _plan_kernel
+from ._source import (
+    TokenSource,
+    canvas_rows_of,
+    checked_lengths,
+    from_canvas,
+    is_nested,
+    padded_source,
+    plan_padded,
+    plan_source,
+    read_lengths,
+    scatter_inverse,
+)
 
 
 @dataclass(frozen=True)
@@ -20,6 +33,8 @@ class UnpadInfo:
 
     source: TokenSource
     max_seqlen: int
+    index: Tensor  # [t] int64, canvas row of each packed token
+    inverse: Tensor  # [canvas_rows] int64, packed row of each canvas row (-1 at padding)
 
     @property
     def cu_seqlens(self) -> Tensor:
@@ -28,7 +43,7 @@ class UnpadInfo:
     @property
     def indices(self) -> Tensor:
         """[t] int64: the flat position ``row * s + col`` of each packed token."""
-        return self.source.index
+        return self.index
 
     @property
     def batch_size(self) -> int:
@@ -46,7 +61,7 @@ class UnpadInfo:
 def plan_unpad(attention_mask: Tensor | None, *, seqlens=None, x: Tensor | None = None) -> UnpadInfo:
     """Plan ``unpad`` from a ``[b, s]`` mask (bool or integer 0/1), or from a jagged nested ``x``.
 
-    One host sync learns the token count; none when the mask is on the CPU or ``seqlens`` (host ints) is given.
+    One host sync learns the lengths; none when the mask is on the CPU or ``seqlens`` (host ints) is given.
 
     >>> import torch
     >>> info = plan_unpad(torch.tensor([[1, 1, 0], [0, 1, 1]]))
@@ -54,11 +69,27 @@ def plan_unpad(attention_mask: Tensor | None, *, seqlens=None, x: Tensor | None 
     ([0, 2, 4], 2, [0, 1, 4, 5])
     """
 
-    def longest(lengths: Tensor) -> list[Tensor]:
-        return [lengths.max() if lengths.numel() else lengths.sum()]
+    def layout(lengths):
+        longest = int(lengths.max()) if lengths.size else 0
+        return [longest], [cumsum0(lengths)[:-1] - 1]
 
-    source, (max_seqlen,) = plan_source(x, attention_mask, seqlens, longest)
-    return UnpadInfo(source=source, max_seqlen=max_seqlen)
+    if x is not None and is_nested(x):
+        source, (max_seqlen,), (row_offset,) = plan_source(x, attention_mask, seqlens, layout)
+        index = torch.arange(source.total, device=source.lengths.device)  # the canvas is the packed tensor
+        return UnpadInfo(source=source, max_seqlen=max_seqlen, index=index, inverse=index)
+    src = read_lengths(x, attention_mask, seqlens)
+    if _plan_kernel.available(src.mask):  # CUDA: one kernel
+        total = int(src.host.sum())
+        out = _plan_kernel.plan_rows(_plan_kernel.UNPAD, src.mask, checked_lengths(src), total=total)
+        source = padded_source(src, out["cu_seqlens"])
+        return UnpadInfo(source=source, max_seqlen=layout(src.host)[0][0], index=out["index"], inverse=out["inverse"])
+    source, (max_seqlen,), (row_offset,) = plan_padded(src, layout)
+    inverse = source.where_real(source.rank_in_row(row_offset), -1)
+    if hasattr(torch, "nonzero_static"):
+        index = torch.nonzero_static(source.mask.reshape(-1), size=source.total).reshape(-1)
+    else:
+        index = scatter_inverse(inverse, source.total, source.canvas_rows)
+    return UnpadInfo(source=source, max_seqlen=max_seqlen, index=index, inverse=inverse)
 
 
 def unpad(x: Tensor, attention_mask: Tensor | UnpadInfo, *, seqlens=None) -> tuple[Tensor, UnpadInfo]:
@@ -76,8 +107,7 @@ def unpad(x: Tensor, attention_mask: Tensor | UnpadInfo, *, seqlens=None) -> tup
     [[10, 20, 0], [0, 30, 40]]
     """
     info = attention_mask if isinstance(attention_mask, UnpadInfo) else plan_unpad(attention_mask, seqlens=seqlens, x=x)
-    empty = info.source.fill_rows[:0]
-    return gather_rows(canvas_rows_of(x, info.source), info.source.index, empty), info
+    return gather_rows([canvas_rows_of(x, info.source)], info.index, info.inverse), info
 
 
 def pad(packed: Tensor, info: UnpadInfo, fill_value: float = 0) -> Tensor:
@@ -85,5 +115,4 @@ def pad(packed: Tensor, info: UnpadInfo, fill_value: float = 0) -> Tensor:
     src = info.source
     if packed.shape[0] != src.total:
         raise ValueError(f"packed has {packed.shape[0]} tokens but the plan has {src.total}; pass unpad's output")
-    canvas = scatter_rows([packed], [src.index], src.canvas_rows, src.fill_rows, fill_value)
-    return from_canvas(canvas, src)
+    return from_canvas(gather_rows([packed], info.inverse, info.index, fill_value), src)

@@ -19,28 +19,45 @@ layout exactly but spends up to ``2*cp*tp - 1`` pad tokens per sequence instead 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ._checks import check_positive_int, check_rank
-from ._rows import gather_rows, scatter_rows, static_nonzero
-from ._source import TokenSource, _cumsum0, canvas_rows_of, from_canvas, plan_source
+from ._rows import cumsum0, gather_rows
+from . import _plan_kernel
+from ._source import (
+    Lengths,
+    TokenSource,
+    canvas_rows_of,
+    checked_lengths,
+    from_canvas,
+    is_nested,
+    padded_source,
+    plan_padded,
+    plan_source,
+    read_lengths,
+    scatter_inverse,
+)
 
 
 @dataclass(frozen=True)
 class ThdInfo:
     """The plan of ``to_thd`` for one CP rank; also everything ``from_thd`` needs to put all ranks back.
 
-    Megatron-Core's names: ``cu_seqlens`` [b+1] int32 (real lengths), ``cu_seqlens_padded`` [b+1] int32 (whole
-    padded sequences, before the CP split), ``max_seqlen`` (longest padded sequence, a Python int).
+    Megatron-Core's names: ``cu_seqlens`` [n+1] int32 (real lengths), ``cu_seqlens_padded`` [n+1] int32 (whole
+    padded sequences, before the CP split), ``max_seqlen`` (longest padded sequence, a Python int).  ``n`` is the
+    batch size ``b`` (plus the spare sequences of a fixed bucket, see ``packfwd.bucket``).
     """
 
     source: TokenSource
-    cu_seqlens_padded: Tensor  # [b+1] int32
+    cu_seqlens: Tensor  # [n+1] int32
+    cu_seqlens_padded: Tensor  # [n+1] int32
     max_seqlen: int
     total_tokens: int  # cu_seqlens_padded[-1], all CP ranks together
     local_tokens: int  # this rank's share, total_tokens // cp_size
@@ -48,18 +65,36 @@ class ThdInfo:
     cp_size: int
     cp_rank: int
     seq_align: int
-    gather_index: Tensor  # [local_tokens] canvas row of each local token (0 at padding)
-    zero_rows: Tensor  # local rows that are padding
-    scatter_index: Tensor  # [cp_size, local_tokens] canvas row of each rank's token (canvas_rows at padding)
-    local_positions: Tensor  # [local_tokens] int64, position of each local token in its padded sequence
+    index: Tensor  # [cp_size * local_tokens] canvas row of every rank's token, rank after rank (-1 at padding)
+    inverse: Tensor  # [canvas_rows] rank * local_tokens + local row of each canvas row (-1 at padding)
+    segments: Tensor | None  # [2, k] this rank's runs of positions: run lengths, position minus local row (None:
+    # the positions were computed at planning)
 
     @property
-    def cu_seqlens(self) -> Tensor:
-        return self.source.cu_seqlens
+    def gather_index(self) -> Tensor:
+        """[local_tokens] int64: the canvas row of each of this rank's tokens (-1 at padding)."""
+        return self.index[self.cp_rank * self.local_tokens : (self.cp_rank + 1) * self.local_tokens]
+
+    @property
+    def scatter_index(self) -> Tensor:
+        """[cp_size, local_tokens] int64: the canvas row of each token of every rank (-1 at padding)."""
+        return self.index.view(self.cp_size, self.local_tokens)
+
+    @property
+    def zero_rows(self) -> Tensor:
+        """This rank's padding rows (for inspection: this syncs with the device)."""
+        return (self.gather_index < 0).nonzero().view(-1)
+
+    @functools.cached_property
+    def local_positions(self) -> Tensor:
+        """[local_tokens] int64, position of each local token in its padded sequence (computed on first use)."""
+        lengths, shift = self.segments
+        run = torch.repeat_interleave(lengths, output_size=self.local_tokens)
+        return torch.arange(self.local_tokens, device=lengths.device) + shift[run]
 
     @property
     def local_cu_seqlens_padded(self) -> Tensor:
-        """[b+1] int32: where each sequence starts in this rank's tensor (``cu_seqlens_padded // cp_size``)."""
+        """[n+1] int32: where each sequence starts in this rank's tensor (``cu_seqlens_padded // cp_size``)."""
         return self.cu_seqlens_padded // self.cp_size
 
     @property
@@ -126,6 +161,17 @@ def plan_thd(
     >>> info.local_positions.tolist()
     [2, 3, 4, 5, 1, 2]
     """
+    return plan_thd_layout(
+        attention_mask, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, seq_align=seq_align,
+        max_seqlen=max_seqlen, seqlens=seqlens, x=x,
+    )
+
+
+def plan_thd_layout(
+    attention_mask, *, tp_size, cp_size, cp_rank, seq_align, max_seqlen, seqlens, x, bucket_tokens=None, spares=0
+) -> ThdInfo:
+    """``plan_thd``, optionally with a fixed token count: ``bucket_tokens`` padded tokens in all, the slack held
+    by ``spares`` extra sequences of no real tokens, each at most ``max_seqlen`` long (see ``packfwd.bucket``)."""
     tp_size = check_positive_int("tp_size", tp_size)
     cp_size = check_positive_int("cp_size", cp_size)
     cp_rank = check_rank("cp_rank", cp_rank, cp_size, "cp_size")
@@ -133,22 +179,31 @@ def plan_thd(
     if max_seqlen is not None:
         check_positive_int("max_seqlen", max_seqlen)
 
-    def scalars(lengths: Tensor) -> list[Tensor]:
-        p = padded_lengths(lengths, seq_align=align, tp_size=tp_size, cp_size=cp_size)
-        longest = p.max() if p.numel() else p.sum()
-        return [p.sum(), longest, _valid_on_rank(lengths, p, cp_size, cp_rank)]
+    def layout(lengths):
+        return _host_layout(lengths, align, tp_size, cp_size, cp_rank, bucket_tokens, spares, max_seqlen)
 
-    source, (total, longest, valid_local) = plan_source(x, attention_mask, seqlens, scalars)
-    if max_seqlen is not None and max_seqlen < longest:
-        raise ValueError(f"max_seqlen={max_seqlen} is below the longest padded sequence ({longest}); raise it or pass None")
-    p = padded_lengths(source.lengths, seq_align=align, tp_size=tp_size, cp_size=cp_size)
-    local = total // cp_size
-    ranks = torch.arange(cp_size, device=p.device)
-    positions, canvas_row, valid = _zigzag_rows(source, p, cp_size, ranks, local)
-    mine = valid[cp_rank]
+    if (x is None or not is_nested(x)) and bucket_tokens is None:
+        src = read_lengths(x, attention_mask, seqlens)
+        if _plan_kernel.available(src.mask):
+            return _plan_on_device(src, align, tp_size, cp_size, cp_rank, max_seqlen)
+        source, (total, longest, local), arrays = plan_padded(src, layout)
+    else:
+        source, (total, longest, local), arrays = plan_source(x, attention_mask, seqlens, layout)
+    _check_max_seqlen(max_seqlen, longest)
+    cu_pair, segments, *table = arrays
+    if cp_size == 1:
+        dest = source.rank_in_row(table[0])
+    else:
+        size_m1, size, start = table  # chunk size - 1, chunk size (>= 1), first destination of each chunk, minus 1
+        counts = source.rank_in_row()
+        chunk = (counts + source.per_row(size_m1)).div_(source.per_row(size), rounding_mode="floor")
+        dest = counts + source.per_row_col(start, chunk)
+    inverse = source.where_real(dest, -1)
+    cu32 = cu_pair.to(torch.int32)
     return ThdInfo(
         source=source,
-        cu_seqlens_padded=_cumsum0(p),
+        cu_seqlens=source.cu_seqlens if bucket_tokens is None else cu32[0],
+        cu_seqlens_padded=cu32[-1],
         max_seqlen=longest if max_seqlen is None else max_seqlen,
         total_tokens=total,
         local_tokens=local,
@@ -156,11 +211,89 @@ def plan_thd(
         cp_size=cp_size,
         cp_rank=cp_rank,
         seq_align=align,
-        gather_index=torch.where(mine, canvas_row[cp_rank], 0),
-        zero_rows=static_nonzero(~mine, local - valid_local, 0),
-        scatter_index=torch.where(valid, canvas_row, source.canvas_rows),
-        local_positions=positions[cp_rank],
+        index=scatter_inverse(inverse, total, source.canvas_rows),
+        inverse=inverse,
+        segments=segments,
     )
+
+
+def _check_max_seqlen(max_seqlen: int | None, longest: int) -> None:
+    if max_seqlen is not None and max_seqlen < longest:
+        raise ValueError(f"max_seqlen={max_seqlen} is below the longest padded sequence ({longest}); raise it or pass None")
+
+
+def _plan_on_device(src: Lengths, align: int, tp: int, cp: int, rank: int, max_seqlen: int | None) -> ThdInfo:
+    """The CUDA planning path: the host computes three ints, one Triton kernel every per-token map."""
+    p = (src.host + (align - 1)) // align * align
+    b = p.shape[0]
+    extra = -int(p.sum()) % math.lcm(align, tp * cp) if b else 0
+    total = int(p.sum()) + extra
+    longest = max(int(p.max()), int(p[-1]) + extra) if b else 0
+    _check_max_seqlen(max_seqlen, longest)
+    out = _plan_kernel.plan_rows(
+        _plan_kernel.THD, src.mask, checked_lengths(src), total=total, align=align, cp=cp, rank=rank, last_extra=extra
+    )
+    info = ThdInfo(
+        source=padded_source(src, out["cu_seqlens"]),
+        cu_seqlens=out["cu_seqlens"],
+        cu_seqlens_padded=out["cu_seqlens_padded"],
+        max_seqlen=longest if max_seqlen is None else max_seqlen,
+        total_tokens=total,
+        local_tokens=total // cp,
+        tp_size=tp,
+        cp_size=cp,
+        cp_rank=rank,
+        seq_align=align,
+        index=out["index"],
+        inverse=out["inverse"],
+        segments=None,
+    )
+    info.__dict__["local_positions"] = out["positions"]  # computed by the kernel: fills the cached property
+    return info
+
+
+def _host_layout(lengths: np.ndarray, align, tp, cp, rank, bucket_tokens, spares, max_seqlen):
+    """Every per-sequence number of the layout, on the host (int64 numpy arrays; ``lengths`` is [b])."""
+    b = lengths.shape[0]
+    p = (lengths + (align - 1)) // align * align
+    if bucket_tokens is None:
+        if b:
+            p[-1] += -int(p.sum()) % math.lcm(align, tp * cp)
+        cu_pair = cumsum0(p)[None]
+    else:
+        slack = bucket_tokens - int(p.sum())
+        if slack < 0:
+            raise ValueError(
+                f"the batch needs {bucket_tokens - slack} padded tokens but the bucket holds {bucket_tokens}; "
+                "plan it with a larger bucket (or split the batch)"
+            )
+        spare = np.clip(slack - max_seqlen * np.arange(spares), 0, max_seqlen)  # [M, M, rest, 0, ...]
+        p = np.concatenate([p, spare])
+        cu_pair = np.stack([np.concatenate([cumsum0(lengths), np.full(spares, lengths.sum())]), cumsum0(p)])
+    n = p.shape[0]
+    total = int(cu_pair[-1, -1])
+    longest = int(p.max()) if n else 0
+    local = total // cp
+    start = cu_pair[-1, :-1] // cp  # where each sequence starts on every rank
+    if cp == 1:
+        segments = np.stack([p, -start])
+        return [total, longest, local], [cu_pair, segments, start[:b] - 1]
+    c = p // (2 * cp)  # chunk size
+    # This rank's runs of consecutive positions, two per sequence (its chunks rank and 2cp-1-rank): the run
+    # lengths, and position minus local row (the chunk's first position minus its first local row).
+    segments = np.empty((2, n, 2), dtype=np.int64)
+    segments[0] = c[:, None]
+    np.subtract(rank * c, start, out=segments[1, :, 0])
+    np.subtract((2 * cp - 2 - rank) * c, start, out=segments[1, :, 1])
+    # Real token at position q of sequence i, in chunk k = q // c, goes to owner(k)'s tensor at row
+    # start + (k >= cp) * c + q - k * c.  Column k + 1 holds that row minus q + 1 (column 0: padding).
+    ch = np.arange(2 * cp)
+    owner_base = np.where(ch < cp, ch, 2 * cp - 1 - ch) * local - 1
+    table = np.zeros((b, 2 * cp + 1), dtype=np.int64)
+    table[:, 1:] = np.multiply.outer(c[:b], (ch >= cp) - ch) + owner_base
+    table[:, 1:] += start[:b, None]
+    size = np.maximum(c[:b], 1)
+    return [total, longest, local], [cu_pair, segments.reshape(2, -1), size - 1, size, table]
 
 
 def _check_seq_align(seq_align: int | None, cp_size: int, tp_size: int) -> int:
@@ -174,35 +307,6 @@ def _check_seq_align(seq_align: int | None, cp_size: int, tp_size: int) -> int:
             f"(e.g. {2 * cp_size * tp_size}), or None for the smallest valid alignment"
         )
     return seq_align
-
-
-def _valid_on_rank(lengths: Tensor, p: Tensor, cp: int, rank: int) -> Tensor:
-    """Real tokens that rank ``rank`` holds (a device scalar)."""
-    if cp == 1:
-        return lengths.sum()
-    c = p // (2 * cp)
-    held = [(lengths - k * c).clamp(min=0).minimum(c) for k in (rank, 2 * cp - 1 - rank)]
-    return (held[0] + held[1]).sum()
-
-
-def _zigzag_rows(source: TokenSource, p: Tensor, cp: int, ranks: Tensor, local: int):
-    """For every rank in ``ranks`` and local row: position in its padded sequence, canvas row, is-real.
-
-    Shapes: positions, canvas_row, valid are all [len(ranks), local].  Vectorised over sequences and ranks.
-    """
-    b = p.numel()
-    seq = torch.repeat_interleave(torch.arange(b, device=p.device), p // cp, output_size=local)  # [local]
-    u = torch.arange(local, device=p.device) - (_cumsum0(p // cp)[:-1].long())[seq]
-    if cp == 1:
-        q = u[None, :]
-    else:
-        c = (p // (2 * cp))[seq]
-        r = ranks[:, None]
-        q = torch.where(u < c, r * c + u, (2 * cp - 1 - r) * c + (u - c))
-    valid = q < source.lengths[seq]
-    k = (source.cu_seqlens.long()[seq] + q).clamp(max=max(source.total - 1, 0))
-    index = source.index if source.total else torch.zeros(1, dtype=torch.long, device=p.device)
-    return q, index[k], valid
 
 
 def to_thd(
@@ -228,7 +332,9 @@ def to_thd(
         info = attention_mask
     else:
         info = plan_thd(attention_mask, x=x, **plan_kwargs)
-    return gather_rows(canvas_rows_of(x, info.source), info.gather_index, info.zero_rows), info
+    rows = canvas_rows_of(x, info.source)
+    offset = info.cp_rank * info.local_tokens
+    return gather_rows([rows], info.gather_index, info.inverse, inverse_offset=offset), info
 
 
 def from_thd(y: Tensor | Sequence[Tensor], info: ThdInfo, fill_value: float = 0) -> Tensor:
@@ -239,8 +345,7 @@ def from_thd(y: Tensor | Sequence[Tensor], info: ThdInfo, fill_value: float = 0)
     order, when ``cp_size > 1`` (gathering them is the caller's collective).
     """
     ys = _check_outputs(y, info)
-    dsts = [info.scatter_index[k] for k in range(info.cp_size)]
-    canvas = scatter_rows(ys, dsts, info.source.canvas_rows, info.source.fill_rows, fill_value)
+    canvas = gather_rows(ys, info.inverse, info.index, fill_value)
     return from_canvas(canvas, info.source)
 
 

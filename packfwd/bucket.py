@@ -1,0 +1,175 @@
+"""Fixed-bucket THD plans: every tensor of the plan has a shape fixed by the bucket, not by the batch, so a packed
+forward can be captured once as a CUDA graph and replayed for every new batch that fits the bucket.
+
+A bucket fixes the padded token count (``tokens``, all CP ranks together) and ``max_seqlen``.  The canvas
+``[b, s]`` is fixed by the caller (pad the batch with empty rows to a fixed ``b``).  The batch's own THD layout
+comes first, exactly as ``plan_thd`` lays it out (without the tp rounding of the last sequence); the slack up to
+``tokens`` is held by ``spares = ceil(tokens / max_seqlen)`` spare sequences of no real tokens, each at most
+``max_seqlen`` long (the unused ones have length 0), so ``cu_seqlens`` and ``cu_seqlens_padded`` always have
+``b + spares + 1`` entries and no sequence is longer than the ``max_seqlen`` reported to attention::
+
+    lengths 5, 3, bucket tokens=16, max_seqlen=8:   [a a a a a][b b b][. . . . . . . .]  cu_seqlens_padded
+                                                    seq 0      seq 1   spare (8), spare (0)   [0, 5, 8, 16, 16]
+
+Spare tokens are padding: ``from_thd`` drops them and their gradients are zero.  Causal attention over
+``cu_seqlens_padded`` never lets a real token see them.
+
+To replay: plan each new batch with ``plan_thd_bucket`` (one sync, or none with ``seqlens``), copy it into the
+plan the graph was captured with (``copy_plan_``) and copy the input into the captured input; ``capture`` wraps
+the three steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ._checks import check_positive_int
+from ._source import TokenSource, is_nested
+from .thd import ThdInfo, _check_seq_align, plan_thd_layout
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A fixed THD size: ``tokens`` padded tokens (all CP ranks together) and the ``max_seqlen`` attention sees."""
+
+    tokens: int
+    max_seqlen: int
+
+    def __post_init__(self):
+        check_positive_int("tokens", self.tokens)
+        check_positive_int("max_seqlen", self.max_seqlen)
+
+    @property
+    def spares(self) -> int:
+        """Spare sequences that hold the slack: enough for a whole bucket of ``max_seqlen``-long pieces."""
+        return -(-self.tokens // self.max_seqlen)
+
+
+def plan_thd_bucket(
+    attention_mask: Tensor,
+    bucket: Bucket,
+    *,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    seq_align: int | None = None,
+    seqlens: Sequence[int] | None = None,
+) -> ThdInfo:
+    """``plan_thd`` with shapes fixed by ``bucket``: ``local_tokens = bucket.tokens // cp_size`` rows per rank,
+    ``b + bucket.spares`` sequences, ``max_seqlen = bucket.max_seqlen``.
+
+    ``bucket.tokens`` must divide by ``lcm(seq_align, tp_size * cp_size)`` and ``bucket.max_seqlen`` by the
+    alignment; a batch whose padded layout needs more than ``bucket.tokens`` raises ValueError.
+
+    >>> import torch
+    >>> mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    >>> info = plan_thd_bucket(mask, Bucket(tokens=16, max_seqlen=8))
+    >>> info.cu_seqlens.tolist(), info.cu_seqlens_padded.tolist(), info.local_tokens, info.max_seqlen
+    ([0, 5, 8, 8, 8], [0, 5, 8, 16, 16], 16, 8)
+    """
+    if not isinstance(bucket, Bucket):
+        raise TypeError(f"bucket must be a packfwd.bucket.Bucket, got {type(bucket).__name__}; e.g. Bucket(8192, 4096)")
+    if attention_mask is None or is_nested(attention_mask):
+        raise TypeError("plan_thd_bucket needs a padded [b, s] attention_mask (a fixed canvas); nested input varies in shape")
+    tp = check_positive_int("tp_size", tp_size)
+    cp = check_positive_int("cp_size", cp_size)
+    align = _check_seq_align(seq_align, cp, tp)
+    unit = math.lcm(align, tp * cp)
+    if bucket.tokens % unit:
+        raise ValueError(
+            f"bucket.tokens={bucket.tokens} must be a multiple of {unit} (lcm of the alignment {align} and "
+            f"tp_size*cp_size={tp * cp}); round it up to {-(-bucket.tokens // unit) * unit}"
+        )
+    if bucket.max_seqlen % align:
+        raise ValueError(
+            f"bucket.max_seqlen={bucket.max_seqlen} must be a multiple of the sequence alignment {align}; "
+            f"round it up to {-(-bucket.max_seqlen // align) * align}"
+        )
+    return plan_thd_layout(
+        attention_mask, tp_size=tp, cp_size=cp, cp_rank=cp_rank, seq_align=seq_align, max_seqlen=bucket.max_seqlen,
+        seqlens=seqlens, x=None, bucket_tokens=bucket.tokens, spares=bucket.spares,
+    )
+
+
+# Ints of a plan that may differ between two batches of one bucket (every other field fixes a shape).
+_DATA_INTS = {"total"}
+
+
+def copy_plan_(dst: ThdInfo, src: ThdInfo) -> ThdInfo:
+    """Copy the tensors of ``src`` into those of ``dst`` in place (no sync) and return ``dst``.
+
+    Both must be bucket plans of the same bucket, canvas and parallel layout.  After the copy, a CUDA graph
+    captured with ``dst`` computes with ``src``'s batch.  (``dst``'s Python ints that describe the data, such as
+    ``dst.source.total``, keep their old values: use ``src`` for those.)
+    """
+    if not isinstance(dst, ThdInfo) or not isinstance(src, ThdInfo):
+        raise TypeError("copy_plan_ copies one ThdInfo into another; pass two plans from plan_thd_bucket")
+    _copy_fields(dst, src, "plan")
+    if "local_positions" in dst.__dict__:  # computed (and maybe captured) already: keep it current
+        dst.local_positions.copy_(src.local_positions)
+    return dst
+
+
+def _copy_fields(dst, src, where: str) -> None:
+    for f in dataclasses.fields(dst):
+        a, b = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(a, Tensor):
+            if not isinstance(b, Tensor) or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                raise ValueError(
+                    f"{where}.{f.name} differs in shape, dtype or device between the plans; "
+                    "copy_plan_ needs two plans of the same bucket, canvas [b, s], device and parallel layout"
+                )
+            a.copy_(b)
+        elif isinstance(a, TokenSource):
+            _copy_fields(a, b, f"{where}.{f.name}")
+        elif f.name not in _DATA_INTS and a != b:
+            raise ValueError(
+                f"{where}.{f.name} is {a} in one plan and {b} in the other; copy_plan_ needs two plans of the same "
+                "bucket, canvas [b, s] and parallel layout"
+            )
+
+
+def _clone(plan):
+    """A copy of a plan with its own tensors (nested dataclasses included)."""
+    changes = {}
+    for f in dataclasses.fields(plan):
+        v = getattr(plan, f.name)
+        if isinstance(v, Tensor):
+            changes[f.name] = v.clone()
+        elif dataclasses.is_dataclass(v):
+            changes[f.name] = _clone(v)
+    return dataclasses.replace(plan, **changes)
+
+
+def capture(fn: Callable[[Tensor, ThdInfo], Tensor], x: Tensor, info: ThdInfo, *, warmup: int = 2):
+    """Capture ``fn(x, info)`` as a CUDA graph and return ``replay(x, info) -> output``.
+
+    The graph runs on copies of ``x`` and ``info``.  ``replay`` copies the new batch's plan and input into them,
+    replays the graph and returns the captured output tensor (overwritten by the next replay: clone it to keep
+    it).  ``fn`` must make no host sync; ``info`` must come from ``plan_thd_bucket``.
+    """
+    static_x, static_info = x.clone(), _clone(info)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn(static_x, static_info)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(static_x, static_info)
+
+    def replay(new_x: Tensor, new_info: ThdInfo) -> Tensor:
+        copy_plan_(static_info, new_info)
+        static_x.copy_(new_x)
+        graph.replay()
+        return static_out
+
+    replay.graph = graph
+    return replay

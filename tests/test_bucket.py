@@ -1,0 +1,148 @@
+"""Fixed-bucket THD plans against a per-sequence loop built from the documented layout: the batch's sequences
+padded to the alignment, then spare sequences of ``max_seqlen`` (the last one partial, the unused ones empty)
+holding the slack up to ``bucket.tokens``; each padded sequence cut into the CP zigzag.  Also: every tensor's shape
+depends on the bucket only, and ``copy_plan_`` turns one batch's plan into another's."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from packfwd import from_thd, position_ids, to_thd
+from packfwd.bucket import Bucket, _clone, copy_plan_, plan_thd_bucket
+
+from .oracles import ref_masked, ref_positions, ref_sequences
+from .strategies import batches, parallel, random_tensor
+
+
+def ref_bucket_layout(lengths, bucket, tp, cp):
+    """Padded lengths of the real sequences and the spares, from the module docstring's rule."""
+    align = 2 * cp if cp > 1 else 1
+    p = [math.ceil(n / align) * align for n in lengths]
+    slack = bucket.tokens - sum(p)
+    spares = []
+    for _ in range(math.ceil(bucket.tokens / bucket.max_seqlen)):
+        spares.append(min(slack, bucket.max_seqlen))
+        slack -= spares[-1]
+    return p, spares
+
+
+def ref_bucket_rank(x, mask, p, spares, cp, rank):
+    """This rank's tensor: each padded sequence (real tokens, then zeros) cut into 2*cp chunks, chunks rank and
+    2*cp-1-rank kept; spares are zeros."""
+    parts = []
+    for seq, pl in list(zip(ref_sequences(x, mask), p)) + [(x.new_zeros((0, *x.shape[2:])), s) for s in spares]:
+        padded = torch.zeros((pl, *x.shape[2:]), dtype=x.dtype)
+        padded[: len(seq)] = seq
+        if cp == 1:
+            parts.append(padded)
+        elif pl:
+            chunks = padded.chunk(2 * cp)
+            parts += [chunks[rank], chunks[2 * cp - 1 - rank]]
+    return torch.cat(parts) if parts else x.new_zeros((0, *x.shape[2:]))
+
+
+def cumsum0(v):
+    out = [0]
+    for n in v:
+        out.append(out[-1] + n)
+    return out
+
+
+def fitting_bucket(lengths, tp, cp, extra, max_extra):
+    """The smallest valid bucket for these lengths plus ``extra`` units of slack."""
+    align = 2 * cp if cp > 1 else 1
+    unit = math.lcm(align, tp * cp)
+    need = sum(math.ceil(n / align) * align for n in lengths)
+    tokens = max(unit, (-(-need // unit) + extra) * unit)
+    longest = max([math.ceil(n / align) * align for n in lengths], default=0)
+    max_seqlen = max(align, -(-longest // align) * align + max_extra * align)
+    return Bucket(tokens=tokens, max_seqlen=max_seqlen)
+
+
+@given(batches(max_b=6, max_s=24, dtypes=[torch.float32, torch.int64, torch.bfloat16]), parallel, st.integers(0, 3),
+       st.integers(0, 3))
+def test_bucket_layout_matches_loop_on_every_rank(batch, par, extra, max_extra):
+    x, mask = batch
+    tp, cp, _ = par
+    lengths = mask.sum(1).tolist()
+    bucket = fitting_bucket(lengths, tp, cp, extra, max_extra)
+    p, spares = ref_bucket_layout(lengths, bucket, tp, cp)
+    outs = []
+    for rank in range(cp):
+        info = plan_thd_bucket(mask, bucket, tp_size=tp, cp_size=cp, cp_rank=rank)
+        y, _ = to_thd(x, info)
+        assert torch.equal(y, ref_bucket_rank(x, mask, p, spares, cp, rank))
+        assert info.local_tokens * cp == bucket.tokens == info.total_tokens
+        assert info.max_seqlen == bucket.max_seqlen
+        assert info.cu_seqlens_padded.tolist() == cumsum0(p + spares)
+        assert info.cu_seqlens.tolist() == cumsum0(lengths + [0] * len(spares))
+        assert position_ids(info).tolist() == ref_positions(p + spares, cp, rank)
+        outs.append(y)
+    back = from_thd(outs if cp > 1 else outs[0], info, fill_value=-1)
+    assert torch.equal(back, ref_masked(x, mask, -1))
+
+
+@given(st.integers(0, 2**16), parallel)
+def test_shapes_depend_on_the_bucket_only_and_copy_plan_switches_batches(seed, par):
+    tp, cp, rank = par
+    g = torch.Generator().manual_seed(seed)
+    b, s = 5, 20
+    masks = [torch.arange(s)[None] < torch.randint(0, s + 1, (b,), generator=g)[:, None] for _ in range(3)]
+    align = 2 * cp if cp > 1 else 1
+    unit = math.lcm(align, tp * cp)
+    bucket = Bucket(tokens=-(-(b * (s + align)) // unit) * unit, max_seqlen=-(-(s + align) // align) * align)
+    plans = [plan_thd_bucket(m, bucket, tp_size=tp, cp_size=cp, cp_rank=rank) for m in masks]
+    static = _clone(plans[0])
+    static.local_positions  # computed before the copies: copy_plan_ must keep it current
+    for m, plan in zip(masks, plans):
+        x = random_tensor((b, s, 3), torch.float32, seed)
+        copy_plan_(static, plan)
+        assert torch.equal(to_thd(x, static)[0], to_thd(x, plan)[0])
+        assert torch.equal(position_ids(static), position_ids(plan))
+        assert torch.equal(static.cu_seqlens_padded, plan.cu_seqlens_padded)
+        ys = [to_thd(x, plan_thd_bucket(m, bucket, tp_size=tp, cp_size=cp, cp_rank=r))[0] for r in range(cp)]
+        assert torch.equal(from_thd(ys if cp > 1 else ys[0], static), ref_masked(x, m))
+
+
+def test_gradients_are_zero_at_padding_and_spares():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    bucket = Bucket(tokens=16, max_seqlen=8)
+    infos = [plan_thd_bucket(mask, bucket, cp_size=2, cp_rank=r) for r in range(2)]
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    sum(to_thd(x, i)[0].sum() for i in infos).backward()
+    assert torch.equal(x.grad, mask[..., None].float().expand(2, 4, 3))  # each real token once, pads never
+    ys = [torch.randn(8, 3, requires_grad=True) for _ in range(2)]
+    from_thd(ys, infos[0]).sum().backward()
+    # rank 0 holds a0 . | b0 . | spare | spare ; rank 1 holds a1 a2 | . . | spare | spare  (chunks of 1, 1, 2, 2)
+    real = [[1, 0, 1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
+    for y, r in zip(ys, real):
+        assert torch.equal(y.grad, torch.tensor(r, dtype=torch.float32)[:, None].expand(8, 3))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(bucket=Bucket(tokens=6, max_seqlen=8)), "needs 8 padded tokens but the bucket holds 6"),
+        (dict(bucket=Bucket(tokens=10, max_seqlen=8), cp_size=2), "multiple of 4"),
+        (dict(bucket=Bucket(tokens=16, max_seqlen=6), cp_size=2), "max_seqlen=6 must be a multiple"),
+        (dict(bucket=Bucket(tokens=16, max_seqlen=4)), "below the longest padded sequence"),
+        (dict(bucket=(16, 8)), "must be a packfwd.bucket.Bucket"),
+    ],
+)
+def test_errors_name_the_fix(kwargs, words):
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with pytest.raises((ValueError, TypeError), match=words):
+        plan_thd_bucket(mask, **kwargs)
+
+
+def test_copy_plan_rejects_plans_of_another_bucket():
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    a = plan_thd_bucket(mask, Bucket(tokens=16, max_seqlen=8))
+    b = plan_thd_bucket(mask, Bucket(tokens=24, max_seqlen=8))
+    with pytest.raises(ValueError, match="same bucket"):
+        copy_plan_(a, b)
+    with pytest.raises(ValueError, match="tokens"):
+        Bucket(tokens=0, max_seqlen=8)
