@@ -33,6 +33,7 @@ BENCHMARKS = {
     "transforms": ("bench_transforms.py", _dir_args("transforms")),
     "vs_verl": ("bench_vs_verl.py", _dir_args("vs_verl")),
     "logprobs": ("bench_logprobs.py", _file_args("logprobs")),
+    "forward": ("bench_forward.py", _file_args("forward")),
 }
 
 

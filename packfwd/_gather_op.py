@@ -3,14 +3,20 @@
     out[i] = cat(srcs)[index[i] - index_offset]   where 0 <= index[i] - index_offset < len(srcs) * rows,
              fill                                 elsewhere.
 
-The custom op keeps torch.func and torch.compile working: its backward pass is the same op run through
-``inverse`` (the gathers packfwd plans are partial bijections, so the transpose of a gather is a gather), and
-its vmap rule moves the vmapped dimension of the sources behind the row dimension, where the kernel sees it as
-part of the row.  The CPU implementation is the plain-torch reference; CUDA uses Triton when it is installed.
+The backward pass is the same gather run through ``inverse`` (the gathers packfwd plans are partial bijections,
+so the transpose of a gather is a gather); the vmap rule moves the vmapped dimension of the sources behind the
+row dimension, where the kernel sees it as part of the row.  Both are registered on the custom op (what
+torch.compile uses) and on an autograd.Function around it (what eager torch.func.grad / vjp / jvp / vmap use:
+they do not go through a custom op's registered autograd).  The CPU implementation is the plain-torch reference;
+CUDA uses Triton when it is installed.
 
-Why a kernel: torch's ``index_select`` / ``index_put_`` / ``index_fill_`` move one element per thread with
-per-element index arithmetic; here each program copies whole rows with wide vector loads, reads the index once
-per row, writes fill rows without reading anything, and reads several CP ranks' outputs without concatenating.
+Why a kernel: torch's ``index_put_`` (the scatter back to ``[b, s]``) moves one element per thread with
+per-element index arithmetic and reached 21 % of the copy bandwidth on an H200; here each program copies whole
+rows as 8-byte words with 16-byte vector accesses, reads the index once per row, writes fill rows without reading
+anything, and reads several CP ranks' outputs in place (89-91 % of the copy; benchmarks/RESULTS.md).
+
+Outside autograd, functorch transforms and torch.compile, ``gather_rows`` launches the kernel directly: the
+dispatcher and the autograd.Function only cost host time when nothing needs them.
 """
 
 from __future__ import annotations
@@ -173,7 +179,7 @@ def _word_size(srcs: list[Tensor]) -> int:
 
 
 # Tuning: bytes of one row that one program copies, and bytes per program (several rows when rows are short).
-CONFIG = {"row_bytes": 4096, "tile_bytes": 16384, "num_warps": 4}
+CONFIG = {"row_bytes": 8192, "tile_bytes": 32768, "num_warps": 8}
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,10 +10,10 @@ the backward pass of a gather is again a gather (``inverse`` read the other way 
 
 Two implementations compute it bit for bit alike:
 
-* on CUDA, for tensors of at least ``KERNEL_MIN_BYTES``, one Triton kernel behind the custom op
+* on CUDA, for sources of at least ``KERNEL_MIN_BYTES``, one Triton kernel behind the custom op
   ``packfwd::gather_rows`` (see ``_gather_op``): a single pass at memory bandwidth;
-* everywhere else, plain torch: the sources and one fill row concatenated, then indexed (``-1`` picks the
-  fill row).  That is three small ops, cheaper than the custom op for small tensors, and the reference.
+* everywhere else, plain torch in one to three small ops (see ``gather_rows_torch``): cheaper than a kernel
+  launch for small tensors, and the reference.
 """
 
 from __future__ import annotations
@@ -26,21 +26,25 @@ from torch import Tensor
 
 from . import _gather_op
 
-# Tensors smaller than this take the torch path on CUDA too: for them launch overhead, not bytes, is the cost.
-KERNEL_MIN_BYTES = 1 << 22
+# Sources smaller than this take the torch path on CUDA too: for them launch overhead, not bytes, is the cost
+# (measured on an H200: the kernel wins from about 64 MiB; benchmarks/RESULTS.md).
+KERNEL_MIN_BYTES = 64 << 20
 
 
 def gather_rows(
-    srcs: Sequence[Tensor], index: Tensor, inverse: Tensor, fill_value: float = 0, *, inverse_offset: int = 0
+    srcs: Sequence[Tensor], index: Tensor, inverse: Tensor, fill_value: float = 0, *, inverse_offset: int = 0,
+    dense: bool = False, expand: bool = False,
 ) -> Tensor:
     """``out[i] = cat(srcs)[index[i]]`` (``fill_value`` where ``index[i] == -1``).  srcs: k x [n, *] -> [len(index), *].
 
     ``inverse`` is the inverse map (``index[inverse[j] - inverse_offset] == j`` wherever that is in range, -1
-    elsewhere); the custom op's backward pass gathers through it.  The torch path ignores it.
+    elsewhere): the custom op's backward pass gathers through it, and the torch path scatters through it when
+    that is cheaper.  ``dense``: ``index`` has no -1 (nothing to fill).  ``expand``: the move back to a larger
+    layout (pad, from_thd, from_bshd), whose ``inverse`` sends every source row to a row of this output or -1.
     """
     if use_op(srcs[0]):
         return _gather_op.gather_rows(srcs, index, inverse, fill_value, inverse_offset=inverse_offset)
-    return gather_rows_torch(srcs, index, fill_value)
+    return gather_rows_torch(srcs, index, inverse, fill_value, dense=dense, expand=expand)
 
 
 def use_op(src: Tensor) -> bool:
@@ -48,11 +52,26 @@ def use_op(src: Tensor) -> bool:
     return src.is_cuda and _gather_op.kernel_available() and src.numel() * src.element_size() >= KERNEL_MIN_BYTES
 
 
-def gather_rows_torch(srcs: Sequence[Tensor], index: Tensor, fill_value: float = 0) -> Tensor:
-    """The plain-torch gather: ``index == -1`` wraps to the appended fill row (autograd, vmap and compile native)."""
-    src0 = srcs[0]
-    fill = src0.new_full((1, *src0.shape[1:]), fill_value)
-    return torch.cat([*srcs, fill])[index]
+def gather_rows_torch(
+    srcs: Sequence[Tensor], index: Tensor, inverse: Tensor, fill_value: float = 0, *, dense: bool = False,
+    expand: bool = False,
+) -> Tensor:
+    """The same gather in one to three plain torch ops (autograd, vmap and compile native).
+
+    Dense: one index.  Expand (pad, from_thd, from_bshd): the sources scattered into a filled canvas through
+    ``inverse``, -1 landing in a spare row that is cut off.  Otherwise: the sources with one fill row appended,
+    indexed (-1 picks the fill row).
+    """
+    src = srcs[0] if len(srcs) == 1 else torch.cat(list(srcs))
+    if dense:
+        return src[index]
+    n = index.shape[0]
+    if expand:
+        canvas = src.new_full((n + 1, *src.shape[1:]), fill_value)
+        canvas.index_put_((inverse,), src)  # index_put_ (unlike index_copy_) has a vmap batching rule
+        return canvas[:n]
+    fill = src.new_full((1, *src.shape[1:]), fill_value)
+    return torch.cat([src, fill])[index]
 
 
 def to_host(values: Tensor) -> np.ndarray:

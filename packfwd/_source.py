@@ -5,9 +5,10 @@ Planning is host-bound (many tiny tensors), so it is built to launch few kernels
 
 1. the real lengths reach the host in ONE transfer (none when the mask is on the CPU, or when the caller
    passes ``seqlens``: then the device lengths are checked against them asynchronously, without a sync);
-2. every per-sequence quantity (offsets, padded lengths, chunk sizes) is computed on the host, and uploaded in
-   ONE asynchronous copy;
-3. the per-token index maps are then a handful of elementwise kernels over the canvas (``rank_in_row``).
+2. on CUDA with Triton, one kernel then writes every per-token map of the layout (``_plan_kernel``);
+3. elsewhere (the torch path, also the reference), every per-sequence quantity is computed on the host and
+   uploaded in ONE asynchronous copy, and the per-token maps are a handful of elementwise kernels over the
+   canvas (``TokenSource.rank_in_row``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ except ImportError:  # CPU-only installs never launch these (importing this modu
     triton = None
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["fill"])
     def gather_rows_kernel(
         src, d1, d2, d3, d4, d5, d6, d7,  # the first source; element offsets of the others from it
         index, out, n_out, rows_per_src, n_src_rows, index_offset, fill,
@@ -42,7 +42,7 @@ if triton is not None:
                 base += tl.where(which == 6, d6, 0)
             if NSRC > 7:
                 base += tl.where(which == 7, d7, 0)
-        fill = fill.to(out.dtype.element_ty)
+        fill = (fill + tl.zeros([], dtype=tl.int64)).to(out.dtype.element_ty)  # the word's bits
         dst = out + rows.to(tl.int64)[:, None] * WIDTH + cols[None, :]
         if WIDTH % BLOCK_W == 0:  # whole blocks of columns: masks per row only
             vals = tl.load(src + base[:, None] + cols[None, :], mask=keep[:, None], other=fill)

@@ -121,4 +121,4 @@ def from_bshd(y: Tensor, info: BshdInfo, fill_value: float = 0) -> Tensor:
             "exactly the batch to_bshd produced"
         )
     rows = y.reshape(b * info.width, *y.shape[2:])
-    return from_canvas(gather_rows([rows], info.inverse, info.index, fill_value), info.source)
+    return from_canvas(gather_rows([rows], info.inverse, info.index, fill_value, expand=True), info.source)

@@ -107,7 +107,7 @@ def unpad(x: Tensor, attention_mask: Tensor | UnpadInfo, *, seqlens=None) -> tup
     [[10, 20, 0], [0, 30, 40]]
     """
     info = attention_mask if isinstance(attention_mask, UnpadInfo) else plan_unpad(attention_mask, seqlens=seqlens, x=x)
-    return gather_rows([canvas_rows_of(x, info.source)], info.index, info.inverse), info
+    return gather_rows([canvas_rows_of(x, info.source)], info.index, info.inverse, dense=True), info
 
 
 def pad(packed: Tensor, info: UnpadInfo, fill_value: float = 0) -> Tensor:
@@ -115,4 +115,4 @@ def pad(packed: Tensor, info: UnpadInfo, fill_value: float = 0) -> Tensor:
     src = info.source
     if packed.shape[0] != src.total:
         raise ValueError(f"packed has {packed.shape[0]} tokens but the plan has {src.total}; pass unpad's output")
-    return from_canvas(gather_rows([packed], info.inverse, info.index, fill_value), src)
+    return from_canvas(gather_rows([packed], info.inverse, info.index, fill_value, expand=True), src)

@@ -345,7 +345,7 @@ def from_thd(y: Tensor | Sequence[Tensor], info: ThdInfo, fill_value: float = 0)
     order, when ``cp_size > 1`` (gathering them is the caller's collective).
     """
     ys = _check_outputs(y, info)
-    canvas = gather_rows(ys, info.inverse, info.index, fill_value)
+    canvas = gather_rows(ys, info.inverse, info.index, fill_value, expand=True)
     return from_canvas(canvas, info.source)
 
 
