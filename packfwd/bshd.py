@@ -113,7 +113,14 @@ def to_bshd(
 
 
 def from_bshd(y: Tensor, info: BshdInfo, fill_value: float = 0) -> Tensor:
-    """The inverse of ``to_bshd``: ``[b, width, *] -> [b, s, *]`` with ``fill_value`` at padded positions."""
+    """The inverse of ``to_bshd``: ``[b, width, *] -> [b, s, *]`` with ``fill_value`` at padded positions.
+
+    >>> import torch
+    >>> x = torch.tensor([[0, 0, 5, 6], [7, 0, 8, 0]])
+    >>> y, info = to_bshd(x, x != 0)
+    >>> from_bshd(y + 1, info, fill_value=-1).tolist()
+    [[-1, -1, 6, 7], [8, -1, 9, -1]]
+    """
     b = info.source.batch_size
     if y.dim() < 2 or tuple(y.shape[:2]) != (b, info.width):
         raise ValueError(

@@ -36,7 +36,14 @@ from .thd import ThdInfo, _check_seq_align, plan_thd_layout
 
 @dataclass(frozen=True)
 class Bucket:
-    """A fixed THD size: ``tokens`` padded tokens (all CP ranks together) and the ``max_seqlen`` attention sees."""
+    """A fixed THD size: ``tokens`` padded tokens (all CP ranks together) and the ``max_seqlen`` attention sees.
+
+    >>> import torch
+    >>> bucket = Bucket(tokens=16, max_seqlen=8)
+    >>> info = plan_thd_bucket(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]), bucket)
+    >>> info.local_tokens, info.cu_seqlens_padded.tolist(), info.max_seqlen   # 2 spare sequences take the slack
+    (16, [0, 3, 5, 13, 16], 8)
+    """
 
     tokens: int
     max_seqlen: int
@@ -107,6 +114,14 @@ def copy_plan_(dst: ThdInfo, src: ThdInfo) -> ThdInfo:
     Both must be bucket plans of the same bucket, canvas and parallel layout.  After the copy, a CUDA graph
     captured with ``dst`` computes with ``src``'s batch.  (``dst``'s Python ints that describe the data, such as
     ``dst.source.total``, keep their old values: use ``src`` for those.)
+
+    >>> import torch
+    >>> from packfwd import to_thd
+    >>> bucket = Bucket(16, 8)
+    >>> captured = plan_thd_bucket(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]), bucket)
+    >>> ids = torch.tensor([[7, 0, 0, 0], [1, 2, 3, 4]])
+    >>> to_thd(ids, copy_plan_(captured, plan_thd_bucket(ids != 0, bucket)))[0][:6].tolist()
+    [7, 1, 2, 3, 4, 0]
     """
     if not isinstance(dst, ThdInfo) or not isinstance(src, ThdInfo):
         raise TypeError("copy_plan_ copies one ThdInfo into another; pass two plans from plan_thd_bucket")

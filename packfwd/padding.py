@@ -111,7 +111,14 @@ def unpad(x: Tensor, attention_mask: Tensor | UnpadInfo, *, seqlens=None) -> tup
 
 
 def pad(packed: Tensor, info: UnpadInfo, fill_value: float = 0) -> Tensor:
-    """The inverse of ``unpad``: ``[t, *]`` back to ``[b, s, *]`` with ``fill_value`` at padded positions."""
+    """The inverse of ``unpad``: ``[t, *]`` back to ``[b, s, *]`` with ``fill_value`` at padded positions.
+
+    >>> import torch
+    >>> mask = torch.tensor([[0, 1, 1], [1, 0, 1]])
+    >>> packed, info = unpad(torch.tensor([[9, 1, 2], [3, 9, 4]]), mask)
+    >>> pad(packed.float() / 2, info, fill_value=-1).tolist()
+    [[-1.0, 0.5, 1.0], [1.5, -1.0, 2.0]]
+    """
     src = info.source
     if packed.shape[0] != src.total:
         raise ValueError(f"packed has {packed.shape[0]} tokens but the plan has {src.total}; pass unpad's output")

@@ -39,7 +39,12 @@ def sp_pad(packed: Tensor, tp_size: int, fill_value: float = 0) -> Tensor:
 
 
 def sp_unpad(padded: Tensor, num_tokens: int) -> Tensor:
-    """The inverse of ``sp_pad``: the first ``num_tokens`` rows (a new tensor)."""
+    """The inverse of ``sp_pad``: the first ``num_tokens`` rows (a new tensor).
+
+    >>> import torch
+    >>> sp_unpad(torch.tensor([7, 8, 9, 0]), 3).tolist()
+    [7, 8, 9]
+    """
     check_tensor("padded", padded)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise TypeError(f"num_tokens must be a non-negative Python int (the token count before sp_pad), got {num_tokens!r}")

@@ -121,7 +121,11 @@ class ThdInfo:
 
 
 def default_seq_align(cp_size: int) -> int:
-    """The smallest per-sequence alignment Megatron accepts: ``2*cp_size`` under CP, else 1."""
+    """The smallest per-sequence alignment Megatron accepts: ``2*cp_size`` under CP, else 1.
+
+    >>> default_seq_align(1), default_seq_align(4)
+    (1, 8)
+    """
     return 2 * cp_size if cp_size > 1 else 1
 
 
@@ -343,6 +347,12 @@ def from_thd(y: Tensor | Sequence[Tensor], info: ThdInfo, fill_value: float = 0)
 
     ``y``: this rank's ``[t_local, *]`` output when ``cp_size == 1``; the list of every CP rank's output, in rank
     order, when ``cp_size > 1`` (gathering them is the caller's collective).
+
+    >>> import torch
+    >>> ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0]])
+    >>> y, info = to_thd(ids, ids != 0, tp_size=2)
+    >>> y.tolist(), from_thd(y * 10, info, fill_value=-1).tolist()
+    ([1, 2, 3, 4, 5, 0], [[10, 20, 30, -1], [40, 50, -1, -1]])
     """
     ys = _check_outputs(y, info)
     canvas = gather_rows(ys, info.inverse, info.index, fill_value, expand=True)

@@ -187,7 +187,17 @@ def megatron_to_hf(
 
     For a pipeline stage (``layers``, ``pre_process``, ``post_process`` as in :func:`hf_to_megatron`) the result
     holds that stage's part of the HF state dict.  With tied embeddings ``lm_head.weight`` is the embedding, as in
-    HF's own state dict.  Returns new tensors.  Example: see :func:`hf_to_megatron`.
+    HF's own state dict.  Returns new tensors.
+
+    >>> import torch
+    >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+    >>> hf = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    >>> args = args_from_hf_config(hf.config)
+    >>> shards = [hf_to_megatron(hf.state_dict(), args, tp_size=2, tp_rank=r) for r in (0, 1)]
+    >>> back = megatron_to_hf(shards, args)
+    >>> torch.equal(back["model.layers.0.self_attn.q_proj.bias"], hf.model.layers[0].self_attn.q_proj.bias)
+    True
     """
     if not shards:
         raise ValueError("shards is empty; pass one state dict per TP rank, in rank order")
