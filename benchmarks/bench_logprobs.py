@@ -5,7 +5,9 @@ Methods, each for mode ``logp`` (log-probs only) and ``logp+ent`` (log-probs and
 
 * ``naive``: ``log_softmax(logits.float() / T)`` gathered at the labels, entropy ``-(p * log p).sum()``,
   autograd for the backward: several ``[t, v]`` float32 buffers.
-* ``chunked``: ``packfwd.logits.log_probs`` / ``log_probs_and_entropy`` on the same logits.
+* ``chunked``: ``packfwd.logits.log_probs`` / ``log_probs_and_entropy`` on the same logits (on CUDA: the fused
+  Triton kernels of ``packfwd._logprob_kernel``).
+* ``chunked_torch``: the same, forced onto the torch blocks (what ``chunked`` is off CUDA).
 * ``naive_linear`` / ``fused``: from the final hidden states and output weight: ``hidden @ weight.T`` then
   ``naive``, against ``packfwd.logits.fused_log_probs_and_entropy`` (never materialises the logits).
 
@@ -37,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from packfwd.logits import fused_log_probs_and_entropy, log_probs, log_probs_and_entropy  # noqa: E402
+from packfwd.logits import _chunked, fused_log_probs_and_entropy, log_probs, log_probs_and_entropy  # noqa: E402
 
 MODES = ("logp", "logp+ent")
 PASSES = ("fwd", "fwd+bwd")
@@ -61,6 +63,12 @@ def chunked(logits, labels, temperature, mode, blocks=None):
     return log_probs_and_entropy(logits, labels, temperature=temperature, chunk_size=chunk)
 
 
+def chunked_torch(logits, labels, temperature, mode, blocks=None):
+    """``chunked`` forced onto the torch blocks (on CUDA ``chunked`` takes the fused Triton kernels)."""
+    chunk = None if blocks is None else max(1, logits.shape[0] // blocks)
+    return _chunked(logits, labels, temperature, None, chunk, mode == "logp+ent", kernel=False)
+
+
 def naive_linear(hidden, weight, labels, temperature, mode, blocks=None):
     return naive(hidden @ weight.T, labels, temperature, mode)
 
@@ -71,7 +79,7 @@ def fused(hidden, weight, labels, temperature, mode, blocks=None):
     return out if mode == "logp+ent" else {"log_probs": out["log_probs"]}
 
 
-METHODS = {"naive": (naive, "logits"), "chunked": (chunked, "logits"),
+METHODS = {"naive": (naive, "logits"), "chunked": (chunked, "logits"), "chunked_torch": (chunked_torch, "logits"),
            "naive_linear": (naive_linear, "linear"), "fused": (fused, "linear")}
 
 
@@ -206,7 +214,7 @@ def measure(cfg, name, mode, backward):
 def agreement(cfg):
     """Largest |difference| of outputs and gradients: chunked vs naive, fused vs naive_linear (one batch)."""
     result = {}
-    for ours, ref in (("chunked", "naive"), ("fused", "naive_linear")):
+    for ours, ref in (("chunked", "naive"), ("chunked_torch", "naive"), ("fused", "naive_linear")):
         grads = {}
         outs = {}
         for name in (ours, ref):
@@ -261,12 +269,12 @@ def targets(results):
 def table(results):
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:8.3f}"  # noqa: E731
     base = {(r["mode"], r["pass"], METHODS[r["method"]][1]): r for r in results if r["method"].startswith("naive")}
-    lines = [f"{'method':<13}{'mode':<10}{'pass':<9}{'time ms':>10}{'x naive':>9}{'peak GiB':>10}{'x naive':>9}"]
+    lines = [f"{'method':<15}{'mode':<10}{'pass':<9}{'time ms':>10}{'x naive':>9}{'peak GiB':>10}{'x naive':>9}"]
     for r in results:
         ref = base[(r["mode"], r["pass"], METHODS[r["method"]][1])]
         tr = r["time_ms_median"] / ref["time_ms_median"]
         mr = (r["peak_bytes"] / ref["peak_bytes"]) if r["peak_bytes"] is not None and ref["peak_bytes"] else None
-        lines.append(f"{r['method']:<13}{r['mode']:<10}{r['pass']:<9}{r['time_ms_median']:10.2f}{tr:9.2f}"
+        lines.append(f"{r['method']:<15}{r['mode']:<10}{r['pass']:<9}{r['time_ms_median']:10.2f}{tr:9.2f}"
                      f"{gib(r['peak_bytes']):>10}{'n/a' if mr is None else f'{mr:9.3f}':>9}")
     return "\n".join(lines)
 

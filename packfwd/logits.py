@@ -29,6 +29,10 @@ be below the (global) vocab size; this is not checked, as checking would cost a 
 A float temperature must be positive.  In a tensor temperature, entries <= 0 are read as 1: packed layouts fill
 padding slots with 0, and 1 / 0 there would turn the padding rows' gradients into NaN.
 Results are float32 (float64 for float64 inputs).
+
+On one GPU (CUDA bf16/fp16/fp32 logits, no ``tp_group``, no gradient w.r.t. the temperature) the logits
+functions run fused Triton kernels instead (``packfwd._logprob_kernel``: one read of the logits forward, one
+read and one write backward, same math); ``chunk_size`` is then unused.  Everywhere else, the torch blocks above.
 """
 
 from __future__ import annotations
@@ -138,7 +142,8 @@ def fused_log_probs_and_entropy(
     return {"log_probs": logp, "entropy": ent}
 
 
-def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy) -> dict[str, Tensor]:
+def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, kernel=None) -> dict[str, Tensor]:
+    """``kernel``: None picks the Triton kernels where they apply (:func:`_use_kernel`); False forces torch."""
     logits = _check_float("logits", logits, 2, "[t, v]")
     t, v = logits.shape
     if v == 0:
@@ -149,8 +154,22 @@ def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy) ->
     inv_t = _inverse_temperature(temperature, t, _compute_dtype(logits.dtype), logits.device)
     chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // v), align=1)
     group, unit = _check_group(tp_group), _is_one(temperature)
-    logp, ent = _RowBlocks.apply(logits, inv_t, labels, group, chunk, want_entropy, unit)
+    if _use_kernel(logits, group, inv_t) if kernel is None else kernel:
+        from packfwd._logprob_kernel import RowKernel
+
+        logp, ent = RowKernel.apply(logits, inv_t, labels, want_entropy)
+    else:
+        logp, ent = _RowBlocks.apply(logits, inv_t, labels, group, chunk, want_entropy, unit)
     return {"log_probs": logp, "entropy": ent} if want_entropy else {"log_probs": logp}
+
+
+def _use_kernel(logits: Tensor, group, inv_t: Tensor) -> bool:
+    """The fused Triton kernels: CUDA bf16/fp16/fp32 logits, one vocab shard, no temperature gradient."""
+    if not logits.is_cuda or group is not None or inv_t.requires_grad:
+        return False
+    from packfwd._logprob_kernel import supported
+
+    return supported(logits)
 
 
 # ------------------------------------------------------------------------------------------ autograd functions

@@ -18,6 +18,6 @@ status=0
 step() { name=$1; shift; echo "=== $name: $*"; ( "$@" ) > "$OUT/$name.log" 2>&1; rc=$?; tail -n 4 "$OUT/$name.log"; echo "=== $name rc=$rc"; [ $rc -eq 0 ] || status=1; }
 step attention_backends python3 tests/gpu/check_attention_backends.py
 step gpu_tests python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
-step cuda_unit python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py tests/test_logits.py tests/test_layers.py tests/test_gather_op.py
+step cuda_unit python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py tests/test_logits.py tests/gpu/test_logprob_kernel.py tests/test_layers.py tests/test_gather_op.py
 step logprobs_bench python3 benchmarks/bench_logprobs.py --device cuda --out "$OUT/logprobs.json"
 exit $status
