@@ -17,10 +17,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m packfwd.demo
+	$(PY) -m packfwd.viz.demo
+
+# The Triton kernels' tests run on the CPU in Triton's interpreter, which must be on before the kernels are
+# defined (at import): a pytest process of its own (on a GPU machine the same files run the compiled kernels).
+KERNEL_TESTS := tests/gpu/test_gather_kernel.py tests/gpu/test_plan_kernel.py tests/gpu/test_logprob_kernel.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests packfwd
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(PY) -m pytest -q --nbmake notebooks; fi
 
 # The thorough Hypothesis profile: many more examples per property (minutes, not seconds).

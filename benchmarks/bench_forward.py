@@ -165,17 +165,6 @@ def run_variant(variant, model, pass_, grad, cfg, rng, timer):
     return times, runs
 
 
-def use_megatron_rope(model) -> None:
-    """Undo ``install_packed_rope``: Megatron-Core applies RoPE to THD batches itself (for comparison)."""
-    from packfwd.attention import CoreAttention
-
-    rotary = model.rotary_pos_emb
-    rotary.__class__ = next(c for c in type(rotary).__mro__ if "_packfwd_packed" not in c.__dict__)
-    for module in model.modules():
-        if isinstance(module, CoreAttention):
-            module.rope = None
-
-
 def check(model, cfg, rng) -> float:
     """Relative L2 difference of the THD and padded logits over the real tokens (one fresh batch)."""
     lengths, ids, mask = batch(rng, cfg.batch, cfg.seq, cfg.fill_now, cfg.vocab, cfg.device)
@@ -219,10 +208,9 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model = build_model(args, device=cfg.device, params_dtype=dtype)
+    # --megatron-rope: Megatron-Core applies RoPE to THD batches itself (a construction choice, for comparison)
+    model = build_model(args, device=cfg.device, params_dtype=dtype, packed_rope=not cfg.megatron_rope)
     build_s = time.perf_counter() - t0
-    if cfg.megatron_rope:
-        use_megatron_rope(model)
     n_params = sum(p.numel() for p in model.parameters())
     b, s = cfg.batch, cfg.seq
     ceiling = matmul_tflops(cfg.device, dtype, timer)

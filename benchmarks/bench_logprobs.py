@@ -6,7 +6,7 @@ Methods, each for mode ``logp`` (log-probs only) and ``logp+ent`` (log-probs and
 * ``naive``: ``log_softmax(logits.float() / T)`` gathered at the labels, entropy ``-(p * log p).sum()``,
   autograd for the backward: several ``[t, v]`` float32 buffers.
 * ``chunked``: ``packfwd.logits.log_probs`` / ``log_probs_and_entropy`` on the same logits (on CUDA: the fused
-  Triton kernels of ``packfwd._logprob_kernel``).
+  Triton kernels of ``packfwd.ops.logprob``).
 * ``chunked_torch``: the same, forced onto the torch blocks (what ``chunked`` is off CUDA).
 * ``naive_linear`` / ``fused``: from the final hidden states and output weight: ``hidden @ weight.T`` then
   ``naive``, against ``packfwd.logits.fused_log_probs_and_entropy`` (never materialises the logits).

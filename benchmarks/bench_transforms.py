@@ -41,7 +41,9 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from packfwd import _gather_op, _plan_kernel, _rows, from_thd, pad, plan_thd, plan_unpad, to_thd, unpad  # noqa: E402
+from packfwd.ops import gather as _gather_op, plan as _plan_kernel
+from packfwd.ops import gather as _rows
+from packfwd import from_thd, pad, plan_thd, plan_unpad, to_thd, unpad  # noqa: E402
 
 
 class backend:

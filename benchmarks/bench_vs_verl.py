@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, pick_device, random_lengths, random_nonzero, right_padded_mask, table, time_host, write_json  # noqa: E402
 
-from packfwd import _rows, from_thd, pad, plan_thd, to_thd, unpad  # noqa: E402
+from packfwd.ops import gather as _rows
+from packfwd import from_thd, pad, plan_thd, to_thd, unpad  # noqa: E402
 
 TP, CP = 2, 2
 

@@ -24,15 +24,20 @@ the full-vocab gradient and needs no communication.
 Masked vocab entries (logits of ``-inf``, e.g. from top-k filtering) are allowed, with at least one finite
 logit per token and per vocab shard; only the gradient w.r.t. a tensor temperature then is NaN.
 
-Labels: a negative label (such as ``-100``) is ignored: its log-prob is 0 and it sends no gradient.  Labels must
-be below the (global) vocab size; this is not checked, as checking would cost a device-to-host sync.
+Labels: a negative label (such as ``-100``) is ignored: its log-prob is 0 and it sends no gradient.  A label at or
+above the (global) vocab size raises: a ValueError for CPU tensors, an asynchronous device assert on CUDA (no
+host sync; the error surfaces at the next synchronisation).
 A float temperature must be positive.  In a tensor temperature, entries <= 0 are read as 1: packed layouts fill
 padding slots with 0, and 1 / 0 there would turn the padding rows' gradients into NaN.
 Results are float32 (float64 for float64 inputs).
 
 On one GPU (CUDA bf16/fp16/fp32 logits, no ``tp_group``, no gradient w.r.t. the temperature) the logits
-functions run fused Triton kernels instead (``packfwd._logprob_kernel``: one read of the logits forward, one
+functions run fused Triton kernels instead (``packfwd.ops.logprob``: one read of the logits forward, one
 read and one write backward, same math); ``chunk_size`` is then unused.  Everywhere else, the torch blocks above.
+
+One module past 300 lines: the row-block and vocab-block autograd functions share their block math
+(``_block_stats``, ``_block_grad``, the group reductions) and their argument checks; split, the math would be
+read in two places.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["entropy", "fused_log_probs_and_entropy", "log_probs", "log_probs_and_entropy"]
+__all__ = ["entropy", "fused_log_probs_and_entropy", "log_probs", "log_probs_and_entropy", "vocab_parallel"]
 
 # Entries of one float32 work block: 2**26 * 4 B = 256 MiB.  At most two such buffers live at once, far below
 # the [t, v] float32 buffers they replace, while each kernel stays big enough to hide its launch (at v = 128k a
@@ -52,6 +57,26 @@ _BLOCK_ELEMENTS = 1 << 26
 
 # ----------------------------------------------------------------------------------------------- public API
 
+
+def vocab_parallel(fn):
+    """Mark a logits processor as handling a vocabulary slice: it takes ``tp_group=`` (the process group the
+    output layer's vocabulary is split over, or None) and returns full-vocabulary numbers.
+
+    ``make_forward`` calls a marked processor with the model's tensor-parallel group; it refuses an unmarked
+    processor on a tensor-parallel model, whose logits hold only this rank's slice of the vocabulary.  The
+    processors of this module are marked.
+
+    >>> @vocab_parallel
+    ... def greedy_logit(logits, *, tp_group=None):
+    ...     return {"max": logits.max(-1).values}     # (a real one would all-reduce the max over tp_group)
+    >>> greedy_logit.takes_tp_group
+    True
+    """
+    fn.takes_tp_group = True
+    return fn
+
+
+@vocab_parallel
 
 def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) -> Tensor:
     """Log-probability of each token's label: ``log_softmax(logits / temperature)[i, labels[i]]``.
@@ -70,6 +95,7 @@ def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None,
     return _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy=False)["log_probs"]
 
 
+@vocab_parallel
 def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` per token: ``[t, v] -> [t]`` float32.
 
@@ -82,6 +108,7 @@ def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) 
     return _chunked(logits, None, temperature, tp_group, chunk_size, want_entropy=True)["entropy"]
 
 
+@vocab_parallel
 def log_probs_and_entropy(
     logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None
 ) -> dict[str, Tensor]:
@@ -135,9 +162,10 @@ def fused_log_probs_and_entropy(
         )
     t, v_local = hidden.shape[0], weight.shape[0]
     labels = _check_labels(labels, t, hidden.device)
+    group, unit = _check_group(tp_group), _is_one(temperature)
+    _check_label_range(labels, v_local * _group_size(group))
     inv_t = _inverse_temperature(temperature, t, _compute_dtype(hidden.dtype), hidden.device)
     chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // max(t, 1)), align=128)
-    group, unit = _check_group(tp_group), _is_one(temperature)
     logp, ent = _FusedLinear.apply(hidden, weight, inv_t, labels, group, min(chunk, v_local), unit)
     return {"log_probs": logp, "entropy": ent}
 
@@ -151,11 +179,13 @@ def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, ke
     if labels is None:  # entropy only: every label ignored, so the log-prob side costs nothing
         labels = torch.full((t,), -1, dtype=torch.long, device=logits.device)
     labels = _check_labels(labels, t, logits.device)
+    group = _check_group(tp_group)
+    _check_label_range(labels, v * _group_size(group))
     inv_t = _inverse_temperature(temperature, t, _compute_dtype(logits.dtype), logits.device)
     chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // v), align=1)
-    group, unit = _check_group(tp_group), _is_one(temperature)
+    unit = _is_one(temperature)
     if _use_kernel(logits, group, inv_t) if kernel is None else kernel:
-        from packfwd._logprob_kernel import RowKernel
+        from packfwd.ops.logprob import RowKernel
 
         logp, ent = RowKernel.apply(logits, inv_t, labels, want_entropy)
     else:
@@ -167,7 +197,7 @@ def _use_kernel(logits: Tensor, group, inv_t: Tensor) -> bool:
     """The fused Triton kernels: CUDA bf16/fp16/fp32 logits, one vocab shard, no temperature gradient."""
     if not logits.is_cuda or group is not None or inv_t.requires_grad:
         return False
-    from packfwd._logprob_kernel import supported
+    from packfwd.ops.logprob import supported
 
     return supported(logits)
 
@@ -438,6 +468,24 @@ def _check_labels(labels, t: int, device) -> Tensor:
     if labels.device != device:
         raise ValueError(f"labels are on {labels.device} but the logits on {device}; move them with .to()")
     return labels.long()
+
+
+def _check_label_range(labels: Tensor, vocab: int) -> None:
+    """Labels must lie below the vocabulary size (negative: ignored).  No host sync on CUDA."""
+    message = f"labels hold a token id >= the vocabulary size {vocab}; pass labels in [0, {vocab}) (negative = ignored)"
+    if labels.device.type == "cpu":
+        if labels.numel() and int(labels.max()) >= vocab:
+            raise ValueError(message)
+    else:
+        torch._assert_async((labels < vocab).all(), message)
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
 
 
 def _inverse_temperature(temperature, t: int, dtype: torch.dtype, device) -> Tensor:

@@ -1,9 +1,11 @@
-"""packfwd.attention: the varlen backends and the Megatron-facing CoreAttention.
+"""packfwd.models.varlen and packfwd.models.attention: the varlen backends, the automatic choice among them, and
+the Megatron-facing CoreAttention.
 
 Strategy: every result is checked against a float64 loop over sequences and heads that builds each sequence's
 causal mask with ``torch.tril`` (bottom-right aligned, as flash-attn defines it) and applies a plain softmax;
 rows with no visible key are zero.  The CUDA backends are compared with the reference on the GPU machine by
-tests/gpu/check_attention_backends.py.
+tests/gpu/check_attention_backends.py; here the automatic choice is checked for a CUDA device with its kernels
+stubbed in, so it runs on the CPU.
 """
 
 from __future__ import annotations
@@ -16,13 +18,9 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
-from packfwd.attention import (
-    BACKENDS,
-    CoreAttention,
-    available_backends,
-    varlen_attention,
-    varlen_attention_reference,
-)
+from packfwd.models import varlen
+from packfwd.models.attention import CoreAttention
+from packfwd.models.varlen import BACKENDS, available_backends, varlen_attention, varlen_attention_reference
 
 
 def loop_attention(q, k, v, lens_q, lens_k, causal, scale=None):
@@ -110,6 +108,26 @@ def test_dispatch_on_cpu():
         varlen_attention(q, k, v, c, c, 3, 3, backend="flash")
     with pytest.raises(ValueError, match="not usable"):
         varlen_attention(q, k, v, c, c, 3, 3, backend="torch_varlen")
+
+
+def test_automatic_choice_on_cuda_warns_once_per_slow_dtype(monkeypatch, recwarn):
+    """Selection only (no CUDA needed): a CUDA device whose varlen kernel is present (stubbed)."""
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: object())
+    monkeypatch.setattr(varlen, "_flash_attn_func", lambda: None)
+    monkeypatch.setattr(varlen, "_WARNED_DTYPES", set())
+    cuda = torch.device("cuda", 0)
+    assert varlen._resolve(None, cuda, torch.bfloat16) == varlen._resolve(None, cuda, torch.float16) == "torch_varlen"
+    assert not recwarn.list
+    for _ in range(2):
+        assert varlen._resolve(None, cuda, torch.float32) == "reference"
+        assert varlen._resolve(None, cuda, torch.float64) == "reference"
+    messages = [str(w.message) for w in recwarn.list]
+    assert len(messages) == 2 and all(issubclass(w.category, UserWarning) for w in recwarn.list)
+    for dtype, message in zip(("torch.float32", "torch.float64"), messages):
+        assert dtype in message and "'torch_varlen'" in message and "bfloat16" in message
+    assert varlen._resolve("reference", cuda, torch.float32) == "reference"  # chosen knowingly: no warning
+    assert varlen._resolve(None, torch.device("cpu"), torch.float32) == "reference"  # nothing faster on the CPU
+    assert len(recwarn.list) == 2
 
 
 @pytest.mark.parametrize(

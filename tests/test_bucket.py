@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from packfwd import from_thd, position_ids, to_thd
-from packfwd.bucket import Bucket, _clone, copy_plan_, plan_thd_bucket
+from packfwd.layout.bucket import Bucket, _clone, copy_plan_, plan_thd_bucket
 
 from .oracles import ref_masked, ref_positions, ref_sequences
 from .strategies import batches, parallel, random_tensor
@@ -129,7 +129,7 @@ def test_gradients_are_zero_at_padding_and_spares():
         (dict(bucket=Bucket(tokens=10, max_seqlen=8), cp_size=2), "multiple of 4"),
         (dict(bucket=Bucket(tokens=16, max_seqlen=6), cp_size=2), "max_seqlen=6 must be a multiple"),
         (dict(bucket=Bucket(tokens=16, max_seqlen=4)), "below the longest padded sequence"),
-        (dict(bucket=(16, 8)), "must be a packfwd.bucket.Bucket"),
+        (dict(bucket=(16, 8)), "must be a packfwd.layout.bucket.Bucket"),
     ],
 )
 def test_errors_name_the_fix(kwargs, words):

@@ -1,4 +1,5 @@
-"""Tests for packfwd.parallel.context: context-parallel causal attention over the THD zigzag layout.
+"""Tests for packfwd.parallel.context and .gather: context-parallel causal attention over the THD zigzag layout,
+and the CP all-gather with each of its two backward rules.
 
 Strategy: the oracle is single-process causal attention over the whole padded sequences (PyTorch's
 ``scaled_dot_product_attention`` in float64, one sequence at a time, GQA by repeating K/V heads), and the
@@ -7,7 +8,9 @@ packfwd's index arithmetic.  Real gloo processes (``run_local``, cp=2 and cp=3) 
 ``context_parallel_attention`` on their shards with packfwd's reference varlen kernel as ``attn_fn``; each rank's
 output must equal the oracle's rows at its positions, and the gradients of q, k, v, put back in global order,
 must equal the oracle's gradients.  The cases cover ragged sequences, chunks made only of padding, an empty
-sequence, GQA and MHA.  The index maps are checked against the loop on random layouts (Hypothesis).
+sequence, GQA and MHA.  The all-gather's backward is checked by hand for both rules: ``"sum"`` (every rank's loss
+differs) and ``"local"`` (every rank computes the same loss).  The index maps are checked against the loop on
+random layouts (Hypothesis).
 """
 
 from __future__ import annotations
@@ -22,16 +25,10 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packfwd.attention import varlen_attention_reference
-from packfwd.launch import run_local
-from packfwd.parallel.context import (
-    all_gather_cp,
-    context_parallel_attention,
-    plan_zigzag_attention,
-    zigzag_global_index,
-    zigzag_local_index,
-    zigzag_to_global,
-)
+from packfwd.models.varlen import varlen_attention_reference
+from packfwd.parallel import all_gather_cp, context_parallel_attention, zigzag_to_global
+from packfwd.parallel.context import _zigzag_global_index, plan_zigzag_attention
+from packfwd.testing import run_local
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -122,13 +119,17 @@ def _cp_worker(rank: int, cp: int, cases: list[Case]):
         )
         (out * grad_out[pos]).sum().backward()
         # The gather + reorder alone must reproduce the global tensor (forward) ...
-        regathered = zigzag_to_global(all_gather_cp(q[pos], None), case.cu)
+        regathered = zigzag_to_global(all_gather_cp(q[pos], None, backward="sum"), case.cu)
         results.append((out.detach(), ql.grad, kl.grad, vl.grad, regathered))
-    # ... and all_gather_cp's backward returns to each rank the sum of every rank's gradient for its slot.
+    # ... and all_gather_cp's backward "sum" returns to each rank the sum of every rank's gradient for its slot,
     x = torch.full((3, 2), float(rank + 1), dtype=torch.float64, requires_grad=True)
     weights = torch.arange(cp, dtype=torch.float64)[:, None, None] + 10.0 * rank  # rank-dependent
-    gathered = all_gather_cp(x, None)
+    gathered = all_gather_cp(x, None, backward="sum")
     (gathered * weights).sum().backward()
+    # while "local" (every rank computes the same loss) keeps this rank's own gradient for its slot.
+    z = torch.full((3, 2), float(rank + 1), dtype=torch.float64, requires_grad=True)
+    same = torch.arange(cp, dtype=torch.float64)[:, None, None] + 1.0  # the same weights on every rank
+    (all_gather_cp(z, None, backward="local") * same).sum().backward()
     # The group check: a cp_rank that is not this process's rank in the group is refused, naming both.
     try:
         context_parallel_attention(ql, kl, vl, case.cu, max(case.padded), cp_size=cp, cp_rank=(rank + 1) % cp,
@@ -136,7 +137,7 @@ def _cp_worker(rank: int, cp: int, cases: list[Case]):
         group_error = None
     except ValueError as exc:
         group_error = str(exc)
-    return results, gathered.detach(), x.grad, group_error
+    return results, gathered.detach(), (x.grad, z.grad), group_error
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,12 +179,19 @@ def test_output_and_grads_match_single_process(cp, index):
 @pytest.mark.parametrize("cp", sorted(CASES))
 def test_all_gather_cp_forward_and_backward(cp):
     per_rank = _run(cp)
-    for rank, (_, gathered, x_grad, _) in enumerate(per_rank):
+    for rank, (_, gathered, (x_grad, z_grad), _) in enumerate(per_rank):
         expected = torch.stack([torch.full((3, 2), float(r + 1), dtype=torch.float64) for r in range(cp)])
         torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
-        # Rank s weights slot r by r + 10 s; rank r's input gets the sum over s: cp * r + 10 * (0 + ... + cp-1).
+        # "sum": rank s weights slot r by r + 10 s; rank r's input gets the sum over s: cp * r + 10 * (0 + ... + cp-1).
         want = cp * rank + 10.0 * sum(range(cp))
         torch.testing.assert_close(x_grad, torch.full((3, 2), want, dtype=torch.float64), rtol=0, atol=0)
+        # "local": every rank weights slot r by r + 1; rank r's input gets that once, not cp times.
+        torch.testing.assert_close(z_grad, torch.full((3, 2), rank + 1.0, dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_all_gather_cp_names_its_backward_rules():
+    with pytest.raises(ValueError, match="'sum'.*'local'"):
+        all_gather_cp(torch.zeros(2), None, backward="mean")
 
 
 @pytest.mark.parametrize("cp", sorted(CASES))
@@ -213,12 +221,10 @@ def test_index_maps_match_the_loop(layout):
     cp, padded = layout
     cu, local = _cu(padded), sum(padded) // cp
     shards = [_local_positions(padded, cp, r) for r in range(cp)]
-    for r in range(cp):
-        assert zigzag_local_index(cu, cp, r, local).tolist() == shards[r]
     gathered = torch.tensor(shards, dtype=torch.long).reshape(cp, local)  # each slot holds its global position
     assert zigzag_to_global(gathered, cu).tolist() == list(range(sum(padded)))
     flat = gathered.flatten()
-    assert flat[zigzag_global_index(cu, cp, local)].tolist() == list(range(sum(padded)))
+    assert flat[_zigzag_global_index(cu, cp, local)].tolist() == list(range(sum(padded)))
 
 
 @given(layouts())
@@ -308,7 +314,7 @@ GPU_CASE = Case("gpu_ragged_gqa", real=(37, 3, 64), padded=(40, 4, 64), hq=8, hk
 
 
 def _cp_worker_cuda(rank: int, cp: int, case: Case):
-    from packfwd.attention import varlen_attention
+    from packfwd.models.varlen import varlen_attention
 
     device = torch.device("cuda", rank)
     pos = torch.tensor(_local_positions(list(case.padded), cp, rank), dtype=torch.long)

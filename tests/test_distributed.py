@@ -43,10 +43,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from packfwd import next_token_labels
 from packfwd.forward import make_forward
-from packfwd.launch import RankError, run_local
+from packfwd.testing import RankError, run_local
 from packfwd.layers import layer_partition
 from packfwd.logits import log_probs_and_entropy
-from packfwd.models import args_from_hf_config, from_hf, megatron_to_hf
+from packfwd.models import from_hf, megatron_to_hf
+from packfwd.models.hf import args_from_hf_config
 
 from .test_hf_interop import TINY, randomise, ragged_batch
 
@@ -159,7 +160,7 @@ def setup_rank(hf, layout: Layout, device_type: str, dtype) -> RankSetup:
     """Megatron's parallel state for ``layout`` (re-initialised) and this rank's shard of ``hf``."""
     from megatron.core import parallel_state as ps
 
-    from packfwd.models import ensure_model_parallel
+    from packfwd.models.runtime import ensure_model_parallel
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -303,7 +304,7 @@ def test_matches_the_single_process_model(layout):
 def _cp_forward(hf, *, check: bool):
     from megatron.core import parallel_state as ps
 
-    from packfwd.models import ensure_model_parallel
+    from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(cp_size=2)
     group = ps.get_context_parallel_group()
@@ -323,7 +324,7 @@ def caught_failures(rank: int, world_size: int, hf):
     """Bad input of several kinds; returns what each case raised on this rank, as (type, message)."""
     from megatron.core import parallel_state as ps
 
-    from packfwd.models import ensure_model_parallel
+    from packfwd.models.runtime import ensure_model_parallel
     from packfwd.parallel import pipeline_forward_backward
 
     def attempt(fn):

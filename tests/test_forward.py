@@ -158,7 +158,7 @@ def test_cp_plan_keeps_megatrons_rope_table_unambiguous():
     """Megatron-Core reads a THD RoPE table of max_seqlen * cp rows that equals the packed total as per-token
     offsets; two sequences of equal padded length under cp=2 would hit that, so the forward reports a larger
     max_seqlen."""
-    from packfwd.forward import _Thd
+    from packfwd.forward.layouts import Thd as _Thd
 
     ids = torch.ones(2, 8, dtype=torch.long)
     mask = torch.ones(2, 8, dtype=torch.bool)

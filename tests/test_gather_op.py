@@ -1,15 +1,16 @@
 """The custom op ``packfwd::gather_rows`` (the CUDA transforms' row gather) on the CPU, against a plain loop:
-its value, its backward pass (gradcheck in float64, through the inverse map), its vmap rule and torch.compile.
-The Triton kernel itself runs in Triton's interpreter when Triton is installed (the GPU tests run it for real)."""
-
-import os
+its value, its backward pass (gradcheck in float64, through the inverse map), its vmap rule and torch.compile,
+and every transform routed through it.  On the CPU the op runs its torch implementation; the Triton kernel
+behind it is tested in tests/gpu/test_gather_kernel.py (on the GPU, and on the CPU in Triton's interpreter)."""
 
 import pytest
 import torch
 from torch.autograd import gradcheck
-from torch.func import grad, jvp, vmap
+from torch.func import grad, jvp, vjp, vmap
 
-from packfwd._gather_op import _reference, gather_rows, gather_rows_op
+from packfwd import from_bshd, from_thd, pad, plan_bshd, plan_thd, plan_unpad, to_bshd, to_thd, unpad
+from packfwd.ops import gather as _gather
+from packfwd.ops.gather import _op_gather_rows as gather_rows, gather_rows_op
 
 
 def gather(srcs, index, offset, inverse, inverse_offset, fill):
@@ -103,29 +104,12 @@ def test_compiles_fullgraph():
     assert torch.equal(torch.autograd.grad((got * w).sum(), x)[0], torch.autograd.grad((expected * w).sum(), x)[0])
 
 
-def test_triton_kernel_in_the_interpreter():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("run with TRITON_INTERPRET=1 to execute the Triton kernel on the CPU")
-    from packfwd._gather_op import _launch
-
-    g = torch.Generator().manual_seed(0)
-    for dtype in [torch.bfloat16, torch.float32, torch.int64, torch.bool, torch.int8]:
-        for shape in [(13,), (13, 3), (13, 5, 8), (13, 600)]:
-            for nsrc, offset in [(1, 0), (3, 2)]:
-                srcs = [(torch.randn(shape, generator=g) * 10).to(dtype) for _ in range(nsrc)]
-                index = torch.randint(-1, shape[0] * nsrc + offset, (17,), generator=g)
-                assert torch.equal(_launch(srcs, index, offset, -3.0), _reference(srcs, index, offset, -3.0))
-
-
-def test_transforms_through_the_op_equal_the_torch_path(monkeypatch):
+def check_transforms_through_the_op(monkeypatch, device="cpu", *, slow_checks=True):
     """Every transform routed through the custom op (as on CUDA) against the plain-torch path: values, vmap,
-    torch.func.grad, vjp, jvp, gradcheck and torch.compile."""
-    from torch.func import vjp as func_vjp
-
-    from packfwd import _rows, from_bshd, from_thd, pad, plan_bshd, plan_thd, plan_unpad, to_bshd, to_thd, unpad
-
-    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [1, 0, 1, 1, 0, 1]]).bool()
+    torch.func.grad, vjp, jvp, and (``slow_checks``) gradcheck, gradgradcheck and torch.compile.  Shared with the
+    kernel tests (tests/gpu/test_gather_kernel.py), which run it with the op on the Triton kernel."""
+    mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [1, 0, 1, 1, 0, 1]], device=device)
+    mask = mask.bool()
     thd = [plan_thd(mask, tp_size=2, cp_size=2, cp_rank=r) for r in range(2)]
     unp, bsh, thd1 = plan_unpad(mask), plan_bshd(mask, tp_size=2), plan_thd(mask, tp_size=4)
 
@@ -136,10 +120,10 @@ def test_transforms_through_the_op_equal_the_torch_path(monkeypatch):
         return (from_thd(outs, thd[0], fill_value=-1), pad(packed + 1, unp, 3), from_bshd(y, bsh),
                 from_thd(to_thd(x, thd1)[0], thd1), *outs, packed, y)
 
-    x = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 6, 5, dtype=torch.float64, device=device, requires_grad=True)
     expected = everything(x)
     rank0_grad = torch.autograd.grad(expected[4].sum(), x, retain_graph=True)[0]
-    monkeypatch.setattr(_rows, "use_op", lambda src: True)
+    monkeypatch.setattr(_gather, "use_op", lambda src: True)
     got = everything(x)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
@@ -147,18 +131,24 @@ def test_transforms_through_the_op_equal_the_torch_path(monkeypatch):
     ga = torch.autograd.grad(sum((a * v).sum() for a, v in zip(got, w)), x)[0]
     gb = torch.autograd.grad(sum((b * v).sum() for b, v in zip(expected, w)), x)[0]
     assert torch.allclose(ga, gb, rtol=0, atol=1e-12)
-    assert gradcheck(lambda x: everything(x)[:4], (x[:, :, :2].detach().requires_grad_(),))
-    xs = torch.randn(3, 4, 6, 2, dtype=torch.float64)
+    xs = torch.randn(3, 4, 6, 2, dtype=torch.float64, device=device)
     batched = vmap(lambda x: everything(x)[0])(xs)
     assert torch.equal(batched, torch.stack([everything(v)[0] for v in xs]))
     g = grad(lambda x: everything(x)[1].sum())(x.detach())
     assert torch.equal(g, mask[..., None].double().expand(4, 6, 5))
-    out, pullback = func_vjp(lambda x: everything(x)[4], x.detach())
+    out, pullback = vjp(lambda x: everything(x)[4], x.detach())
     assert torch.equal(pullback(torch.ones_like(out))[0], rank0_grad)
-    t = torch.randn(4, 6, 5, dtype=torch.float64)
+    t = torch.randn(4, 6, 5, dtype=torch.float64, device=device)
     tangent = jvp(lambda x: everything(x)[0], (x.detach(),), (t,))[1]
     assert torch.equal(tangent, torch.where(mask[..., None], 2 * t, 0))
+    if not slow_checks:
+        return
+    assert gradcheck(lambda x: everything(x)[:4], (x[:, :, :2].detach().requires_grad_(),))
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: everything(x)[:4], fullgraph=True)(x.detach())
     for a, b in zip(compiled, expected):
         assert torch.equal(a, b.detach())
+
+
+def test_transforms_through_the_op_equal_the_torch_path(monkeypatch):
+    check_transforms_through_the_op(monkeypatch)

@@ -1,4 +1,4 @@
-"""Tests for packfwd.launch.run_local.
+"""Tests for packfwd.testing.launch.run_local.
 
 Strategy: every test spawns real gloo processes (the same path the multi-process tests of packfwd use) and
 checks what the parent sees: results in rank order, a collective's value computed independently here, and the
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from packfwd.launch import RankError, run_local
+from packfwd.testing import RankError, run_local
 
 
 # ------------------------------------------------------------------------------- workers (module level: spawned)

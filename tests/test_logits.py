@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from packfwd.launch import run_local
+from packfwd.testing import run_local
 from packfwd.logits import entropy, fused_log_probs_and_entropy, log_probs, log_probs_and_entropy
 
 IGNORE = -100

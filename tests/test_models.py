@@ -1,7 +1,8 @@
 """packfwd.models: the CPU support shim, the builders, pipeline stages, and functional use.
 
-Strategy: the shim's rotary table is compared with Megatron-Core's own ``RotaryEmbedding.get_emb`` (run with
-``torch.cuda.current_device`` pointed at the CPU for the comparison only); pipeline stages are composed one
+Strategy: the model's rotary table is compared with Megatron-Core's own ``RotaryEmbedding.get_emb`` (run with
+``torch.cuda.current_device`` pointed at the CPU for the comparison only); the built model is checked to be what
+its constructor and spec describe (classes and shared RoPE, no instance patches); pipeline stages are composed one
 after another in one process and compared with the unsplit model; ``torch.func.functional_call`` is compared
 with loading the same weights into the module.
 """
@@ -16,9 +17,14 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from packfwd import to_thd
 from packfwd.forward import make_forward
 from packfwd.layers import layer_partition
-from packfwd.models import ModelArgs, ValueHead, build_model, ensure_model_parallel, load_weights, model_args
-from packfwd.models.cpu import config_overrides, is_host, keep_rotary_on_host
-from packfwd.models.runtime import StagePlacement, stage_process_groups
+from packfwd.models import ModelArgs, build_model, is_value_model
+from packfwd.models.attention import CoreAttention
+from packfwd.models.cpu import config_overrides, is_host
+from packfwd.models.gpt import ValueHead, model_args
+from packfwd.models.hf import load_weights
+from packfwd.models.model import PackedGPTModel
+from packfwd.models.rope import PackedRope, PackedRotaryEmbedding
+from packfwd.models.runtime import StagePlacement, ensure_model_parallel, stage_process_groups
 
 from .test_hf_interop import hf_model, ragged_batch
 
@@ -31,11 +37,8 @@ ARGS = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_host_rotary_table_equals_megatrons(monkeypatch, interleaved):
-    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved, rotary_base=500000,
-                           use_cpu_initialization=True)
-    holder = torch.nn.Sequential(rope)
-    keep_rotary_on_host(holder)
-    assert type(rope) is not RotaryEmbedding and isinstance(rope, RotaryEmbedding)
+    rope = PackedRotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved,
+                                 rotary_base=500000, use_cpu_initialization=True)
     ours = rope.get_emb(11, offset=3)
     assert ours.device.type == "cpu" and rope.inv_freq.device.type == "cpu"
 
@@ -58,9 +61,25 @@ def test_shim_applies_on_the_cpu_only():
     assert config_overrides(torch.device("cuda", 1)) == {"use_cpu_initialization": False}
     assert is_host("cpu") and not is_host("cuda")
     model = build_model(ARGS)
-    assert model.config.use_cpu_initialization
-    assert type(model.rotary_pos_emb) is not RotaryEmbedding  # swapped on the CPU
+    assert model.config.use_cpu_initialization and model.rotary_pos_emb.inv_freq.device.type == "cpu"
     assert all(p.device.type == "cpu" for p in model.parameters())
+    assert not model.forward_on_host  # only sequence parallelism needs host collectives
+
+
+def test_the_model_is_what_its_constructor_and_spec_build():
+    args = ModelArgs(**{**ARGS.__dict__, "num_layers": 2, "value_head": True})
+    model = build_model(args, attention_backend="reference", init=False)
+    assert type(model) is PackedGPTModel and type(model.rotary_pos_emb) is PackedRotaryEmbedding
+    assert type(model.output_layer) is ValueHead and is_value_model(model)
+    cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
+    assert len(cores) == 2 and all(c.backend == "reference" for c in cores)
+    rope = cores[0].rope
+    assert isinstance(rope, PackedRope) and all(c.rope is rope for c in cores)  # one RoPE, from the spec params
+    assert rope.rotary is model.rotary_pos_emb
+    assert not model._forward_hooks and not model._forward_pre_hooks  # nothing hooked on afterwards
+    plain = build_model(ARGS, init=False, packed_rope=False)  # Megatron-Core's THD RoPE: a constructor choice
+    assert all(m.rope is None for m in plain.modules() if isinstance(m, CoreAttention))
+    assert plain.rotary_pos_emb(16, packed_seq=True) is not None
 
 
 # ----------------------------------------------------------------------------------------------- runtime
@@ -98,6 +117,7 @@ def test_value_model_outputs_one_column():
     args = ModelArgs(**{**ARGS.__dict__, "value_head": True, "value_head_bias": True, "num_layers": 2})
     model = build_model(args)
     assert isinstance(model.output_layer, ValueHead) and model.output_layer.bias is not None
+    assert not is_value_model(build_model(ARGS, init=False))
     ids, mask = ragged_batch("mixed")
     with torch.no_grad():
         raw = model(ids, None, None)

@@ -1,9 +1,10 @@
 """packfwd.models.rope: THD RoPE without host syncs.
 
-Strategy: positions are checked against ``packfwd.position_ids`` of the same THD plan (the layout's own map,
-computed another way) and a plain loop; the rotation against Megatron-Core's ``apply_rotary_pos_emb`` on the
-same THD tensor (bitwise: the arithmetic is the same op for op); and a whole model's THD forward against the
-same model with Megatron-Core's own THD RoPE put back.
+Strategy: the positions RoPE uses (``packfwd.layout.rules.local_positions``) are checked against
+``packfwd.position_ids`` of the same THD plan and a plain loop; the rotation against Megatron-Core's
+``apply_rotary_pos_emb`` on the same THD tensor (bitwise: the arithmetic is the same op for op); and a whole
+model's THD forward against the same weights in a model built with Megatron-Core's own THD RoPE
+(``packed_rope=False``).
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import dataclasses
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from packfwd import plan_thd, position_ids
-from packfwd.attention import CoreAttention
 from packfwd.forward import make_forward
-from packfwd.models import ModelArgs, build_model, transformer_config
-from packfwd.models.cpu import keep_rotary_on_host
-from packfwd.models.rope import PackedRope, packed_positions
+from packfwd.layout.rules import local_positions
+from packfwd.models import ModelArgs, build_model
+from packfwd.models.attention import CoreAttention
+from packfwd.models.gpt import transformer_config
+from packfwd.models.hf import load_weights
+from packfwd.models.rope import PackedRope, PackedRotaryEmbedding
 from packfwd.models.runtime import StagePlacement
 
 from .test_hf_interop import ragged_batch
@@ -48,16 +50,14 @@ def test_positions_match_the_plan_and_a_loop(cp):
     mask = torch.arange(20)[None] < lengths[:, None]
     for rank in range(cp):
         info = plan_thd(mask, cp_size=cp, cp_rank=rank, tp_size=2)
-        got = packed_positions(info.cu_seqlens_padded, info.local_tokens, cp, rank)
+        got = local_positions(info.cu_seqlens_padded, info.local_tokens, cp, rank)
         assert got.tolist() == position_ids(info).tolist()
         assert got.tolist() == loop_positions(info.cu_seqlens_padded.diff().tolist(), cp, rank)
 
 
 def rotary(interleaved=False):
-    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved, rotary_base=10000,
-                           use_cpu_initialization=True)
-    keep_rotary_on_host(torch.nn.Sequential(rope))
-    return rope
+    return PackedRotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved,
+                                 rotary_base=10000, use_cpu_initialization=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,9 +73,12 @@ def test_rotation_is_megatrons_bit_for_bit(dtype, interleaved, cp):
         t = int(cu[-1]) // cp
         q, k = torch.randn(t, 4, 16).to(dtype), torch.randn(t, 2, 16).to(dtype)
         group = StagePlacement(rank_=rank, size_=cp)
-        want_q = apply_rotary_pos_emb(q, table, config, cu_seqlens=cu, cp_group=group)
-        want_k = apply_rotary_pos_emb(k, table, config, cu_seqlens=cu, cp_group=group)
-        got_q, got_k = PackedRope(rope, interleaved)(q, k, cu, max_seqlen, cp, rank)
+        # Megatron's own THD path without the empty sequence (0.19's interleaved rotation cannot take an empty
+        # slice); an empty sequence holds no token, so the rotation is the same
+        nonempty = torch.unique_consecutive(cu)
+        want_q = apply_rotary_pos_emb(q, table, config, cu_seqlens=nonempty, cp_group=group)
+        want_k = apply_rotary_pos_emb(k, table, config, cu_seqlens=nonempty, cp_group=group)
+        got_q, got_k = PackedRope(rope)(q, k, cu, cp, rank)
         assert got_q.dtype == dtype and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
@@ -85,16 +88,14 @@ def test_model_thd_forward_equals_megatrons_own_thd_rope():
     assert model.rotary_pos_emb(16, packed_seq=True) is None
     cores = [m for m in model.modules() if isinstance(m, CoreAttention)]
     assert len(cores) == 2 and all(c.rope is not None for c in cores)
+    megatron = load_weights(build_model(ARGS, init=False, packed_rope=False),
+                            {n: p.detach() for n, p in model.named_parameters()})
+    assert megatron.rotary_pos_emb(16, packed_seq=True) is not None
     ids, mask = ragged_batch("mixed")
     with torch.no_grad():
         ours = make_forward("thd")(model, ids, mask)
-        # put Megatron-Core's THD RoPE back: the rotary module's own class, no PackedRope
-        model.rotary_pos_emb.__class__ = type(model.rotary_pos_emb).__mro__[1]
-        for c in cores:
-            c.rope = None
-        assert model.rotary_pos_emb(16, packed_seq=True) is not None
-        megatron = make_forward("thd")(model, ids, mask)
-    torch.testing.assert_close(ours, megatron, rtol=0, atol=0)
+        theirs = make_forward("thd")(megatron, ids, mask)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert ours[mask].abs().sum() > 0 and not ours[~mask].any()
 
 

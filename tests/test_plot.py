@@ -1,4 +1,4 @@
-"""Tests for packfwd.plot (Agg backend, no display).
+"""Tests for packfwd.viz.plot (Agg backend, no display).
 
 Strategy: draw on plain ``matplotlib.figure.Figure`` axes, render with the Agg canvas, then read the artists
 back: one patch per token or layer, hatched patches exactly where the padding is, cell positions and names
@@ -22,7 +22,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from packfwd.plot import draw_layer_partition, draw_mask, draw_thd, plot_padding_sweep
+from packfwd.viz.plot import draw_layer_partition, draw_mask, draw_thd, plot_padding_sweep
 
 from .oracles import ref_padded_lengths, ref_thd_rank
 
@@ -164,20 +164,46 @@ def test_plot_padding_sweep_bar_heights():
 
 
 def test_import_does_not_import_matplotlib():
-    code = "import sys, packfwd.plot; assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
+    code = "import sys, packfwd.viz; assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
 
 def test_padding_sweep_matches_plan_thd_totals():
-    from packfwd.show import padding_overhead, padding_sweep
+    from packfwd import plan_thd
+    from packfwd.viz.text import lengths_mask, padding_overhead, padding_sweep, verl_seq_align
 
     lengths = [5, 17, 3, 9, 1, 64]
+    mask = lengths_mask(lengths)
     rows = padding_sweep(lengths, [1, 2, 3], [1, 2, 4])
     assert [(r["tp"], r["cp"]) for r in rows] == [(t, c) for t in [1, 2, 3] for c in [1, 2, 4]]
     for row in rows:
-        assert {k: row[k] for k in ("real", "packfwd", "verl")} == padding_overhead(
-            lengths, tp_size=row["tp"], cp_size=row["cp"]
-        )
-    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        tp, cp = row["tp"], row["cp"]
+        assert row["real"] == sum(lengths)
+        assert row["packfwd"] == plan_thd(mask, tp_size=tp, cp_size=cp).total_tokens
+        assert row["verl"] == plan_thd(mask, tp_size=tp, cp_size=cp, seq_align=verl_seq_align(tp, cp)).total_tokens
+        assert padding_overhead(lengths, tp_size=tp, cp_size=cp) == {k: row[k] for k in ("real", "packfwd", "verl")}
+    with pytest.raises(ValueError, match=r"tps holds \[0\]: every tp_size must be an int >= 1"):
         padding_sweep(lengths, [0], [1])
+    with pytest.raises(ValueError, match=r"cps holds \[2.0\]"):
+        padding_sweep(lengths, [1], [2.0])
+    with pytest.raises(ValueError, match="lengths must be non-negative ints"):
+        padding_sweep([5, -1], [1], [1])
+
+
+def test_draw_thd_names_more_than_26_sequences_and_long_ones_apart():
+    # Sequence 27 used to be named like sequence 1, and token 1000 of a sequence like token 0 of the next.
+    fig = Figure()
+    (ax,) = draw_thd(fig.subplots(), [1] * 27 + [2])
+    cells = sorted(ax.texts, key=lambda t: t.get_position()[0])
+    names = [t.get_text() for t in cells if not t.get_text().startswith("local")]
+    assert names == [f"{c}0" for c in "abcdefghijklmnopqrstuvwxyz"] + ["aa0", "ab0", "ab1"]
+    from packfwd.viz.text import token_codes, token_names
+
+    names = token_names([1002, 2])
+    assert [names[c] for c in token_codes([1002, 2])[0, 998:].tolist()] == ["a998", "a999", "a1000", "a1001"]
+
+
+def test_draw_thd_rejects_cp_size_0():
+    with pytest.raises(ValueError, match="cp_size must be >= 1"):
+        draw_thd(Figure().subplots(), [5, 3], cp_size=0)

@@ -1,22 +1,23 @@
 """Llama/Qwen2-style decoders as Megatron-Core ``GPTModel`` s: whole models, pipeline stages, value models.
 
-The model is Megatron-Core's own ``GPTModel`` over the layers of :mod:`packfwd.models.spec` (RMSNorm, SwiGLU
-MLP, RoPE, grouped-query attention, optional QKV bias, tied or untied embeddings), with Megatron's
-tensor-parallel linears and embeddings.  packfwd adds:
+The model is :class:`packfwd.models.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers of
+:mod:`packfwd.models.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias, tied or untied
+embeddings), with Megatron's tensor-parallel linears and embeddings, and packfwd's parts chosen by its
+constructor (THD RoPE without host syncs, the value head).  This module holds what needs no Megatron-Core:
 
 * :class:`ModelArgs`, the architecture in one frozen dataclass, and :func:`transformer_config` from it;
 * :func:`build_model`, which builds the whole model or one pipeline stage (``pp_rank``, ``vpp_rank``) with the
   layers ``packfwd.layers.layer_partition`` assigns to it; Megatron-Core numbers them (``layer_number``, 1-based,
-  global) and the builder checks the numbers against the partition;
-* :class:`ValueHead`: the value-model variant replaces the output layer by a width-1 head, so the model returns
-  ``[b, s, 1]`` (packfwd's forward squeezes it to ``[b, s]``).
+  global) and the model checks the numbers against the partition;
+* :class:`ValueHead`: a value model's width-1 output layer, so the model returns ``[b, s, 1]`` (packfwd's
+  forward squeezes it to ``[b, s]``); :func:`is_value_model`, :func:`unwrap`, :func:`model_args`.
 
-Megatron-Core is imported inside the functions only.
+Megatron-Core is imported inside the functions only.  (A little over 300 lines: the architecture, its Megatron
+config and the builder are one story, and the model facts the forward needs must not import Megatron-Core.)
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -180,8 +181,10 @@ def build_model(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     init: bool = True,
+    packed_rope: bool = True,
 ):
-    """A Megatron-Core ``GPTModel`` for ``args`` on ``device``: the whole model, or one pipeline stage.
+    """A :class:`~packfwd.models.model.PackedGPTModel` (Megatron-Core's ``GPTModel``) for ``args`` on ``device``:
+    the whole model, or one pipeline stage.
 
     Parallel sizes come from ``megatron.core.parallel_state`` (``tp_size``/``cp_size``, when given, must match
     it); without ``torch.distributed`` a one-process world is created first
@@ -195,9 +198,10 @@ def build_model(
     ``packfwd.models.cpu.host_collectives()`` (Megatron allocates its gather buffers on CUDA otherwise; see
     :mod:`packfwd.models.cpu`, point 5).
 
-    ``attention_backend``: see :mod:`packfwd.attention`.  ``init=False`` leaves weights uninitialised (fast;
+    ``attention_backend``: see :mod:`packfwd.models.varlen`.  ``init=False`` leaves weights uninitialised (fast;
     for loading).  Weights are randomly initialised by Megatron otherwise (on the CPU from torch's default
-    generator: seed it with ``torch.manual_seed``).
+    generator: seed it with ``torch.manual_seed``).  ``packed_rope=False``: Megatron-Core's own THD RoPE (two
+    host syncs per call; for comparison) instead of packfwd's (:mod:`packfwd.models.rope`).
 
     >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_attention_heads=4)
     >>> model = build_model(args)
@@ -208,15 +212,12 @@ def build_model(
     ([3, 4], False, True)
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
     from packfwd.layers import layer_partition
 
-    from .cpu import (ensure_cuda_rng_tracker, ensure_host_rng_tracker, is_host, keep_rotary_on_host,
-                      run_forward_on_host)
-    from .rope import install_packed_rope
+    from .cpu import ensure_cuda_rng_tracker, ensure_host_rng_tracker, is_host
+    from .model import PackedGPTModel
     from .runtime import ensure_model_parallel, stage_process_groups
-    from .spec import block_spec
 
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -228,7 +229,6 @@ def build_model(
     if not 0 <= pp_rank < pp_size or not 0 <= vpp_rank < vpp_size:
         raise ValueError(f"pp_rank={pp_rank}, vpp_rank={vpp_rank} must lie in [0, pp_size={pp_size}) and "
                          f"[0, vpp_size={vpp_size})")
-    local = partition[pp_rank][vpp_rank]
     ensure_model_parallel(tp_size=tp_size, cp_size=cp_size)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     _check_divisible(args, tp)
@@ -238,36 +238,16 @@ def build_model(
         pp_size=pp_size, vpp_size=vpp_size, first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers, init=init,
     )
-    groups = stage_process_groups(pp_rank, pp_size)
-    pre_process = pp_rank == 0 and vpp_rank == 0
-    post_process = pp_rank == pp_size - 1 and vpp_rank == vpp_size - 1
     if not is_host(device):
         ensure_cuda_rng_tracker()
     elif sequence_parallel:
         ensure_host_rng_tracker()  # Megatron enters the RNG tracker in sequence-parallel regions (cpu.py)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        model = GPTModel(
-            config, block_spec(len(local), attention_backend=attention_backend), vocab_size=args.vocab_size,
-            max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-            share_embeddings_and_output_weights=args.tie_embeddings and not args.value_head,
-            position_embedding_type="rope", rotary_base=args.rope_theta,
-            rope_scaling=args.rope_scaling_factor is not None,
-            rope_scaling_factor=args.rope_scaling_factor or 8.0, pg_collection=groups,
-            vp_stage=vpp_rank if vpp_size > 1 else None,
-        )
-    numbers = [layer.layer_number - 1 for layer in model.decoder.layers]
-    if numbers != list(local):
-        raise RuntimeError(f"Megatron-Core numbered this stage's layers {numbers}, but layer_partition assigns "
-                           f"{list(local)}; please report this configuration")
-    if args.value_head and post_process:
-        model.output_layer = ValueHead(args.hidden_size, bias=args.value_head_bias, dtype=params_dtype,
-                                       sequence_parallel=sequence_parallel, tp_group=groups.tp)
-    model.to(device)
-    if is_host(device):
-        keep_rotary_on_host(model)
-        if sequence_parallel:
-            run_forward_on_host(model)  # Megatron's sequence-parallel buffers on the host (cpu.py, point 5)
-    return install_packed_rope(model)  # THD RoPE without host syncs (packfwd.models.rope)
+    return PackedGPTModel(
+        config, args, layers=partition[pp_rank][vpp_rank], device=device, attention_backend=attention_backend,
+        packed_rope=packed_rope, pre_process=pp_rank == 0 and vpp_rank == 0,
+        post_process=pp_rank == pp_size - 1 and vpp_rank == vpp_size - 1,
+        pg_collection=stage_process_groups(pp_rank, pp_size), vp_stage=vpp_rank if vpp_size > 1 else None,
+    )
 
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:

@@ -4,7 +4,7 @@ Megatron-Core's modules read their tensor-, context- and pipeline-parallel group
 ``megatron.core.parallel_state``, which needs ``torch.distributed``.  :func:`ensure_model_parallel` makes that
 state usable: in a process where ``torch.distributed`` is not initialised it creates a one-process ``gloo``
 world (an in-memory store: no port, no environment variables) and Megatron's groups of size 1, so the builders
-work in a fresh Python process.  Under a real launcher (torchrun, ``packfwd.launch.run_local``) the caller
+work in a fresh Python process.  Under a real launcher (torchrun, ``packfwd.testing.run_local``) the caller
 initialises both and the sizes are only checked.
 
 :func:`stage_process_groups` lets one process build any pipeline stage: Megatron-Core takes a stage's rank from
@@ -50,7 +50,7 @@ def ensure_model_parallel(
         if any((v or 1) != 1 for v in wanted.values()):
             given = ", ".join(f"{k}={v}" for k, v in wanted.items() if v is not None)
             raise ValueError(
-                f"{given} need one process per rank; start them with torchrun or packfwd.launch.run_local (which "
+                f"{given} need one process per rank; start them with torchrun or packfwd.testing.run_local (which "
                 "initialise torch.distributed) and call this again there"
             )
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -1,13 +1,14 @@
 """The layer spec of packfwd's Llama/Qwen2 models: Megatron-Core's own ``TransformerLayer`` and ``SelfAttention``
-with Megatron's tensor-parallel linears, and packfwd's :class:`~packfwd.attention.CoreAttention` as the one
-swapped-in submodule.
+with Megatron's tensor-parallel linears, and packfwd's :class:`~packfwd.models.attention.CoreAttention` as the
+one swapped-in submodule; its spec params carry the attention backend and the model's THD RoPE
+(:class:`~packfwd.models.rope.PackedRope`).
 
 Per layer (names as in the state dict)::
 
     input_layernorm        RMSNorm
     self_attention         SelfAttention (causal)
       linear_qkv           ColumnParallelLinear, fused [q, k, v] grouped by query group (bias: add_qkv_bias)
-      core_attention       packfwd CoreAttention (THD via PackedSeqParams, or BSHD)
+      core_attention       packfwd CoreAttention (THD via PackedSeqParams, or BSHD); params: backend, rope
       linear_proj          RowParallelLinear
     pre_mlp_layernorm      RMSNorm
     mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...
@@ -43,15 +44,17 @@ class RMSNorm(torch.nn.RMSNorm):
                 p.sequence_parallel = True
 
 
-def layer_spec(*, attention_backend: str | None = None):
+def layer_spec(*, attention_backend: str | None = None, rope=None):
     """The ``ModuleSpec`` of one decoder layer (see the module docstring).
 
-    ``attention_backend``: forwarded to :class:`~packfwd.attention.CoreAttention` (None: automatic).
+    ``attention_backend`` and ``rope`` are the params of :class:`~packfwd.models.attention.CoreAttention`: its
+    varlen backend (None: automatic) and the RoPE it applies to THD batches (a
+    :class:`~packfwd.models.rope.PackedRope` shared by all layers; None: q and k arrive rotated).
 
     >>> spec = layer_spec(attention_backend="reference")
     >>> core = spec.submodules.self_attention.submodules.core_attention
     >>> core.module.__name__, core.params
-    ('CoreAttention', {'backend': 'reference'})
+    ('CoreAttention', {'backend': 'reference', 'rope': None})
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -62,14 +65,14 @@ def layer_spec(*, attention_backend: str | None = None):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from packfwd.attention import CoreAttention
+    from .attention import CoreAttention
 
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
-            core_attention=ModuleSpec(module=CoreAttention, params={"backend": attention_backend}),
+            core_attention=ModuleSpec(module=CoreAttention, params={"backend": attention_backend, "rope": rope}),
             linear_proj=RowParallelLinear,
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
@@ -91,8 +94,8 @@ def layer_spec(*, attention_backend: str | None = None):
     )
 
 
-def block_spec(num_local_layers: int, *, attention_backend: str | None = None):
-    """``TransformerBlockSubmodules`` with ``num_local_layers`` layers and the final RMSNorm.
+def block_spec(num_local_layers: int, *, attention_backend: str | None = None, rope=None):
+    """``TransformerBlockSubmodules`` with ``num_local_layers`` layers (:func:`layer_spec`) and the final RMSNorm.
 
     Giving the block its layers explicitly (instead of one layer spec that Megatron-Core repeats) fixes the
     final norm to :class:`RMSNorm` whatever extensions are installed, and lets the pipeline-stage builder state
@@ -104,5 +107,5 @@ def block_spec(num_local_layers: int, *, attention_backend: str | None = None):
     """
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = layer_spec(attention_backend=attention_backend)
+    layer = layer_spec(attention_backend=attention_backend, rope=rope)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)

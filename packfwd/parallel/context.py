@@ -1,6 +1,6 @@
 """Context-parallel causal attention over the THD zigzag layout.
 
-Layout (the one ``packfwd.thd`` builds and Megatron-Core expects): a packed batch of ``n`` sequences, sequence
+Layout (``packfwd.layout.rules``, the one definition of the zigzag): a packed batch of ``n`` sequences, sequence
 ``i`` zero-padded at its tail to ``p_i`` tokens (a multiple of ``2*cp``) and cut into ``2*cp`` chunks of
 ``c_i = p_i / (2*cp)`` tokens.  CP rank ``r`` holds chunks ``r`` and ``2*cp-1-r`` of every sequence, concatenated
 sequence after sequence, so sequence ``i`` starts at ``cu_seqlens_padded[i] // cp`` in the rank's tensor.
@@ -20,88 +20,16 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .._checks import check_positive_int, check_rank, check_tensor
+from .._validate import check_positive_int, check_rank, check_tensor
+from ..layout.rules import chunk_size, zigzag_owner, zigzag_position
+from .gather import all_gather_cp
 
 __all__ = [
     "ZigzagAttentionPlan",
-    "all_gather_cp",
     "context_parallel_attention",
     "plan_zigzag_attention",
-    "zigzag_global_index",
-    "zigzag_local_index",
     "zigzag_to_global",
 ]
-
-
-# ------------------------------------------------------------------------------------------------ all-gather
-
-
-def all_gather_cp(x_local: Tensor, cp_group: Any) -> Tensor:
-    """All-gather ``x_local: [t_local, *]`` over ``cp_group`` into ``[cp, t_local, *]`` (rank order).
-
-    Differentiable: the backward sums every rank's gradient for rank ``r``'s slot and returns it to rank ``r``
-    (a reduce-scatter), so ``x_local`` receives the gradient of every use of it, once.  Every rank must pass the
-    same ``t_local`` and trailing shape.  ``cp_group=None`` means the default group.
-
-    >>> import torch.distributed as dist
-    >>> from packfwd.launch import run_local
-    >>> from packfwd.parallel.context import _example_all_gather
-    >>> # each rank holds [rank, rank] and backpropagates sum(gathered * (rank + 1)): its grad is 1 + 2
-    >>> run_local(_example_all_gather, 2, backend="gloo")
-    [([[0.0, 0.0], [1.0, 1.0]], [3.0, 3.0]), ([[0.0, 0.0], [1.0, 1.0]], [3.0, 3.0])]
-    """
-    check_tensor("x_local", x_local)
-    if x_local.dim() < 1:
-        raise ValueError("x_local must have a leading token dimension [t_local, *]; got a 0-d tensor")
-    return _AllGatherCP.apply(x_local, cp_group)
-
-
-def _uses_nccl(group: Any, x: Tensor) -> bool:
-    import torch.distributed as dist
-
-    return x.is_cuda and "nccl" in str(dist.get_backend(group)).lower()
-
-
-class _AllGatherCP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Any) -> Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
-        world = dist.get_world_size(group)
-        x = x.contiguous()
-        if _uses_nccl(group, x):
-            out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-            _all_gather_single(dist)(out, x, group=group)
-            return out.view(world, *x.shape)
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x, group=group)  # the list form: every backend has it
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        import torch.distributed as dist
-
-        group = ctx.group
-        grad = grad.contiguous()
-        if _uses_nccl(group, grad):
-            out = grad.new_empty(grad.shape[1:])
-            _reduce_scatter_single(dist)(out, grad.flatten(0, 1), group=group)
-            return out, None
-        # Backends without a tensor reduce-scatter (gloo): sum everything, keep this rank's slot.
-        total = grad.clone()
-        dist.all_reduce(total, group=group)
-        return total[dist.get_rank(group)], None
-
-
-def _all_gather_single(dist):
-    # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there); older ones lack it.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_single(dist):
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 # ----------------------------------------------------------------------------------------------- index maps
 
@@ -110,47 +38,23 @@ def _gathered_row(g: Tensor, cu: Tensor, cp: int, local_tokens: int) -> Tensor:
     """Row in the gathered ``[cp * t_local]`` tensor of each global padded position in ``g`` (int64)."""
     seq = torch.searchsorted(cu, g, right=True) - 1  # right=True skips empty sequences that start at g
     start = cu[seq]
-    chunk = (cu[seq + 1] - start) // (2 * cp)  # never 0 here: only non-empty sequences own positions
-    pos = g - start
-    j = pos // chunk  # global chunk index in [0, 2cp)
-    first_half = j < cp
-    owner = torch.where(first_half, j, 2 * cp - 1 - j)
-    local = start // cp + torch.where(first_half, 0, chunk) + (pos - j * chunk)
-    return owner * local_tokens + local
+    # only non-empty sequences own positions, so the chunk is never 0 here
+    rank, row = zigzag_owner(g - start, chunk_size(cu[seq + 1] - start, cp), cp)
+    return rank * local_tokens + start // cp + row
 
 
-def zigzag_global_index(cu_seqlens_padded: Tensor, cp_size: int, local_tokens: int) -> Tensor:
+def _zigzag_global_index(cu_seqlens_padded: Tensor, cp_size: int, local_tokens: int) -> Tensor:
     """``[cp_size * local_tokens]`` int64: for each global padded THD position, its row in the gathered ranks'
     tensors flattened to ``[cp_size * local_tokens]`` (rank-major).  ``gathered.flatten(0, 1)[index]`` is the
     global order.  Pure index arithmetic on ``cu_seqlens_padded [n+1]``: no host sync.
 
-    >>> zigzag_global_index(torch.tensor([0, 8], dtype=torch.int32), 2, 4).tolist()
+    >>> _zigzag_global_index(torch.tensor([0, 8], dtype=torch.int32), 2, 4).tolist()
     [0, 1, 4, 5, 6, 7, 2, 3]
     """
     cp_size = check_positive_int("cp_size", cp_size)
     cu = _check_cu(cu_seqlens_padded)
     g = torch.arange(cp_size * local_tokens, device=cu.device)
     return _gathered_row(g, cu, cp_size, local_tokens)
-
-
-def zigzag_local_index(cu_seqlens_padded: Tensor, cp_size: int, cp_rank: int, local_tokens: int) -> Tensor:
-    """``[local_tokens]`` int64: the global padded THD position of each of CP rank ``cp_rank``'s tokens, so
-    ``x_global[index]`` is that rank's zigzag shard.
-
-    >>> zigzag_local_index(torch.tensor([0, 8, 12], dtype=torch.int32), 2, 1, 6).tolist()
-    [2, 3, 4, 5, 9, 10]
-    """
-    cp_size = check_positive_int("cp_size", cp_size)
-    cp_rank = check_rank("cp_rank", cp_rank, cp_size, "cp_size")
-    cu = _check_cu(cu_seqlens_padded)
-    cu_local = cu // cp_size
-    k = torch.arange(local_tokens, device=cu.device)
-    seq = torch.searchsorted(cu_local, k, right=True) - 1
-    chunk = (cu[seq + 1] - cu[seq]) // (2 * cp_size)
-    pos = k - cu_local[seq]  # in [0, 2 * chunk)
-    second = pos >= chunk
-    j = torch.where(second, 2 * cp_size - 1 - cp_rank, cp_rank)
-    return cu[seq] + j * chunk + pos - torch.where(second, chunk, 0)
 
 
 def zigzag_to_global(gathered: Tensor, cu_seqlens_padded: Tensor) -> Tensor:
@@ -166,7 +70,7 @@ def zigzag_to_global(gathered: Tensor, cu_seqlens_padded: Tensor) -> Tensor:
     if gathered.dim() < 2:
         raise ValueError(f"gathered must be [cp, t_local, *], got shape {tuple(gathered.shape)}")
     cp, local = gathered.shape[:2]
-    index = zigzag_global_index(cu_seqlens_padded, cp, local)
+    index = _zigzag_global_index(cu_seqlens_padded, cp, local)
     return gathered.flatten(0, 1).index_select(0, index.to(gathered.device))
 
 
@@ -218,8 +122,9 @@ def plan_zigzag_attention(
             "pass the zigzag shard built with cu_seqlens_padded (e.g. packfwd.to_thd(..., cp_size=...))"
         )
     cu = _check_cu(cu_seqlens_padded)
-    chunk = (cu[1:] - cu[:-1]) // (2 * cp)  # [n]
-    j = torch.tensor([rank, 2 * cp - 1 - rank], device=cu.device)  # the two global chunks held here
+    chunk = chunk_size(cu.diff(), cp)  # [n]
+    held = [zigzag_position(u, 1, cp, rank) for u in (0, 1)]  # the two global chunks held here (chunk size 1)
+    j = torch.tensor(held, device=cu.device)
     q_len = chunk.repeat_interleave(2)  # [2n]: (seq 0, first), (seq 0, second), (seq 1, first), ...
     k_len = ((j[None, :] + 1) * chunk[:, None]).reshape(-1)  # [2n]
     cu_q, cu_k = _cumsum0(q_len), _cumsum0(k_len)
@@ -229,8 +134,8 @@ def plan_zigzag_attention(
     seg = torch.searchsorted(cu_k, kk, right=True) - 1
     global_pos = cu[seg // 2] + (kk - cu_k[seg])
     key_rows = _gathered_row(global_pos, cu, cp, local_tokens)
-    max_q = max_seqlen // (2 * cp)
-    return ZigzagAttentionPlan(cu_q.int(), cu_k.int(), key_rows, max_q, (2 * cp - rank) * max_q)
+    max_q = chunk_size(max_seqlen, cp)
+    return ZigzagAttentionPlan(cu_q.int(), cu_k.int(), key_rows, max_q, (max(held) + 1) * max_q)
 
 
 def context_parallel_attention(
@@ -256,7 +161,7 @@ def context_parallel_attention(
     with flash-attn's varlen semantics (bottom-right causal).  ``softmax_scale=None`` means ``d ** -0.5``.
     With ``cp_size=1``, no communication happens and ``cp_group`` may be ``None``.
 
-    >>> from packfwd.attention import varlen_attention_reference
+    >>> from packfwd.models.varlen import varlen_attention_reference
     >>> q = k = v = torch.eye(4).reshape(4, 1, 4)  # one sequence of 4 tokens, one head, d=4
     >>> cu = torch.tensor([0, 4], dtype=torch.int32)
     >>> out = context_parallel_attention(q, k, v, cu, 4, cp_size=1, cp_rank=0, cp_group=None,
@@ -278,7 +183,8 @@ def context_parallel_attention(
         cu32 = cu.int()
         return attn_fn(q, k, v, cu32, cu32, max_seqlen, max_seqlen, True, scale)
     _check_group(cp_group, cp, rank)
-    kv = all_gather_cp(torch.stack((k, v), dim=1), cp_group)  # [cp, t_local, 2, hkv, d]: one collective
+    # [cp, t_local, 2, hkv, d]: one collective; each rank's loss differs, so the gradients are summed
+    kv = all_gather_cp(torch.stack((k, v), dim=1), cp_group, backward="sum")
     kv = kv.flatten(0, 1).index_select(0, plan.key_rows)  # [(2cp+1) t_local / 2, 2, hkv, d]: the prefixes
     k_pre, v_pre = kv.unbind(1)
     return attn_fn(
@@ -332,14 +238,3 @@ def _check_group(cp_group: Any, cp: int, rank: int) -> None:
             f"cp_group has size {size} and this process is its rank {actual}, but cp_size={cp}, cp_rank={rank}; "
             "pass the CP group's size and this process's rank in it"
         )
-
-
-# -------------------------------------------------------------------------------------- doctest helpers
-
-
-def _example_all_gather(rank: int, world_size: int):
-    """Doctest helper for :func:`all_gather_cp` (module level, so that ``run_local`` can spawn it)."""
-    x = torch.full((2,), float(rank), requires_grad=True)
-    gathered = all_gather_cp(x, None)
-    (gathered * (rank + 1)).sum().backward()  # d/dx_r = sum over ranks of (rank + 1) = 3 for two ranks
-    return gathered.tolist(), x.grad.tolist()

@@ -35,7 +35,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from .checks import check_across_ranks
+from ..models.gpt import unwrap
+from .agree import check_across_ranks
 
 __all__ = ["pipeline_forward_backward"]
 
@@ -68,7 +69,7 @@ def pipeline_forward_backward(
     rank's bad arguments make every rank raise the same error.  Stages on the CPU run inside
     ``packfwd.models.cpu.host_collectives`` (forward and backward).
 
-    >>> from packfwd.launch import run_local
+    >>> from packfwd.testing import run_local
     >>> from packfwd.parallel.pipeline import _example_pipeline
     >>> # stage 0 (rank 0): y = a0 * x with a0 = 2; stage 1 (rank 1): z = a1 * y + 1 with a1 = 1; loss = sum(z)
     >>> run_local(_example_pipeline, 2, backend="gloo")  # (outputs, d loss / d a) per rank; x = [1, 2]
@@ -135,7 +136,7 @@ def _forward_all(stages, forward_step, microbatches, chain: _Chain, device, need
                 if need_grad:
                     x.requires_grad_(True)
             if x is not None:
-                _unwrap(stage).set_input_tensor(x)
+                unwrap(stage).set_input_tensor(x)
             out = forward_step(stage, mb)
             if not chain.is_last(v):
                 if not isinstance(out, Tensor):
@@ -204,7 +205,7 @@ def _check_arguments(stages, forward_step, microbatches, loss_fn) -> None:
     if not isinstance(stages, (list, tuple)) or not stages:
         raise TypeError("stages must be a non-empty list of this rank's model chunks, one per virtual stage")
     for v, stage in enumerate(stages):
-        if not isinstance(stage, torch.nn.Module) or not hasattr(_unwrap(stage), "set_input_tensor"):
+        if not isinstance(stage, torch.nn.Module) or not hasattr(unwrap(stage), "set_input_tensor"):
             raise TypeError(f"stages[{v}] must be a model chunk with set_input_tensor (a Megatron-Core GPTModel)")
     if not callable(forward_step):
         raise TypeError("forward_step must be callable: forward_step(stage, microbatch) -> output")
@@ -212,13 +213,6 @@ def _check_arguments(stages, forward_step, microbatches, loss_fn) -> None:
         raise TypeError("loss_fn must be None (forward only) or callable: loss_fn(output, microbatch) -> scalar")
     if not isinstance(microbatches, (list, tuple)) or not microbatches:
         raise ValueError("microbatches must be a non-empty list (one entry per microbatch, given to forward_step)")
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    depth = 0
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and depth < 8:
-        model, depth = model.module, depth + 1
-    return model
 
 
 def _device_of(stage: torch.nn.Module) -> torch.device:

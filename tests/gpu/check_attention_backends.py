@@ -46,7 +46,7 @@ def check(name: str, err: float, tol: float) -> None:
 
 
 def attention_checks(device: torch.device) -> None:
-    from packfwd.attention import available_backends, varlen_attention, varlen_attention_reference
+    from packfwd.models.varlen import available_backends, varlen_attention, varlen_attention_reference
 
     backends = [b for b in available_backends(device) if b != "reference"]
     print(f"CUDA backends found: {backends}")
@@ -87,7 +87,7 @@ def model_checks(device: torch.device) -> None:
     except ImportError:
         print("skip model checks: transformers is not installed")
         return
-    from packfwd.attention import available_backends
+    from packfwd.models.varlen import available_backends
     from packfwd.forward import make_forward
     from packfwd.models import from_hf
 

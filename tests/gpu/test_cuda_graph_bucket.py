@@ -9,8 +9,9 @@ without a bucket.  Both gather paths (the Triton op for large tensors, plain tor
 import pytest
 import torch
 
-from packfwd import _rows, plan_thd
-from packfwd.bucket import Bucket, capture, plan_thd_bucket
+from packfwd.ops import gather as _rows
+from packfwd import plan_thd
+from packfwd.layout.bucket import Bucket, capture, plan_thd_bucket
 
 from ._forward import forward, make_weights
 

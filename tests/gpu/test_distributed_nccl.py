@@ -33,8 +33,8 @@ import functools
 import pytest
 import torch
 
-from packfwd.launch import run_local
-from packfwd.models import args_from_hf_config
+from packfwd.testing import run_local
+from packfwd.models.hf import args_from_hf_config
 from tests.test_distributed import (
     Layout,
     batch,

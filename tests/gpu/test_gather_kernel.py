@@ -1,96 +1,139 @@
-"""The Triton row-gather kernel on the GPU against the plain-torch reference (bit for bit: it only moves bytes),
-for every dtype and row width, several sources, offsets and fill values; and the transforms routed through it
-against the torch path: values, gradients, vmap and torch.compile.
+"""The Triton row-gather kernel (``packfwd.ops.gather``) against the plain-torch reference, bit for bit (it only
+moves bytes): every dtype, rows that move as words of 8, 4, 2 and 1 bytes, widths that end in a partial block of
+columns (also under a tiny tiling, so short rows span several blocks), 1 to 4 sources, index offsets, fill
+values (NaN and -0.0 included), non-contiguous and misaligned sources, empty inputs; and every transform routed
+through the kernel against the torch path (values, gradients, vmap; on the GPU also gradcheck and compile).
 
-    PYTHONPATH=. python -m pytest -q tests/gpu
+Runs on a CUDA GPU, or on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``; see ``_kernel_device``):
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/gpu/test_gather_kernel.py
+
+Under the interpreter the tests call ``_launch`` on CPU tensors, and route the custom op's CPU implementation to
+it for the transforms (on CUDA the op launches it by itself).  What the interpreter cannot show: the CUDA
+dispatch (``use_op``, the op's CUDA registration and its direct-launch fast path), anything about concurrency
+or speed (it runs the programs one after another, with numpy; ``num_warps`` is ignored), and index arithmetic
+at sizes it is too slow to reach.  Sources in separate allocations work there as on the GPU: the kernel reads
+them through their address offsets from the first source, and the interpreter reads host memory by address.
 """
 
 import pytest
 import torch
-from torch.func import grad, vmap
 
-from packfwd import _rows, from_bshd, from_thd, pad, plan_bshd, plan_thd, plan_unpad, to_bshd, to_thd, unpad
-from packfwd._gather_op import _launch, _reference
+from packfwd.ops import gather as _gather
+from packfwd.ops.gather import _launch, _reference, _word_size
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-]
+from ..test_gather_op import check_transforms_through_the_op
+from ._kernel_device import DEVICE, gpu_only, needs_kernels
+
+pytestmark = [needs_kernels, pytest.mark.filterwarnings("ignore::UserWarning")]
 triton = pytest.importorskip("triton")
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+TINY = {"row_bytes": 16, "tile_bytes": 64, "num_warps": 1}  # many programs per row and per tile, for short rows
+
+# (dtype, trailing shape of a row, the word size it moves in)
+CASES = [
+    (torch.bfloat16, (4,), 8), (torch.bfloat16, (2,), 4), (torch.bfloat16, (3,), 2), (torch.bfloat16, (), 2),
+    (torch.float32, (6,), 8), (torch.float32, (3,), 4), (torch.float32, (), 4), (torch.float16, (5,), 2),
+    (torch.float64, (7,), 8), (torch.int64, (), 8), (torch.int64, (5,), 8), (torch.int32, (3,), 4),
+    (torch.int8, (12,), 4), (torch.uint8, (3,), 1), (torch.bool, (), 1), (torch.bool, (5,), 1),
+    (torch.bool, (6,), 2), (torch.bool, (8,), 8), (torch.bfloat16, (1000,), 8), (torch.float32, (4096,), 8),
+]
+FILLS = {"float": [0.0, 3.0, -0.0, float("nan")], "signed": [0.0, 7.0, -3.0], "unsigned": [0.0, 7.0], "bool": [0.0, 1.0]}
+
+
+def fills(dtype):
+    if dtype == torch.bool:
+        return FILLS["bool"]
+    if dtype.is_floating_point:
+        return FILLS["float"]
+    return FILLS["unsigned" if dtype == torch.uint8 else "signed"]
 
 
 def rand(shape, dtype, g):
-    x = torch.randn(shape, generator=g, device="cuda") * 100 + 0.5
+    x = torch.randn(shape, generator=g, device=DEVICE) * 100 + 0.5
     return x.to(dtype)
 
 
-CASES = [(d, t) for d in DTYPES for t in [(3,), (4096,)]] + [(torch.bfloat16, t) for t in [(), (1,), (7, 5), (1000, 3)]]
+def assert_same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))  # NaN and -0.0 too
 
 
-@pytest.mark.parametrize("dtype, trailing", CASES)
-def test_kernel_equals_reference(dtype, trailing):
-    i = CASES.index((dtype, trailing))
-    g = torch.Generator(device="cuda").manual_seed(i)
-    nsrc, offset, fill = [(1, 0, 0.0), (2, 0, 3.0), (3, 5, 7.0)][i % 3]
-    srcs = [rand((37, *trailing), dtype, g) for _ in range(nsrc)]
-    index = torch.randint(-2, 37 * nsrc + offset + 3, (301,), generator=g, device="cuda")
+def narrow(trailing):
+    return torch.Size(trailing).numel() <= 8
+
+
+PARAMS = [(i, config) for i, (_, trailing, _) in enumerate(CASES) for config in ("default", "tiny")
+          if config == "default" or narrow(trailing)]
+
+
+@pytest.mark.parametrize("case, config", PARAMS)
+def test_kernel_equals_reference(case, config, monkeypatch):
+    dtype, trailing, word = CASES[case]
+    if config == "tiny":
+        monkeypatch.setattr(_gather, "CONFIG", TINY)
+    g = torch.Generator(device=DEVICE).manual_seed(case)
+    nsrc, offset = [(1, 0), (2, 0), (3, 5), (4, 2)][case % 4]
+    fill = fills(dtype)[case % len(fills(dtype))]
+    rows, n_out = 37, 301 if DEVICE == "cuda" else 61
+    srcs = [rand((rows, *trailing), dtype, g) for _ in range(nsrc)]
+    assert _word_size(srcs) == word
+    index = torch.randint(-2, rows * nsrc + offset + 3, (n_out,), generator=g, device=DEVICE)
     out = _launch(srcs, index, offset, fill)
-    assert out.dtype == dtype and out.shape == (301, *trailing)
-    assert torch.equal(out, _reference(srcs, index, offset, fill))
+    assert_same_bits(out, _reference(srcs, index, offset, fill))
 
 
-def test_kernel_reads_non_contiguous_and_offset_sources():
-    g = torch.Generator(device="cuda").manual_seed(0)
+def test_cases_cover_every_word_size_and_both_column_paths():
+    """Every word size, and both branches of the kernel: whole blocks of columns and a partial last block."""
+    assert {word for _, _, word in CASES} == {8, 4, 2, 1}
+    partial = set()
+    for config, (dtype, trailing, word) in [(c, CASES[i]) for i, c in PARAMS]:
+        width = torch.Size(trailing).numel() * dtype.itemsize // word
+        block_w = min(triton.next_power_of_2(width), max(1, (TINY if config == "tiny" else _gather.CONFIG)["row_bytes"] // word))
+        partial.add(width % block_w != 0)
+    assert partial == {True, False}
+
+
+def test_kernel_reads_non_contiguous_and_misaligned_sources():
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     big = rand((64, 2, 33), torch.float32, g)
-    srcs = [big[:, 0], big[1:33, 1]]  # a strided view and a view at an odd offset
-    srcs = [s[:32] for s in srcs]
-    index = torch.randint(-1, 64, (50,), generator=g, device="cuda")
-    assert torch.equal(_launch(srcs, index, 0, 2.0), _reference(srcs, index, 0, 2.0))
+    srcs = [big[:32, 0], big[1:33, 1]]  # strided views
+    index = torch.randint(-1, 64, (50,), generator=g, device=DEVICE)
+    assert_same_bits(_launch(srcs, index, 0, 2.0), _reference(srcs, index, 0, 2.0))
+    # rows of 8 bytes at an address that is only 2-byte aligned: moved as 2-byte words
+    flat = rand((2 * 37 * 4 + 1,), torch.bfloat16, g)
+    srcs = [flat[1 : 1 + 37 * 4].view(37, 4), flat[1 + 37 * 4 :].view(37, 4)]
+    assert _word_size(srcs) == 2
+    index = torch.randint(-1, 80, (50,), generator=g, device=DEVICE)
+    assert_same_bits(_launch(srcs, index, 3, -1.0), _reference(srcs, index, 3, -1.0))
 
 
 def test_kernel_handles_empty_inputs():
-    x = torch.randn(0, 8, device="cuda")
-    out = _launch([x], torch.tensor([-1, -1], device="cuda"), 0, 4.0)
-    assert torch.equal(out, torch.full((2, 8), 4.0, device="cuda"))
-    assert _launch([torch.randn(5, 8, device="cuda")], torch.empty(0, dtype=torch.long, device="cuda"), 0, 0.0).shape == (0, 8)
+    fill_rows = _launch([torch.randn(0, 8, device=DEVICE)] * 2, torch.tensor([-1, 0, 3], device=DEVICE), 0, 4.0)
+    assert torch.equal(fill_rows, torch.full((3, 8), 4.0, device=DEVICE))
+    no_rows = torch.empty(0, dtype=torch.long, device=DEVICE)
+    assert _launch([torch.randn(5, 8, device=DEVICE)], no_rows, 0, 0.0).shape == (0, 8)
+    assert _launch([torch.randn(5, 0, device=DEVICE)], torch.tensor([1, -1], device=DEVICE), 0, 1.0).shape == (2, 0)
+    nothing_read = _launch([torch.randn(5, 3, device=DEVICE)], torch.full((4,), -1, device=DEVICE), 0, -2.0)
+    assert torch.equal(nothing_read, torch.full((4, 3), -2.0, device=DEVICE))
 
 
 def test_transforms_through_the_kernel_equal_the_torch_path(monkeypatch):
-    mask = torch.rand(6, 50, device="cuda") < 0.6
-    mask[2] = False
-    thd = [plan_thd(mask, tp_size=2, cp_size=2, cp_rank=r) for r in range(2)]
-    pu, pb, thd1 = plan_unpad(mask), plan_bshd(mask, tp_size=2), plan_thd(mask, tp_size=4)
+    """tests/test_gather_op.py's check of every transform through the custom op, with the op on the kernel."""
+    launches = []
 
-    def everything(x):
-        outs = [to_thd(x, i)[0] * 2 for i in thd]
-        packed = unpad(x, pu)[0]
-        y = to_bshd(x, pb)[0]
-        return (from_thd(outs, thd[0], fill_value=-1), pad(packed + 1, pu, 3), from_bshd(y, pb),
-                from_thd(to_thd(x, thd1)[0], thd1))
+    def counted_launch(srcs, index, index_offset, fill, launch=_launch):
+        launches.append(len(srcs))
+        return launch(srcs, index, index_offset, fill)
 
-    x = torch.randn(6, 50, 8, device="cuda", dtype=torch.float64, requires_grad=True)
-    expected = everything(x)
-    w = [torch.randn_like(t) for t in expected]
-    g_expected = torch.autograd.grad(sum((a * v).sum() for a, v in zip(expected, w)), x)[0]
-    monkeypatch.setattr(_rows, "use_op", lambda src: True)
-    got = everything(x)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b)
-    g = torch.autograd.grad(sum((a * v).sum() for a, v in zip(got, w)), x)[0]
-    assert torch.allclose(g, g_expected, rtol=0, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda x: everything(x)[0], (x[:, :, :2].detach().requires_grad_(),))
-    xs = torch.randn(3, 6, 50, 8, device="cuda", dtype=torch.float64)
-    assert torch.equal(vmap(lambda x: everything(x)[1])(xs), torch.stack([everything(v)[1] for v in xs]))
-    gx = grad(lambda x: everything(x)[1].sum())(x.detach())
-    assert torch.equal(gx, mask[..., None].double().expand_as(gx))
-    torch._dynamo.reset()
-    compiled = torch.compile(everything, fullgraph=True)(x.detach())
-    for a, b in zip(compiled, expected):
-        assert torch.equal(a, b.detach())
+    monkeypatch.setattr(_gather, "_launch", counted_launch)
+    if DEVICE == "cpu":  # the op's CPU implementation is the torch reference: send it to the kernel instead
+        monkeypatch.setattr(_gather, "_reference", counted_launch)
+    check_transforms_through_the_op(monkeypatch, DEVICE, slow_checks=DEVICE == "cuda")
+    assert launches and max(launches) == 2  # the CP ranks' outputs read in place by from_thd
 
 
+@gpu_only
 def test_large_tensors_take_the_kernel_path():
-    x = torch.empty(_rows.KERNEL_MIN_BYTES // 4, device="cuda")
-    assert _rows.use_op(x) and not _rows.use_op(x[:-1])
+    x = torch.empty(_gather.KERNEL_MIN_BYTES // 4, device="cuda")
+    assert _gather.use_op(x) and not _gather.use_op(x[:-1])

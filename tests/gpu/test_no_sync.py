@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
+from packfwd.ops import gather as _rows
 from packfwd import (
-    _rows,
     from_bshd,
     from_thd,
     pad,
@@ -24,7 +24,7 @@ from packfwd import (
     to_thd,
     unpad,
 )
-from packfwd.bucket import Bucket, plan_thd_bucket
+from packfwd.layout.bucket import Bucket, plan_thd_bucket
 
 from ._forward import forward, make_weights
 

@@ -1,4 +1,4 @@
-"""Causal variable-length attention over packed sequences, and the core-attention module packfwd's models use.
+"""Causal variable-length attention over packed sequences: the backends and the automatic choice among them.
 
 One call computes attention for many sequences laid end to end (``q: [t_q, h, d]``, ``k, v: [t_k, h_kv, d]``)
 without padding, described by ``cu_seqlens`` the way flash-attn and Megatron-Core describe it::
@@ -16,8 +16,14 @@ All follow flash-attn's semantics: grouped-query attention when ``h_kv`` divides
 ``seqlen_q != seqlen_k`` the causal mask is aligned to the bottom-right corner (query ``i`` of a sequence sees
 keys ``j <= i + seqlen_k - seqlen_q``); a query that sees no key outputs zeros.
 
-``CoreAttention`` plugs these into Megatron-Core's ``SelfAttention`` as its ``core_attention`` submodule; it is
-a plain ``torch.nn.Module`` (no parameters), so this file never imports Megatron-Core.
+Automatic choice (``backend=None``): the first CUDA backend present for fp16/bf16 inputs on CUDA, else the
+reference.  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
+reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2`` per head, against
+``sum(len_i**2)`` for a varlen kernel); a warning says so once per dtype (run the model in bfloat16 to get
+``torch_varlen`` or ``flash_attn``).
+
+:class:`packfwd.models.attention.CoreAttention` runs packfwd's models' attention through :func:`varlen_attention`.
+This file imports neither Megatron-Core nor the optional kernels until they are used.
 """
 
 from __future__ import annotations
@@ -25,17 +31,15 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 
 import torch
 from torch import Tensor
 
-__all__ = ["BACKENDS", "CoreAttention", "available_backends", "varlen_attention", "varlen_attention_reference"]
+__all__ = ["BACKENDS", "available_backends", "varlen_attention", "varlen_attention_reference"]
 
 BACKENDS = ("flash_attn", "torch_varlen", "reference")
 _HALF = (torch.float16, torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------------------------- backends
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,19 +75,39 @@ def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
     return (*names, "reference")
 
 
-def _resolve(backend: str | None, q: Tensor) -> str:
+def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that runs inputs of ``dtype`` on ``device``: ``backend`` checked, or the automatic choice."""
+    usable = available_backends(device)
     if backend is None:
-        if q.dtype not in _HALF:  # the flash kernels take fp16/bf16 only
-            return "reference"
-        return available_backends(q.device)[0]
+        if dtype in _HALF:
+            return usable[0]
+        if len(usable) > 1:  # a CUDA device with a flash kernel, which would take fp16/bf16 only
+            _warn_slow_dtype(dtype, usable[0])
+        return "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None (automatic)")
-    if backend not in available_backends(q.device):
+    if backend not in usable:
         raise ValueError(
-            f"backend={backend!r} is not usable for tensors on {q.device} here (usable: "
-            f"{available_backends(q.device)}); install it, move the inputs to CUDA, or pass backend=None"
+            f"backend={backend!r} is not usable for tensors on {device} here (usable: {usable}); install it, move "
+            "the inputs to CUDA, or pass backend=None"
         )
     return backend
+
+
+_WARNED_DTYPES: set = set()
+
+
+def _warn_slow_dtype(dtype: torch.dtype, fast: str) -> None:
+    if dtype in _WARNED_DTYPES:
+        return
+    _WARNED_DTYPES.add(dtype)
+    warnings.warn(
+        f"packfwd attention: {dtype} inputs on CUDA run on the pure-PyTorch 'reference' backend, which pads every "
+        f"sequence to max_seqlen (work ~ n * max_seqlen**2 per head): the varlen kernels take fp16/bf16 only.  Run "
+        f"the model in torch.bfloat16 (or float16) to use {fast!r}, or pass backend='reference' to choose it "
+        "knowingly",
+        stacklevel=3,
+    )
 
 
 def varlen_attention(
@@ -114,7 +138,7 @@ def varlen_attention(
     (torch.Size([5, 2, 4]), True)
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    name = _resolve(backend, q)
+    name = _resolve(backend, q.device, q.dtype)
     if name == "reference":
         return varlen_attention_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
@@ -258,128 +282,3 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must both have n+1 >= 1 entries, got {cu_q.numel()}, {cu_k.numel()}"
         )
-
-
-# ----------------------------------------------------------------------------------------------- the module
-
-
-class CoreAttention(torch.nn.Module):
-    """Megatron-Core's ``core_attention`` submodule, computed by :func:`varlen_attention`.
-
-    Built by ``SelfAttention`` with Megatron's builder keywords; ``backend`` comes from the layer spec's params.
-    Called as Megatron calls it: ``(query, key, value, attention_mask, *, attn_mask_type, attention_bias,
-    packed_seq_params)``, with
-
-    * THD (``packed_seq_params.qkv_format == "thd"``): ``[t, h, d]`` (or ``[t, 1, h, d]``) -> ``[t, h*d]``.
-      Sequences are cut at ``cu_seqlens_q_padded`` (pads sit at each sequence's tail, so real tokens never see
-      them). When the context-parallel group has more than one rank (``packed_seq_params.cp_group``, else the
-      group Megatron passes in ``pg_collection.cp``), ``packfwd.parallel.context.context_parallel_attention``
-      computes it over the zigzag split.
-    * BSHD (``packed_seq_params is None``): ``[s, b, h, d]`` -> ``[s, b, h*d]``, each row one sequence of length
-      ``s`` (real tokens first, as ``packfwd.to_bshd`` lays them out).
-
-    ``attention_mask`` must be None: the causal mask is implied, and padding is removed by packing.
-
-    >>> from types import SimpleNamespace
-    >>> config = SimpleNamespace(attention_dropout=0.0, window_size=None, kv_channels=8)
-    >>> attn = CoreAttention(config, layer_number=1, attn_mask_type=SimpleNamespace(name="causal"))
-    >>> q = torch.randn(5, 2, 3, 8)  # [s, b, h, d]
-    >>> attn(q, q, q, None).shape
-    torch.Size([5, 2, 24])
-    """
-
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type,
-        attention_type: str = "self",
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection=None,
-        backend: str | None = None,
-    ):
-        super().__init__()
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"attention_dropout={dropout}: packfwd's core attention has no dropout; set it to 0.0")
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError("packfwd's core attention is full causal attention; set config.window_size=None")
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None")
-        self.layer_number = layer_number
-        self.attn_mask_type = attn_mask_type
-        self.backend = backend
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
-        self.cp_group = getattr(pg_collection, "cp", None)
-        # RoPE of THD batches (packfwd.models.rope.PackedRope, set by install_packed_rope): applied here, with no
-        # host sync, instead of Megatron-Core's per-sequence THD RoPE.  None: q and k arrive rotated.
-        self.rope = None
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if attention_mask is not None:
-            raise ValueError(
-                "packfwd's core attention takes attention_mask=None: it is causal over each packed sequence (THD) or "
-                "each row (BSHD, real tokens first); pack the batch with packfwd.to_thd or packfwd.to_bshd instead"
-            )
-        if attention_bias is not None:
-            raise ValueError("packfwd's core attention does not take an attention_bias; pass None")
-        causal = _is_causal(self.attn_mask_type if attn_mask_type is None else attn_mask_type)
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return self._thd(query, key, value, causal, packed_seq_params)
-        if packed_seq_params is not None:
-            raise ValueError(f"qkv_format={packed_seq_params.qkv_format!r} is not supported; use 'thd' or no params")
-        return self._bshd(query, key, value, causal)
-
-    def _thd(self, q, k, v, causal, params):
-        if q.dim() == 4:  # [t, 1, h, d]
-            q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)
-        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        group = params.cp_group if getattr(params, "cp_group", None) is not None else self.cp_group
-        cp_size = _group_size(group)
-        if self.rope is not None:
-            q, k = self.rope(q, k, cu_q, params.max_seqlen_q, cp_size, group.rank() if cp_size > 1 else 0)
-        attn = functools.partial(varlen_attention, backend=self.backend)
-        if cp_size > 1:
-            if not causal:
-                raise ValueError("context-parallel attention is causal only; use attn_mask_type=causal")
-            from packfwd.parallel.context import context_parallel_attention
-
-            out = context_parallel_attention(
-                q, k, v, cu_q, params.max_seqlen_q, cp_size=cp_size, cp_rank=group.rank(), cp_group=group,
-                attn_fn=attn, softmax_scale=self.softmax_scale,
-            )
-        else:
-            out = attn(q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal, self.softmax_scale)
-        return out.reshape(out.shape[0], -1)
-
-    def _bshd(self, q, k, v, causal):
-        if _group_size(self.cp_group) > 1:
-            raise ValueError("context parallelism needs the THD layout; use data_format='thd'")
-        s, b = q.shape[:2]
-        rows = torch.arange(b + 1, device=q.device, dtype=torch.int32) * s
-
-        def flat(x):  # [s, b, h, d] -> [b*s, h, d]
-            return x.transpose(0, 1).reshape(b * s, *x.shape[2:])
-
-        out = varlen_attention(flat(q), flat(k), flat(v), rows, rows, s, s, causal, self.softmax_scale,
-                               backend=self.backend)
-        return out.reshape(b, s, -1).transpose(0, 1)
-
-
-def _is_causal(mask_type) -> bool:
-    name = getattr(mask_type, "name", str(mask_type))
-    if name == "causal":
-        return True
-    if name == "no_mask":
-        return False
-    raise ValueError(f"attn_mask_type={name}: packfwd's core attention supports 'causal' and 'no_mask' only")
-
-
-def _group_size(group) -> int:
-    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return 1
-    return group.size()

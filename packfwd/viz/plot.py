@@ -3,8 +3,8 @@ and padding sweeps.
 
 Every function draws on axes you pass in (``fig, ax = plt.subplots()`` or ``matplotlib.figure.Figure``) and
 returns them; none calls ``plt.show`` or touches global state. One token or layer is one unit square: a cell
-coloured by its sequence (or virtual stage), padding hatched. matplotlib is imported only inside the functions,
-so ``import packfwd.plot`` works without it.
+coloured by its sequence (or virtual stage), padding hatched; tokens are named as in :mod:`packfwd.viz.text`.
+matplotlib is imported only inside the functions, so ``import packfwd.viz.plot`` works without it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Sequence
 
 import torch
 
-from .show import _name, _token_names, lengths_mask, padding_sweep
-from .thd import plan_thd, to_thd
+from packfwd import layer_partition, to_thd
+
+from .text import padding_sweep, thd_plans, token_codes, token_names
 
 __all__ = ["draw_layer_partition", "draw_mask", "draw_thd", "plot_padding_sweep"]
 
@@ -59,6 +60,7 @@ def draw_mask(ax, mask: torch.Tensor):
     One patch per cell, so ``b * s`` patches, ``(~mask).sum()`` of them hatched. Returns ``ax``.
 
     >>> from matplotlib.figure import Figure
+    >>> from packfwd.viz import lengths_mask
     >>> ax = draw_mask(Figure().subplots(), lengths_mask([3, 1]))
     >>> sum(bool(p.get_hatch()) for p in ax.patches)
     2
@@ -92,8 +94,7 @@ def draw_thd(ax_or_axes, lengths: Sequence[int], tp_size: int = 1, cp_size: int 
     >>> sum(bool(p.get_hatch()) for p in axes[0].patches)   # 12 tokens for 8 real
     4
     """
-    infos = [plan_thd(lengths_mask(lengths), tp_size=tp_size, cp_size=cp_size, cp_rank=r, seq_align=seq_align)
-             for r in range(cp_size)]
+    infos = thd_plans(lengths, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
     if hasattr(ax_or_axes, "add_patch"):
         axes, rows = [ax_or_axes] * cp_size, list(range(cp_size))
     else:
@@ -101,7 +102,7 @@ def draw_thd(ax_or_axes, lengths: Sequence[int], tp_size: int = 1, cp_size: int 
         if len(axes) != cp_size:
             raise ValueError(f"got {len(axes)} axes for cp_size={cp_size}; pass one Axes or exactly cp_size Axes")
         rows = [0] * cp_size
-    codes = _token_names(lengths)
+    codes, names = token_codes(lengths), token_names(lengths)
     label = infos[0].local_tokens <= _LABEL_LIMIT
     fontsize = 7 if infos[0].local_tokens <= 24 else 5.5
     for ax, row, info in zip(axes, rows, infos):
@@ -110,7 +111,7 @@ def draw_thd(ax_or_axes, lengths: Sequence[int], tp_size: int = 1, cp_size: int 
         for seq, (a, b) in enumerate(zip(bounds, bounds[1:])):
             for k in range(a, b):
                 pad = tokens[k] == 0
-                _cell(ax, k, row, _colour(seq), pad=pad, label=_name(tokens[k]) if label and not pad else None,
+                _cell(ax, k, row, _colour(seq), pad=pad, label=names[tokens[k]] if label and not pad else None,
                       fontsize=fontsize)
         for edge in bounds:
             ax.plot([edge, edge], [row, row + 1], color="black", linewidth=1.5)
@@ -142,7 +143,7 @@ def draw_layer_partition(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ):
-    """Draw :func:`packfwd.layers.layer_partition` as a grid: a row per pipeline rank, a column per global layer.
+    """Draw :func:`packfwd.layer_partition` as a grid: a row per pipeline rank, a column per global layer.
 
     Layer ``l`` is a cell in the row of the rank that builds it, coloured by its virtual stage (and numbered
     when there are few layers). ``num_layers`` patches in all. Returns ``ax``.
@@ -153,8 +154,6 @@ def draw_layer_partition(
     [(0, 0), (1, 0), (2, 1), (3, 1)]
     """
     from matplotlib.patches import Patch
-
-    from .layers import layer_partition
 
     partition = layer_partition(
         num_layers, pp, vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers
@@ -176,7 +175,7 @@ def draw_layer_partition(
 
 def plot_padding_sweep(ax, lengths: Sequence[int], tps: Sequence[int], cps: Sequence[int]):
     """Bar chart of the pad tokens THD adds to a batch, for every ``(tp, cp)`` in ``tps x cps``: packfwd's
-    default alignment against verl's (``2*tp*cp``, or ``tp`` without CP). Bars ``2*i`` and ``2*i + 1`` of
+    default alignment against verl's (:func:`packfwd.viz.text.verl_seq_align`). Bars ``2*i`` and ``2*i + 1`` of
     ``ax.patches`` are configuration ``i``'s packfwd and verl bars. Returns ``ax``.
 
     >>> from matplotlib.figure import Figure

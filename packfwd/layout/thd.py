@@ -10,17 +10,15 @@ every rank the same share of causal-attention work)::
     rank 0 keeps chunks 0 and 3:  a0 a1 . .  b0 .      (6 tokens)
     rank 1 keeps chunks 1 and 2:  a2 a3 a4 . b1 b2     (6 tokens)
 
-The alignment rule with ``seq_align=None`` (the default) is the smallest Megatron accepts: each sequence is
-padded to a multiple of ``2*cp`` (no per-sequence padding at all when ``cp == 1``), and then the last sequence's
-padding is extended so each rank's token count divides by ``tp_size`` (sequence parallelism splits it).  Padding
-each sequence to ``2*cp*tp`` instead (``seq_align=2*cp*tp``, or ``tp`` when ``cp == 1``) reproduces verl's
-layout exactly but spends up to ``2*cp*tp - 1`` pad tokens per sequence instead of ``2*cp - 1``.
+The alignment rule and the zigzag split are defined once, in :mod:`packfwd.layout.rules`; this module is the
+THD index function built on them.  With ``seq_align=None`` (the default) each sequence is padded to a multiple of
+``2*cp`` (not at all when ``cp == 1``) and the last one is extended so each rank's token count divides by
+``tp_size``.  ``seq_align=2*cp*tp`` (``tp`` when ``cp == 1``) reproduces verl's layout exactly but spends up to
+``2*cp*tp - 1`` pad tokens per sequence instead of ``2*cp - 1``.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -28,31 +26,31 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import check_positive_int, check_rank
-from ._rows import cumsum0, gather_rows
-from . import _plan_kernel
-from ._source import (
+from .._validate import check_positive_int, check_rank
+from ..ops import plan as plan_kernel
+from ..ops.gather import gather_rows
+from . import rules
+from .source import (
+    PlanOfSource,
     Lengths,
     TokenSource,
     canvas_rows_of,
     checked_lengths,
+    cumsum0,
     from_canvas,
-    is_nested,
     padded_source,
-    plan_padded,
-    plan_source,
-    read_lengths,
+    plan,
     scatter_inverse,
 )
 
 
 @dataclass(frozen=True)
-class ThdInfo:
+class ThdInfo(PlanOfSource):
     """The plan of ``to_thd`` for one CP rank; also everything ``from_thd`` needs to put all ranks back.
 
     Megatron-Core's names: ``cu_seqlens`` [n+1] int32 (real lengths), ``cu_seqlens_padded`` [n+1] int32 (whole
     padded sequences, before the CP split), ``max_seqlen`` (longest padded sequence, a Python int).  ``n`` is the
-    batch size ``b`` (plus the spare sequences of a fixed bucket, see ``packfwd.bucket``).
+    batch size ``b`` (plus the spare sequences of a fixed bucket, see ``packfwd.layout.bucket``).
     """
 
     source: TokenSource
@@ -67,8 +65,7 @@ class ThdInfo:
     seq_align: int
     index: Tensor  # [cp_size * local_tokens] canvas row of every rank's token, rank after rank (-1 at padding)
     inverse: Tensor  # [canvas_rows] rank * local_tokens + local row of each canvas row (-1 at padding)
-    segments: Tensor | None  # [2, k] this rank's runs of positions: run lengths, position minus local row (None:
-    # the positions were computed at planning)
+    local_positions: Tensor  # [local_tokens] int64, position of each local token in its padded sequence
 
     @property
     def gather_index(self) -> Tensor:
@@ -85,25 +82,10 @@ class ThdInfo:
         """This rank's padding rows (for inspection: this syncs with the device)."""
         return (self.gather_index < 0).nonzero().view(-1)
 
-    @functools.cached_property
-    def local_positions(self) -> Tensor:
-        """[local_tokens] int64, position of each local token in its padded sequence (computed on first use)."""
-        lengths, shift = self.segments
-        run = torch.repeat_interleave(lengths, output_size=self.local_tokens)
-        return torch.arange(self.local_tokens, device=lengths.device) + shift[run]
-
     @property
     def local_cu_seqlens_padded(self) -> Tensor:
         """[n+1] int32: where each sequence starts in this rank's tensor (``cu_seqlens_padded // cp_size``)."""
         return self.cu_seqlens_padded // self.cp_size
-
-    @property
-    def batch_size(self) -> int:
-        return self.source.batch_size
-
-    @property
-    def seq_len(self) -> int:
-        return self.source.seq_len
 
     def packed_seq_params(self):
         """Megatron-Core's ``PackedSeqParams`` (``qkv_format="thd"``) for this batch."""
@@ -118,26 +100,6 @@ class ThdInfo:
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
-
-
-def default_seq_align(cp_size: int) -> int:
-    """The smallest per-sequence alignment Megatron accepts: ``2*cp_size`` under CP, else 1.
-
-    >>> default_seq_align(1), default_seq_align(4)
-    (1, 8)
-    """
-    return 2 * cp_size if cp_size > 1 else 1
-
-
-def padded_lengths(lengths: Tensor, *, seq_align: int, tp_size: int, cp_size: int) -> Tensor:
-    """[b] padded length of every sequence: rounded up to ``seq_align``, the last one extended so the total
-    divides by ``tp_size * cp_size`` (each CP rank's share then divides by ``tp_size``)."""
-    p = (lengths + seq_align - 1) // seq_align * seq_align
-    unit = math.lcm(seq_align, tp_size * cp_size)
-    if p.numel() and unit > seq_align:
-        p = p.clone()
-        p[-1] += (-p.sum()) % unit
-    return p
 
 
 def plan_thd(
@@ -172,53 +134,61 @@ def plan_thd(
 
 
 def plan_thd_layout(
-    attention_mask, *, tp_size, cp_size, cp_rank, seq_align, max_seqlen, seqlens, x, bucket_tokens=None, spares=0
+    attention_mask, *, tp_size, cp_size, cp_rank, seq_align, max_seqlen, seqlens, x, padding=None
 ) -> ThdInfo:
-    """``plan_thd``, optionally with a fixed token count: ``bucket_tokens`` padded tokens in all, the slack held
-    by ``spares`` extra sequences of no real tokens, each at most ``max_seqlen`` long (see ``packfwd.bucket``)."""
-    tp_size = check_positive_int("tp_size", tp_size)
-    cp_size = check_positive_int("cp_size", cp_size)
-    cp_rank = check_rank("cp_rank", cp_rank, cp_size, "cp_size")
-    align = _check_seq_align(seq_align, cp_size, tp_size)
+    """``plan_thd`` with, optionally, another ``padding(lengths, align) -> (p, cu_pair)`` of the sequences (the
+    padded lengths of ``n >= b`` sequences, and ``[2, n+1]`` real and padded offsets): ``packfwd.layout.bucket``
+    passes one that holds a fixed token count."""
+    tp = check_positive_int("tp_size", tp_size)
+    cp = check_positive_int("cp_size", cp_size)
+    rank = check_rank("cp_rank", cp_rank, cp, "cp_size")
+    align = rules.check_seq_align(seq_align, cp, tp)
     if max_seqlen is not None:
         check_positive_int("max_seqlen", max_seqlen)
+    fixed = dict(tp_size=tp, cp_size=cp, cp_rank=rank, seq_align=align)
 
-    def layout(lengths):
-        return _host_layout(lengths, align, tp_size, cp_size, cp_rank, bucket_tokens, spares, max_seqlen)
+    def host_layout(lengths):
+        if padding is not None:
+            return _host_layout(lengths, cp, align, *padding(lengths, align))
+        p = rules.padded_lengths(lengths, seq_align=align, tp_size=tp, cp_size=cp)
+        return _host_layout(lengths, cp, align, p, cumsum0(p)[None])
 
-    if (x is None or not is_nested(x)) and bucket_tokens is None:
-        src = read_lengths(x, attention_mask, seqlens)
-        if _plan_kernel.available(src.mask):
-            return _plan_on_device(src, align, tp_size, cp_size, cp_rank, max_seqlen)
-        source, (total, longest, local), arrays = plan_padded(src, layout)
-    else:
-        source, (total, longest, local), arrays = plan_source(x, attention_mask, seqlens, layout)
-    _check_max_seqlen(max_seqlen, longest)
-    cu_pair, segments, *table = arrays
-    if cp_size == 1:
-        dest = source.rank_in_row(table[0])
-    else:
-        size_m1, size, start = table  # chunk size - 1, chunk size (>= 1), first destination of each chunk, minus 1
-        counts = source.rank_in_row()
-        chunk = (counts + source.per_row(size_m1)).div_(source.per_row(size), rounding_mode="floor")
-        dest = counts + source.per_row_col(start, chunk)
-    inverse = source.where_real(dest, -1)
-    cu32 = cu_pair.to(torch.int32)
-    return ThdInfo(
-        source=source,
-        cu_seqlens=source.cu_seqlens if bucket_tokens is None else cu32[0],
-        cu_seqlens_padded=cu32[-1],
-        max_seqlen=longest if max_seqlen is None else max_seqlen,
-        total_tokens=total,
-        local_tokens=local,
-        tp_size=tp_size,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        seq_align=align,
-        index=scatter_inverse(inverse, total, source.canvas_rows),
-        inverse=inverse,
-        segments=segments,
-    )
+    def build(source, ints, arrays):
+        total, longest, local = ints
+        _check_max_seqlen(max_seqlen, longest)
+        cu_pair, (start, chunk) = arrays
+        q = source.rank_in_row() - 1  # position of each real token in its sequence
+        owner, row = rules.zigzag_owner(q, source.per_row(chunk), cp)
+        dest = owner * local + source.per_row(start) + row
+        inverse = source.where_real(dest, -1)
+        cu32 = cu_pair.to(torch.int32)
+        cu_padded = cu32[-1]
+        return ThdInfo(
+            source=source, cu_seqlens=source.cu_seqlens if padding is None else cu32[0],
+            cu_seqlens_padded=cu_padded, max_seqlen=longest if max_seqlen is None else max_seqlen,
+            total_tokens=total, local_tokens=local, index=scatter_inverse(inverse, total, source.canvas_rows),
+            inverse=inverse, local_positions=rules.local_positions(cu_padded, local, cp, rank), **fixed,
+        )
+
+    def device_plan(src: Lengths) -> ThdInfo:  # CUDA: the host computes three ints, one kernel the maps
+        p = rules.round_up(src.host, align)
+        extra = rules.last_extra(p.sum(), seq_align=align, tp_size=tp, cp_size=cp) if len(p) else 0
+        total = rules.check_padded_total(int(p.sum()) + extra, align)
+        longest = max(int(p.max()), int(p[-1]) + extra) if len(p) else 0
+        _check_max_seqlen(max_seqlen, longest)
+        out = plan_kernel.plan_rows(
+            plan_kernel.THD, src.mask, checked_lengths(src), total=total, align=align, cp=cp, rank=rank,
+            last_extra=extra,
+        )
+        return ThdInfo(
+            source=padded_source(src, out["cu_seqlens"]), cu_seqlens=out["cu_seqlens"],
+            cu_seqlens_padded=out["cu_seqlens_padded"], max_seqlen=longest if max_seqlen is None else max_seqlen,
+            total_tokens=total, local_tokens=total // cp, index=out["index"], inverse=out["inverse"],
+            local_positions=out["positions"], **fixed,
+        )
+
+    return plan(x, attention_mask, seqlens, host_layout=host_layout, build=build,
+                device_plan=device_plan if padding is None else None)
 
 
 def _check_max_seqlen(max_seqlen: int | None, longest: int) -> None:
@@ -226,91 +196,20 @@ def _check_max_seqlen(max_seqlen: int | None, longest: int) -> None:
         raise ValueError(f"max_seqlen={max_seqlen} is below the longest padded sequence ({longest}); raise it or pass None")
 
 
-def _plan_on_device(src: Lengths, align: int, tp: int, cp: int, rank: int, max_seqlen: int | None) -> ThdInfo:
-    """The CUDA planning path: the host computes three ints, one Triton kernel every per-token map."""
-    p = (src.host + (align - 1)) // align * align
-    b = p.shape[0]
-    extra = -int(p.sum()) % math.lcm(align, tp * cp) if b else 0
-    total = int(p.sum()) + extra
-    longest = max(int(p.max()), int(p[-1]) + extra) if b else 0
-    _check_max_seqlen(max_seqlen, longest)
-    out = _plan_kernel.plan_rows(
-        _plan_kernel.THD, src.mask, checked_lengths(src), total=total, align=align, cp=cp, rank=rank, last_extra=extra
-    )
-    info = ThdInfo(
-        source=padded_source(src, out["cu_seqlens"]),
-        cu_seqlens=out["cu_seqlens"],
-        cu_seqlens_padded=out["cu_seqlens_padded"],
-        max_seqlen=longest if max_seqlen is None else max_seqlen,
-        total_tokens=total,
-        local_tokens=total // cp,
-        tp_size=tp,
-        cp_size=cp,
-        cp_rank=rank,
-        seq_align=align,
-        index=out["index"],
-        inverse=out["inverse"],
-        segments=None,
-    )
-    info.__dict__["local_positions"] = out["positions"]  # computed by the kernel: fills the cached property
-    return info
+def _host_layout(lengths: np.ndarray, cp: int, align: int, p: np.ndarray, cu_pair: np.ndarray):
+    """THD's index function on the host, from the real lengths ``[b]``, the padded lengths ``p [n]`` and the
+    offsets ``cu_pair`` (``[1, n+1]`` padded, or ``[2, n+1]`` real and padded).
 
-
-def _host_layout(lengths: np.ndarray, align, tp, cp, rank, bucket_tokens, spares, max_seqlen):
-    """Every per-sequence number of the layout, on the host (int64 numpy arrays; ``lengths`` is [b])."""
+    Returns the ints ``(total, longest, local)`` and two arrays: ``cu_pair`` and ``[2, b]``: where each sequence
+    starts in every rank's tensor, and its zigzag chunk size (at least 1).  Token ``q`` of sequence ``i`` then lands
+    at ``owner * local + start_i + row`` with ``(owner, row) = rules.zigzag_owner(q, chunk_i, cp)``.
+    """
     b = lengths.shape[0]
-    p = (lengths + (align - 1)) // align * align
-    if bucket_tokens is None:
-        if b:
-            p[-1] += -int(p.sum()) % math.lcm(align, tp * cp)
-        cu_pair = cumsum0(p)[None]
-    else:
-        slack = bucket_tokens - int(p.sum())
-        if slack < 0:
-            raise ValueError(
-                f"the batch needs {bucket_tokens - slack} padded tokens but the bucket holds {bucket_tokens}; "
-                "plan it with a larger bucket (or split the batch)"
-            )
-        spare = np.clip(slack - max_seqlen * np.arange(spares), 0, max_seqlen)  # [M, M, rest, 0, ...]
-        p = np.concatenate([p, spare])
-        cu_pair = np.stack([np.concatenate([cumsum0(lengths), np.full(spares, lengths.sum())]), cumsum0(p)])
-    n = p.shape[0]
-    total = int(cu_pair[-1, -1])
-    longest = int(p.max()) if n else 0
+    total = rules.check_padded_total(int(cu_pair[-1, -1]), align)
     local = total // cp
-    start = cu_pair[-1, :-1] // cp  # where each sequence starts on every rank
-    if cp == 1:
-        segments = np.stack([p, -start])
-        return [total, longest, local], [cu_pair, segments, start[:b] - 1]
-    c = p // (2 * cp)  # chunk size
-    # This rank's runs of consecutive positions, two per sequence (its chunks rank and 2cp-1-rank): the run
-    # lengths, and position minus local row (the chunk's first position minus its first local row).
-    segments = np.empty((2, n, 2), dtype=np.int64)
-    segments[0] = c[:, None]
-    np.subtract(rank * c, start, out=segments[1, :, 0])
-    np.subtract((2 * cp - 2 - rank) * c, start, out=segments[1, :, 1])
-    # Real token at position q of sequence i, in chunk k = q // c, goes to owner(k)'s tensor at row
-    # start + (k >= cp) * c + q - k * c.  Column k + 1 holds that row minus q + 1 (column 0: padding).
-    ch = np.arange(2 * cp)
-    owner_base = np.where(ch < cp, ch, 2 * cp - 1 - ch) * local - 1
-    table = np.zeros((b, 2 * cp + 1), dtype=np.int64)
-    table[:, 1:] = np.multiply.outer(c[:b], (ch >= cp) - ch) + owner_base
-    table[:, 1:] += start[:b, None]
-    size = np.maximum(c[:b], 1)
-    return [total, longest, local], [cu_pair, segments.reshape(2, -1), size - 1, size, table]
-
-
-def _check_seq_align(seq_align: int | None, cp_size: int, tp_size: int) -> int:
-    if seq_align is None:
-        return default_seq_align(cp_size)
-    check_positive_int("seq_align", seq_align)
-    if cp_size > 1 and seq_align % (2 * cp_size):
-        raise ValueError(
-            f"seq_align={seq_align} breaks context parallelism: every padded sequence is cut into 2*cp_size="
-            f"{2 * cp_size} equal chunks, so seq_align must be a multiple of {2 * cp_size} "
-            f"(e.g. {2 * cp_size * tp_size}), or None for the smallest valid alignment"
-        )
-    return seq_align
+    start = cu_pair[-1, :b] // cp  # where each sequence starts in every rank's tensor
+    chunk = np.maximum(rules.chunk_size(p[:b], cp), 1)
+    return [total, int(p.max()) if len(p) else 0, local], [cu_pair, np.stack([start, chunk])]
 
 
 def to_thd(

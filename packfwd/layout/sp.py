@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_positive_int, check_tensor
+from .._validate import check_positive_int, check_tensor
 
 
 def sp_padded_len(num_tokens: int, tp_size: int) -> int:

@@ -22,16 +22,20 @@ the three steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import check_positive_int
-from ._source import TokenSource, is_nested
-from .thd import ThdInfo, _check_seq_align, plan_thd_layout
+from .._validate import check_positive_int
+from .source import TokenSource, is_nested
+from .rules import check_seq_align, round_up
+from .source import cumsum0
+from .thd import ThdInfo, plan_thd_layout
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,12 @@ def plan_thd_bucket(
     ([0, 5, 8, 8, 8], [0, 5, 8, 16, 16], 16, 8)
     """
     if not isinstance(bucket, Bucket):
-        raise TypeError(f"bucket must be a packfwd.bucket.Bucket, got {type(bucket).__name__}; e.g. Bucket(8192, 4096)")
+        raise TypeError(f"bucket must be a packfwd.layout.bucket.Bucket, got {type(bucket).__name__}; e.g. Bucket(8192, 4096)")
     if attention_mask is None or is_nested(attention_mask):
         raise TypeError("plan_thd_bucket needs a padded [b, s] attention_mask (a fixed canvas); nested input varies in shape")
     tp = check_positive_int("tp_size", tp_size)
     cp = check_positive_int("cp_size", cp_size)
-    align = _check_seq_align(seq_align, cp, tp)
+    align = check_seq_align(seq_align, cp, tp)
     unit = math.lcm(align, tp * cp)
     if bucket.tokens % unit:
         raise ValueError(
@@ -100,8 +104,25 @@ def plan_thd_bucket(
         )
     return plan_thd_layout(
         attention_mask, tp_size=tp, cp_size=cp, cp_rank=cp_rank, seq_align=seq_align, max_seqlen=bucket.max_seqlen,
-        seqlens=seqlens, x=None, bucket_tokens=bucket.tokens, spares=bucket.spares,
+        seqlens=seqlens, x=None, padding=functools.partial(_bucket_padding, bucket=bucket),
     )
+
+
+def _bucket_padding(lengths: np.ndarray, align: int, *, bucket: Bucket) -> tuple[np.ndarray, np.ndarray]:
+    """The bucket's sequences: the batch's, each rounded up to ``align`` (no tp extension: the bucket's total
+    divides), then ``bucket.spares`` spare sequences holding the slack, each at most ``bucket.max_seqlen`` long.
+    Returns their padded lengths ``[b + spares]`` and ``[2, b + spares + 1]`` real and padded offsets."""
+    p = round_up(lengths, align)
+    slack = bucket.tokens - int(p.sum())
+    if slack < 0:
+        raise ValueError(
+            f"the batch needs {bucket.tokens - slack} padded tokens but the bucket holds {bucket.tokens}; "
+            "plan it with a larger bucket (or split the batch)"
+        )
+    spare = np.clip(slack - bucket.max_seqlen * np.arange(bucket.spares), 0, bucket.max_seqlen)  # [M, M, rest, 0..]
+    p = np.concatenate([p, spare])
+    real = np.concatenate([cumsum0(lengths), np.full(bucket.spares, lengths.sum())])
+    return p, np.stack([real, cumsum0(p)])
 
 
 # Ints of a plan that may differ between two batches of one bucket (every other field fixes a shape).
@@ -126,8 +147,6 @@ def copy_plan_(dst: ThdInfo, src: ThdInfo) -> ThdInfo:
     if not isinstance(dst, ThdInfo) or not isinstance(src, ThdInfo):
         raise TypeError("copy_plan_ copies one ThdInfo into another; pass two plans from plan_thd_bucket")
     _copy_fields(dst, src, "plan")
-    if "local_positions" in dst.__dict__:  # computed (and maybe captured) already: keep it current
-        dst.local_positions.copy_(src.local_positions)
     return dst
 
 

@@ -35,8 +35,8 @@ def check_across_ranks(
     ``values``: up to 14 Python ints that every rank must agree on (``what`` names them in the error).  Every
     rank of ``group`` must call this.
 
-    >>> from packfwd.launch import run_local
-    >>> from packfwd.parallel.checks import _example_agree
+    >>> from packfwd.testing import run_local
+    >>> from packfwd.parallel.agree import _example_agree
     >>> seen = run_local(_example_agree, 2, backend="gloo")   # rank 1 rejects its input
     >>> seen[0] == seen[1], seen[0]                           # both ranks raise its error
     (True, 'ValueError: rank 1 of 2 in the process group rejected its inputs: bad mask on rank 1')

@@ -1,8 +1,11 @@
 """Fused Triton kernels for ``packfwd.logits`` on one GPU: log-probs and entropy of ``[t, v]`` logits.
 
-Imported only when a CUDA tensor takes the kernel path (``packfwd.logits`` decides); importing it without Triton
-works, launching does not.  Same math and conventions as the chunked torch path of ``packfwd.logits`` (see its
-module docstring), with ``z = (raw - m) * inv_t`` and ``m`` the row's raw max:
+Imported only when a CUDA tensor takes the kernel path (``packfwd.logits`` asks ``supported``, then applies the
+autograd.Function ``RowKernel``, over the launchers ``forward_stats`` and ``backward_grad``; the kernels follow
+them).  Importing it without Triton works, launching does not.
+
+Same math and conventions as the chunked torch path of ``packfwd.logits`` (see its module docstring), with
+``z = (raw - m) * inv_t`` and ``m`` the row's raw max:
 
 * forward, one program per row: a running max / sum of ``exp(z)`` / sum of ``exp(z) z`` over blocks of the
   vocab (float32, rescaled when the max grows), then the label's logit.  Writes ``m``, ``s``, ``mean_z = e / s``,
@@ -13,6 +16,8 @@ module docstring), with ``z = (raw - m) * inv_t`` and ``m`` the row's raw max:
   torch path does.  ``-inf`` logits get 0.
 
 No temperature gradient here: ``packfwd.logits`` keeps the torch path when a tensor temperature requires grad.
+Tested against float64 math and the torch path on the GPU, and in Triton's interpreter on the CPU
+(``tests/gpu/test_logprob_kernel.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,85 @@ except ImportError:  # CPU-only installs never launch these (importing this modu
 CONFIG = {"block": 4096, "num_warps": 8}
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def supported(logits: Tensor) -> bool:
+    """Whether the kernels can take these logits: a CUDA tensor of bf16 / fp16 / fp32, with Triton installed."""
+    return triton is not None and logits.is_cuda and logits.dtype in DTYPES and logits.shape[0] > 0
+
+
+class RowKernel(torch.autograd.Function):
+    """(log_probs, entropy) of ``logits [t, v]`` through the kernels; saves the logits and ``[t]`` vectors only.
+
+    ``inv_t`` must not require grad (no temperature gradient here).  Without ``want_entropy`` the entropy output
+    is zeros and not differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, inv_t, labels, want_entropy):
+        m, s, mean_z, logp, ent = forward_stats(logits, inv_t, labels, want_entropy)
+        ctx.save_for_backward(logits, inv_t, labels, m, s, mean_z if want_entropy else s)
+        ctx.want_entropy = want_entropy
+        ctx.set_materialize_grads(False)
+        if not want_entropy:
+            ent = torch.zeros_like(s)
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, inv_t, labels, m, s, mean_z = ctx.saved_tensors
+        if not ctx.want_entropy:
+            g_ent = None
+        if (g_logp is None and g_ent is None) or not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        grad = backward_grad(logits, inv_t, labels, m, s, mean_z if ctx.want_entropy else None, g_logp, g_ent)
+        return grad, None, None, None
+
+
+def forward_stats(logits: Tensor, inv_t: Tensor, labels: Tensor, want_entropy: bool):
+    """``(m, s, mean_z or None, log_prob, entropy or None)``, each ``[t]`` float32, of ``logits [t, v]``.
+
+    inv_t: ``[t]`` float32 ``1 / temperature``; labels: ``[t]`` int64, negative = ignored.
+    """
+    logits = _rows_contiguous(logits)
+    t, v = logits.shape
+    f32 = dict(dtype=torch.float32, device=logits.device)
+    m, s, logp = torch.empty(t, **f32), torch.empty(t, **f32), torch.empty(t, **f32)
+    mz = torch.empty(t, **f32) if want_entropy else s
+    ent = torch.empty(t, **f32) if want_entropy else s
+    block = min(CONFIG["block"], max(16, triton.next_power_of_2(v)))
+    _logprob_fwd_kernel[(t,)](
+        logits, logits.stride(0), inv_t.float().contiguous(), labels.contiguous(), m, s, mz, logp, ent, v,
+        WANT_ENT=want_entropy, BLOCK=block, num_warps=CONFIG["num_warps"],
+    )
+    return m, s, (mz if want_entropy else None), logp, (ent if want_entropy else None)
+
+
+def backward_grad(logits, inv_t, labels, m, s, mean_z, g_logp, g_ent) -> Tensor:
+    """``dL/dlogits [t, v]`` in the logits' dtype; ``g_logp`` / ``g_ent``: ``[t]`` upstream gradients or None."""
+    logits = _rows_contiguous(logits)
+    t, v = logits.shape
+    grad = torch.empty((t, v), dtype=logits.dtype, device=logits.device)
+    has_lp, has_ent = g_logp is not None, g_ent is not None
+    if not (has_lp or has_ent):
+        return grad.zero_()
+    glp = g_logp.float().contiguous() if has_lp else s
+    gent = g_ent.float().contiguous() if has_ent else s
+    block = min(CONFIG["block"], max(16, triton.next_power_of_2(v)))
+    _logprob_bwd_kernel[(t,)](
+        logits, logits.stride(0), grad, grad.stride(0), inv_t.float().contiguous(), labels.contiguous(), m, s,
+        mean_z if mean_z is not None else s, glp, gent, v,
+        HAS_LOGP=has_lp, HAS_ENT=has_ent, BLOCK=block, num_warps=CONFIG["num_warps"],
+    )
+    return grad
+
+
+def _rows_contiguous(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------- the kernels
 
 if triton is not None:
 
@@ -122,79 +206,3 @@ if triton is not None:
                 dx = -(big_e * r_s) * glp
             dx = tl.where(c == label_col, label_dx, dx * inv)
             tl.store(out + c, dx.to(out.dtype.element_ty), mask=ok)
-
-
-def supported(logits: Tensor) -> bool:
-    """Whether the kernels can take these logits: a CUDA tensor of bf16 / fp16 / fp32, with Triton installed."""
-    return triton is not None and logits.is_cuda and logits.dtype in DTYPES and logits.shape[0] > 0
-
-
-def _rows_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def forward_stats(logits: Tensor, inv_t: Tensor, labels: Tensor, want_entropy: bool):
-    """``(m, s, mean_z or None, log_prob, entropy or None)``, each ``[t]`` float32, of ``logits [t, v]``.
-
-    inv_t: ``[t]`` float32 ``1 / temperature``; labels: ``[t]`` int64, negative = ignored.
-    """
-    logits = _rows_contiguous(logits)
-    t, v = logits.shape
-    f32 = dict(dtype=torch.float32, device=logits.device)
-    m, s, logp = torch.empty(t, **f32), torch.empty(t, **f32), torch.empty(t, **f32)
-    mz = torch.empty(t, **f32) if want_entropy else s
-    ent = torch.empty(t, **f32) if want_entropy else s
-    block = min(CONFIG["block"], max(16, triton.next_power_of_2(v)))
-    _logprob_fwd_kernel[(t,)](
-        logits, logits.stride(0), inv_t.float().contiguous(), labels.contiguous(), m, s, mz, logp, ent, v,
-        WANT_ENT=want_entropy, BLOCK=block, num_warps=CONFIG["num_warps"],
-    )
-    return m, s, (mz if want_entropy else None), logp, (ent if want_entropy else None)
-
-
-def backward_grad(logits, inv_t, labels, m, s, mean_z, g_logp, g_ent) -> Tensor:
-    """``dL/dlogits [t, v]`` in the logits' dtype; ``g_logp`` / ``g_ent``: ``[t]`` upstream gradients or None."""
-    logits = _rows_contiguous(logits)
-    t, v = logits.shape
-    grad = torch.empty((t, v), dtype=logits.dtype, device=logits.device)
-    has_lp, has_ent = g_logp is not None, g_ent is not None
-    if not (has_lp or has_ent):
-        return grad.zero_()
-    glp = g_logp.float().contiguous() if has_lp else s
-    gent = g_ent.float().contiguous() if has_ent else s
-    block = min(CONFIG["block"], max(16, triton.next_power_of_2(v)))
-    _logprob_bwd_kernel[(t,)](
-        logits, logits.stride(0), grad, grad.stride(0), inv_t.float().contiguous(), labels.contiguous(), m, s,
-        mean_z if mean_z is not None else s, glp, gent, v,
-        HAS_LOGP=has_lp, HAS_ENT=has_ent, BLOCK=block, num_warps=CONFIG["num_warps"],
-    )
-    return grad
-
-
-class RowKernel(torch.autograd.Function):
-    """(log_probs, entropy) of ``logits [t, v]`` through the kernels; saves the logits and ``[t]`` vectors only.
-
-    ``inv_t`` must not require grad (no temperature gradient here).  Without ``want_entropy`` the entropy output
-    is zeros and not differentiable.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, inv_t, labels, want_entropy):
-        m, s, mean_z, logp, ent = forward_stats(logits, inv_t, labels, want_entropy)
-        ctx.save_for_backward(logits, inv_t, labels, m, s, mean_z if want_entropy else s)
-        ctx.want_entropy = want_entropy
-        ctx.set_materialize_grads(False)
-        if not want_entropy:
-            ent = torch.zeros_like(s)
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        logits, inv_t, labels, m, s, mean_z = ctx.saved_tensors
-        if not ctx.want_entropy:
-            g_ent = None
-        if (g_logp is None and g_ent is None) or not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        grad = backward_grad(logits, inv_t, labels, m, s, mean_z if ctx.want_entropy else None, g_logp, g_ent)
-        return grad, None, None, None

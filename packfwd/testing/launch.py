@@ -4,6 +4,9 @@
 initialises the process group (gloo on CPU, NCCL with one GPU per rank), runs ``fn(rank, world_size, *args)``
 on each, and brings the results back in rank order.  It never hangs: a failing rank, a rank that dies without
 reporting (segfault, ``os._exit``) or the overall timeout end the whole run, and every child is reaped.
+
+(Over 300 lines on purpose: spawning, the result pipes, the watchdog and the reaping make the no-hang guarantee
+together, and read best in one file.)
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def run_local(
     other ranks are killed after a short grace), ``TimeoutError`` naming the unfinished ranks when ``timeout``
     seconds pass.  No child outlives the call.
 
-    >>> from packfwd.launch import run_local, _example_all_reduce
+    >>> from packfwd.testing.launch import run_local, _example_all_reduce
     >>> run_local(_example_all_reduce, 2, 10.0, backend="gloo")
     [21.0, 21.0]
     """

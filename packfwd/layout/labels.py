@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_mask, check_tensor
+from .._validate import check_mask, check_tensor
 
 
 def next_token_labels(input_ids: Tensor, attention_mask: Tensor, ignore_index: int = -100) -> Tensor:

@@ -5,7 +5,7 @@ Planning is host-bound (many tiny tensors), so it is built to launch few kernels
 
 1. the real lengths reach the host in ONE transfer (none when the mask is on the CPU, or when the caller
    passes ``seqlens``: then the device lengths are checked against them asynchronously, without a sync);
-2. on CUDA with Triton, one kernel then writes every per-token map of the layout (``_plan_kernel``);
+2. on CUDA with Triton, one kernel then writes every per-token map of the layout (``packfwd.ops.plan``);
 3. elsewhere (the torch path, also the reference), every per-sequence quantity is computed on the host and
    uploaded in ONE asynchronous copy, and the per-token maps are a handful of elementwise kernels over the
    canvas (``TokenSource.rank_in_row``).
@@ -14,14 +14,14 @@ Planning is host-bound (many tiny tensors), so it is built to launch few kernels
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import MASK_VALUES_MESSAGE, check_host_seqlens, check_mask, check_tensor
-from ._rows import cumsum0, to_device, to_host
+from .._validate import MASK_VALUES_MESSAGE, check_host_seqlens, check_mask, check_tensor
+from ..ops import plan as plan_kernel
 
 # Given the real lengths [b] on the host (an int64 numpy array), a layout returns the Python ints that fix its
 # shapes and the host int64 arrays it needs on the device.
@@ -64,6 +64,22 @@ class TokenSource:
         if self.mask is None:
             return value.reshape(-1)
         return torch.where(self.mask, value, other).reshape(-1)
+
+
+class PlanOfSource:
+    """The batch facts every layout plan exposes, read from its ``source`` field."""
+
+    source: TokenSource
+
+    @property
+    def batch_size(self) -> int:
+        """``b``: rows of the caller's batch."""
+        return self.source.batch_size
+
+    @property
+    def seq_len(self) -> int:
+        """``s``: the caller's padded length (for nested input, the longest row)."""
+        return self.source.seq_len
 
 
 def is_nested(x: object) -> bool:
@@ -144,16 +160,29 @@ def padded_source(src: Lengths, cu_seqlens: Tensor) -> TokenSource:
     )
 
 
-def plan_source(
-    x: Tensor | None, attention_mask: Tensor | None, seqlens: object, layout: LayoutFn
-) -> tuple[TokenSource, list[int], list[Tensor]]:
-    """Validate the input, learn the lengths once, run ``layout`` on the host and upload what it returns (the
-    torch planning path).  Returns the source, the layout's ints, and its arrays on the data's device."""
+def plan(
+    x: Tensor | None,
+    attention_mask: Tensor | None,
+    seqlens: object,
+    *,
+    host_layout: LayoutFn,
+    build: Callable[[TokenSource, list[int], list[Tensor]], Any],
+    device_plan: Callable[[Lengths], Any] | None = None,
+):
+    """The planning driver every layout uses: validate the input and learn its lengths once, then plan.
+
+    ``host_layout(lengths)`` is the layout's index function on the host (see ``LayoutFn``); its arrays are uploaded
+    in one copy and ``build(source, ints, arrays)`` turns them into the layout's plan.  ``device_plan(lengths)``,
+    when the layout has one, plans a padded CUDA batch in one Triton kernel instead (``packfwd.ops.plan``).
+    """
     if x is not None and is_nested(x):
         if attention_mask is not None:
             raise ValueError("x is a nested (jagged) tensor, which carries its own lengths; pass attention_mask=None")
-        return _plan_nested(x, seqlens, layout)
-    return plan_padded(read_lengths(x, attention_mask, seqlens), layout)
+        return build(*_plan_nested(x, seqlens, host_layout))
+    src = read_lengths(x, attention_mask, seqlens)
+    if device_plan is not None and plan_kernel.available(src.mask):
+        return device_plan(src)
+    return build(*plan_padded(src, host_layout))
 
 
 def plan_padded(src: Lengths, layout: LayoutFn) -> tuple[TokenSource, list[int], list[Tensor]]:
@@ -237,3 +266,28 @@ def scatter_inverse(inverse: Tensor, rows: int, canvas_rows: int) -> Tensor:
     out = torch.full((rows + 1,), -1, dtype=torch.long, device=inverse.device)
     out.scatter_(0, inverse.remainder(rows + 1), torch.arange(canvas_rows, device=inverse.device))
     return out[:rows]
+
+
+# ------------------------------------------------------------------------------------------ host <-> device
+
+
+def to_host(values: Tensor) -> np.ndarray:
+    """A 1-D device tensor as a host int64 array: the planning step's single sync (free for CPU tensors)."""
+    return values.cpu().numpy().astype(np.int64, copy=False)
+
+
+def to_device(host: np.ndarray, device: torch.device) -> Tensor:
+    """Upload a small host int64 array without a sync: through pinned memory, asynchronously."""
+    t = torch.from_numpy(host)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def cumsum0(lengths: np.ndarray) -> np.ndarray:
+    """``[0, l0, l0+l1, ...]`` (host int64)."""
+    out = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out

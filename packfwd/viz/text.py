@@ -1,4 +1,9 @@
-"""Plain-text pictures of layouts, for the demo, the command line and notebooks."""
+"""Plain-text pictures of layouts, for the demo, the command line and notebooks.
+
+Tokens are named by sequence and position: ``a3`` is the 4th token of the first sequence, ``aa0`` the first token
+of the 27th; ``.`` is padding.  The naming is public (:func:`token_codes`, :func:`token_names`) so every picture,
+text or matplotlib, names tokens the same way.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +12,104 @@ from typing import Sequence
 
 import torch
 
-from .thd import plan_thd, to_thd
+from packfwd import ThdInfo, layer_partition, plan_thd, to_thd
+from packfwd.layout import default_seq_align, padded_lengths
+
+__all__ = [
+    "describe_layers",
+    "describe_padding",
+    "describe_thd",
+    "lengths_mask",
+    "padding_overhead",
+    "padding_sweep",
+    "sequence_name",
+    "thd_plans",
+    "token_codes",
+    "token_names",
+    "verl_seq_align",
+]
+
+
+def _check_lengths(lengths: Sequence[int]) -> list[int]:
+    lengths = list(lengths)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+        raise ValueError(f"lengths must be non-negative ints (one per sequence), got {lengths}; e.g. [5, 17, 3]")
+    return lengths
 
 
 def lengths_mask(lengths: Sequence[int], width: int | None = None) -> torch.Tensor:
-    """A right-padded ``[b, s]`` bool mask with the given row lengths.
+    """A right-padded ``[b, s]`` bool mask with the given row lengths (``s``: ``width``, default the longest).
 
     >>> lengths_mask([2, 0, 3]).int().tolist()
     [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
     """
+    lengths = _check_lengths(lengths)
     s = max(lengths, default=0) if width is None else width
-    return torch.arange(s)[None, :] < torch.tensor(list(lengths), dtype=torch.long)[:, None]
+    return torch.arange(s)[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
 
 
-def _token_names(lengths: Sequence[int]) -> torch.Tensor:
-    """[b, s] codes: sequence i's k-th token is 1000*(i+1) + k."""
-    s = max(lengths, default=0)
-    return torch.tensor([[1000 * (i + 1) + k for k in range(s)] for i in range(len(lengths))], dtype=torch.long)
+def sequence_name(i: int) -> str:
+    """The letters naming sequence ``i`` (0-based): ``a`` .. ``z``, then ``aa``, ``ab``, ... (never reused).
 
-
-def _name(code: int) -> str:
-    if code == 0:
-        return "."
-    seq, k = divmod(code, 1000)
+    >>> [sequence_name(i) for i in (0, 25, 26, 27, 701, 702)]
+    ['a', 'z', 'aa', 'ab', 'zz', 'aaa']
+    """
     letters = string.ascii_lowercase
-    return f"{letters[(seq - 1) % 26]}{k}"
+    name = ""
+    i += 1
+    while i:
+        i, rest = divmod(i - 1, 26)
+        name = letters[rest] + name
+    return name
+
+
+def token_codes(lengths: Sequence[int]) -> torch.Tensor:
+    """``[b, s]`` int64 codes of a right-padded batch: token ``k`` of sequence ``i`` is ``1 + i * s + k``, padding
+    is 0.  Pack them like any tensor and look the codes up in :func:`token_names`.
+
+    >>> token_codes([3, 1]).tolist()
+    [[1, 2, 3], [4, 0, 0]]
+    """
+    mask = lengths_mask(lengths)
+    b, s = mask.shape
+    codes = torch.arange(1, b * s + 1, dtype=torch.long).reshape(b, s)
+    return codes * mask
+
+
+def token_names(lengths: Sequence[int]) -> list[str]:
+    """``names[code]``: the name of every code of :func:`token_codes` (``names[0] == "."``, padding).
+
+    >>> names = token_names([3, 1])
+    >>> [names[c] for c in token_codes([3, 1]).flatten().tolist()]
+    ['a0', 'a1', 'a2', 'b0', '.', '.']
+    """
+    lengths = _check_lengths(lengths)
+    s = max(lengths, default=0)
+    return ["."] + [f"{sequence_name(i)}{k}" for i in range(len(lengths)) for k in range(s)]
+
+
+def verl_seq_align(tp_size: int, cp_size: int) -> int:
+    """verl's per-sequence alignment, the baseline the padding pictures compare with: ``2*tp*cp``, or ``tp``
+    without CP (packfwd's default is :func:`packfwd.default_seq_align`, the smallest Megatron-Core accepts).
+
+    >>> verl_seq_align(2, 2), verl_seq_align(4, 1), default_seq_align(2)
+    (8, 4, 4)
+    """
+    return 2 * tp_size * cp_size if cp_size > 1 else tp_size
+
+
+def thd_plans(
+    lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None
+) -> list[ThdInfo]:
+    """:func:`packfwd.plan_thd` of a right-padded batch with the given lengths, for every CP rank in order.
+
+    >>> [info.local_tokens for info in thd_plans([5, 3], cp_size=2)]
+    [6, 6]
+    """
+    mask = lengths_mask(lengths)
+    first = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)  # checks the sizes first
+    rest = [plan_thd(mask, tp_size=tp_size, cp_size=cp_size, cp_rank=r, seq_align=seq_align) for r in range(1, cp_size)]
+    return [first, *rest]
 
 
 def describe_thd(lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None) -> str:
@@ -44,44 +122,37 @@ def describe_thd(lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, 
     cp rank 0 (6 tokens): a0 a1 . . | b0 .
     cp rank 1 (6 tokens): a2 a3 a4 . | b1 b2
     """
-    mask = lengths_mask(lengths)
-    ids = _token_names(lengths)
-    lines = []
-    for rank in range(cp_size):
-        info = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, cp_rank=rank, seq_align=seq_align)
-        if rank == 0:
-            real = sum(lengths)
-            lines.append(f"cu_seqlens         {info.cu_seqlens.tolist()}")
-            lines.append(
-                f"cu_seqlens_padded  {info.cu_seqlens_padded.tolist()}   (align {info.seq_align}, max_seqlen "
-                f"{info.max_seqlen}, {info.total_tokens} tokens for {real} real: {info.total_tokens - real} pad)"
-            )
-
-        tokens = to_thd(ids, info)[0].tolist()
+    infos = thd_plans(lengths, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
+    codes, names = token_codes(lengths), token_names(lengths)
+    first, real = infos[0], sum(lengths)
+    lines = [
+        f"cu_seqlens         {first.cu_seqlens.tolist()}",
+        f"cu_seqlens_padded  {first.cu_seqlens_padded.tolist()}   (align {first.seq_align}, max_seqlen "
+        f"{first.max_seqlen}, {first.total_tokens} tokens for {real} real: {first.total_tokens - real} pad)",
+    ]
+    for rank, info in enumerate(infos):
+        tokens = to_thd(codes, info)[0].tolist()
         bounds = info.local_cu_seqlens_padded.tolist()
-        parts = [" ".join(_name(c) for c in tokens[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        parts = [" ".join(names[c] for c in tokens[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
         lines.append(f"cp rank {rank} ({info.local_tokens} tokens): " + " | ".join(parts))
     return "\n".join(lines)
 
 
 def padding_overhead(lengths: Sequence[int], *, tp_size: int, cp_size: int) -> dict[str, int]:
-    """Total THD tokens with packfwd's default alignment and with verl's (``2*tp*cp``, or ``tp`` without CP).
+    """Total THD tokens with packfwd's default alignment and with verl's (:func:`verl_seq_align`).
 
     >>> padding_overhead([5, 17, 3, 9], tp_size=2, cp_size=2)
     {'real': 34, 'packfwd': 44, 'verl': 56}
     """
-    mask = lengths_mask(lengths)
-    verl_align = 2 * tp_size * cp_size if cp_size > 1 else tp_size
-    ours = plan_thd(mask, tp_size=tp_size, cp_size=cp_size).total_tokens
-    verl = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=verl_align).total_tokens
-    return {"real": sum(lengths), "packfwd": ours, "verl": verl}
+    row = padding_sweep(lengths, [tp_size], [cp_size])[0]
+    return {name: row[name] for name in ("real", "packfwd", "verl")}
 
 
 def describe_padding(
     lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None
 ) -> str:
     """How many THD tokens the batch takes with ``seq_align`` (default: packfwd's smallest alignment) and
-    with verl's (``2*tp*cp``, or ``tp`` without CP), and how many of those are padding.
+    with verl's (:func:`verl_seq_align`), and how many of those are padding.
 
     >>> print(describe_padding([5, 17, 3], tp_size=2, cp_size=2))
     real tokens          25
@@ -89,9 +160,8 @@ def describe_padding(
     verl    (align 8)    40 tokens, 15 pad (60.0%)
     """
     mask = lengths_mask(lengths)
-    verl_align = 2 * tp_size * cp_size if cp_size > 1 else tp_size
     ours = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
-    verl = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=verl_align)
+    verl = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=verl_seq_align(tp_size, cp_size))
     real = sum(lengths)
     rows = [("packfwd" if seq_align is None else "chosen", ours), ("verl", verl)]
     width = len(str(max(ours.total_tokens, verl.total_tokens)))
@@ -117,7 +187,7 @@ def describe_layers(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ) -> str:
-    """The stage-by-layer table of :func:`packfwd.layers.layer_partition`: the global layers (inclusive ranges)
+    """The stage-by-layer table of :func:`packfwd.layer_partition`: the global layers (inclusive ranges)
     every pipeline rank builds in each virtual stage, then a grid with one column per layer where a digit is the
     virtual stage holding that layer and ``.`` means another rank holds it.
 
@@ -130,8 +200,6 @@ def describe_layers(
     pp rank 0  00..11..
     pp rank 1  ..00..11
     """
-    from .layers import layer_partition
-
     partition = layer_partition(
         num_layers, pp, vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers
     )
@@ -170,19 +238,16 @@ def padding_sweep(lengths: Sequence[int], tps: Sequence[int], cps: Sequence[int]
     {'tp': 1, 'cp': 2, 'real': 25, 'packfwd': 32, 'verl': 32}
     {'tp': 2, 'cp': 2, 'real': 25, 'packfwd': 32, 'verl': 40}
     """
-    from ._checks import check_positive_int
-    from .thd import default_seq_align, padded_lengths
-
-    lens = torch.tensor(list(lengths), dtype=torch.long)
-    if (lens < 0).any():
-        raise ValueError(f"lengths must be >= 0, got {list(lengths)}")
+    lens = torch.tensor(_check_lengths(lengths), dtype=torch.long)
+    for name, sizes, example in (("tps", tps, "[1, 2, 4]"), ("cps", cps, "[1, 2]")):
+        bad = [v for v in sizes if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            raise ValueError(f"{name} holds {bad}: every {name[:-1]}_size must be an int >= 1, e.g. {name}={example}")
     rows = []
     for tp in tps:
         for cp in cps:
-            check_positive_int("tp_size", tp)
-            check_positive_int("cp_size", cp)
             row = {"tp": tp, "cp": cp, "real": int(lens.sum())}
-            for name, align in (("packfwd", default_seq_align(cp)), ("verl", 2 * tp * cp if cp > 1 else tp)):
+            for name, align in (("packfwd", default_seq_align(cp)), ("verl", verl_seq_align(tp, cp))):
                 row[name] = int(padded_lengths(lens, seq_align=align, tp_size=tp, cp_size=cp).sum())
             rows.append(row)
     return rows

@@ -14,25 +14,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._checks import check_positive_int
-from ._rows import gather_rows
-from . import _plan_kernel
-from ._source import (
-    TokenSource,
-    canvas_rows_of,
-    checked_lengths,
-    from_canvas,
-    is_nested,
-    padded_source,
-    plan_padded,
-    plan_source,
-    read_lengths,
-    scatter_inverse,
-)
+from .._validate import check_positive_int
+from .rules import round_up
+from ..ops import plan as plan_kernel
+from ..ops.gather import gather_rows
+from .source import PlanOfSource, canvas_rows_of, checked_lengths, from_canvas, padded_source, plan, scatter_inverse, TokenSource
 
 
 @dataclass(frozen=True)
-class BshdInfo:
+class BshdInfo(PlanOfSource):
     """The plan of ``to_bshd``: ``width`` columns per row; ``attention_mask`` [b, width] bool of the result."""
 
     source: TokenSource
@@ -59,35 +49,35 @@ def plan_bshd(
     """
     tp_size = check_positive_int("tp_size", tp_size)
 
-    def layout(lengths):
-        longest = int(lengths.max()) if lengths.size else 0
-        width = -(-longest // tp_size) * tp_size
+    def host_layout(lengths):  # bshd's index function: row i's tokens start at slot i * width
+        width = _width(lengths, tp_size)
         return [width], [np.arange(lengths.size) * width - 1]
 
-    if x is None or not is_nested(x):
-        src = read_lengths(x, attention_mask, seqlens)
-        if _plan_kernel.available(src.mask):  # CUDA: one kernel
-            (width,), _ = layout(src.host)
-            b = src.mask.shape[0]
-            out = _plan_kernel.plan_rows(_plan_kernel.BSHD, src.mask, checked_lengths(src), total=b * width, width=width)
-            return BshdInfo(
-                source=padded_source(src, out["cu_seqlens"]), width=width, tp_size=tp_size,
-                attention_mask=out["attention_mask"], index=out["index"], inverse=out["inverse"],
-            )
-        source, (width,), (row_offset,) = plan_padded(src, layout)
-    else:
-        source, (width,), (row_offset,) = plan_source(x, attention_mask, seqlens, layout)
-    b = source.batch_size
-    inverse = source.where_real(source.rank_in_row(row_offset), -1)
-    col = torch.arange(width, device=source.lengths.device)
-    return BshdInfo(
-        source=source,
-        width=width,
-        tp_size=tp_size,
-        attention_mask=col[None, :] < source.lengths[:, None],
-        index=scatter_inverse(inverse, b * width, source.canvas_rows),
-        inverse=inverse,
-    )
+    def build(source, ints, arrays):
+        (width,), (row_offset,) = ints, arrays
+        inverse = source.where_real(source.rank_in_row(row_offset), -1)
+        col = torch.arange(width, device=source.lengths.device)
+        return BshdInfo(
+            source=source, width=width, tp_size=tp_size, attention_mask=col[None, :] < source.lengths[:, None],
+            index=scatter_inverse(inverse, source.batch_size * width, source.canvas_rows), inverse=inverse,
+        )
+
+    def device_plan(src):  # CUDA: one kernel
+        width = _width(src.host, tp_size)
+        out = plan_kernel.plan_rows(
+            plan_kernel.BSHD, src.mask, checked_lengths(src), total=src.mask.shape[0] * width, width=width
+        )
+        return BshdInfo(
+            source=padded_source(src, out["cu_seqlens"]), width=width, tp_size=tp_size,
+            attention_mask=out["attention_mask"], index=out["index"], inverse=out["inverse"],
+        )
+
+    return plan(x, attention_mask, seqlens, host_layout=host_layout, build=build, device_plan=device_plan)
+
+
+def _width(lengths: np.ndarray, tp_size: int) -> int:
+    """The longest row rounded up to a multiple of ``tp_size`` (sequence parallelism splits the width)."""
+    return int(round_up(lengths.max(), tp_size)) if lengths.size else 0
 
 
 def to_bshd(

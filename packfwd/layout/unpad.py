@@ -7,24 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ._rows import cumsum0, gather_rows
-from . import _plan_kernel
-from ._source import (
-    TokenSource,
-    canvas_rows_of,
-    checked_lengths,
-    from_canvas,
-    is_nested,
-    padded_source,
-    plan_padded,
-    plan_source,
-    read_lengths,
-    scatter_inverse,
-)
+from ..ops import plan as plan_kernel
+from ..ops.gather import gather_rows
+from .source import PlanOfSource, TokenSource, canvas_rows_of, checked_lengths, cumsum0, from_canvas, padded_source, plan, scatter_inverse
 
 
 @dataclass(frozen=True)
-class UnpadInfo:
+class UnpadInfo(PlanOfSource):
     """The plan of ``unpad``: where each packed token came from.
 
     ``cu_seqlens`` ([b+1] int32) are the offsets of each row's tokens in the packed tensor; ``max_seqlen`` is the
@@ -46,14 +35,6 @@ class UnpadInfo:
         return self.index
 
     @property
-    def batch_size(self) -> int:
-        return self.source.batch_size
-
-    @property
-    def seq_len(self) -> int:
-        return self.source.seq_len
-
-    @property
     def total(self) -> int:
         return self.source.total
 
@@ -69,27 +50,31 @@ def plan_unpad(attention_mask: Tensor | None, *, seqlens=None, x: Tensor | None 
     ([0, 2, 4], 2, [0, 1, 4, 5])
     """
 
-    def layout(lengths):
-        longest = int(lengths.max()) if lengths.size else 0
-        return [longest], [cumsum0(lengths)[:-1] - 1]
+    def host_layout(lengths):  # unpad's index function: row i's tokens start at cu_seqlens[i]
+        return [_longest(lengths)], [cumsum0(lengths)[:-1] - 1]
 
-    if x is not None and is_nested(x):
-        source, (max_seqlen,), (row_offset,) = plan_source(x, attention_mask, seqlens, layout)
-        index = torch.arange(source.total, device=source.lengths.device)  # the canvas is the packed tensor
-        return UnpadInfo(source=source, max_seqlen=max_seqlen, index=index, inverse=index)
-    src = read_lengths(x, attention_mask, seqlens)
-    if _plan_kernel.available(src.mask):  # CUDA: one kernel
-        total = int(src.host.sum())
-        out = _plan_kernel.plan_rows(_plan_kernel.UNPAD, src.mask, checked_lengths(src), total=total)
-        source = padded_source(src, out["cu_seqlens"])
-        return UnpadInfo(source=source, max_seqlen=layout(src.host)[0][0], index=out["index"], inverse=out["inverse"])
-    source, (max_seqlen,), (row_offset,) = plan_padded(src, layout)
-    inverse = source.where_real(source.rank_in_row(row_offset), -1)
-    if hasattr(torch, "nonzero_static"):
-        index = torch.nonzero_static(source.mask.reshape(-1), size=source.total).reshape(-1)
-    else:
-        index = scatter_inverse(inverse, source.total, source.canvas_rows)
-    return UnpadInfo(source=source, max_seqlen=max_seqlen, index=index, inverse=inverse)
+    def build(source, ints, arrays):
+        (max_seqlen,), (row_offset,) = ints, arrays
+        if source.nested_offsets is not None:  # the nested values are the packed tensor already
+            index = torch.arange(source.total, device=source.lengths.device)
+            return UnpadInfo(source=source, max_seqlen=max_seqlen, index=index, inverse=index)
+        inverse = source.where_real(source.rank_in_row(row_offset), -1)
+        if hasattr(torch, "nonzero_static"):
+            index = torch.nonzero_static(source.mask.reshape(-1), size=source.total).reshape(-1)
+        else:
+            index = scatter_inverse(inverse, source.total, source.canvas_rows)
+        return UnpadInfo(source=source, max_seqlen=max_seqlen, index=index, inverse=inverse)
+
+    def device_plan(src):  # CUDA: one kernel
+        out = plan_kernel.plan_rows(plan_kernel.UNPAD, src.mask, checked_lengths(src), total=int(src.host.sum()))
+        return UnpadInfo(source=padded_source(src, out["cu_seqlens"]), max_seqlen=_longest(src.host),
+                         index=out["index"], inverse=out["inverse"])
+
+    return plan(x, attention_mask, seqlens, host_layout=host_layout, build=build, device_plan=device_plan)
+
+
+def _longest(lengths) -> int:
+    return int(lengths.max()) if lengths.size else 0
 
 
 def unpad(x: Tensor, attention_mask: Tensor | UnpadInfo, *, seqlens=None) -> tuple[Tensor, UnpadInfo]:

@@ -1,8 +1,27 @@
-"""packfwd's Triton kernels (imported only when a CUDA tensor takes a kernel path; needs Triton).
+"""Planning on CUDA in one Triton kernel: every per-token map of a layout, from the mask and the row lengths.
 
-* ``gather_rows_kernel``: the row gather of ``_gather_op`` (see there).
-* ``plan_rows_kernel``: a layout's per-token maps from the mask (see ``_plan_kernel``).
+The torch planning path launches a dozen small kernels after its sync; planning is bound by those launches, not
+by the GPU.  Here one program per row finds where its sequence starts from the lengths of the rows before it
+(each program reads them all: O(b) loads, nothing next to the launches this saves), walks its mask row once to
+place its real tokens (a running cumsum gives each token's position in its sequence), then writes the layout's
+padding slots, and for THD this rank's positions.
+
+Layouts (``MODE``):
+  UNPAD  token q of row i -> packed row cu[i] + q
+  BSHD   token q of row i -> slot i * width + q; slots q >= len_i are padding; also the [b, width] mask
+  THD    token q of row i -> owner(k) * local + start_i + (k >= cp) * c_i + q - k * c_i with k = q // c_i (the
+         CP zigzag; cp = 1: start_i + q); slots len_i <= q < p_i are padding; also this rank's positions
+
+The THD rules (``p_i``, the zigzag owner and position) are defined once in ``packfwd.layout.rules``; a Triton
+kernel cannot call them, so this is the one copy that restates them.  The tests check it against those
+functions and against the torch path, by Hypothesis, on the GPU and in Triton's interpreter on the CPU
+(``tests/gpu/test_plan_kernel.py``).
 """
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
 
 try:
     import triton
@@ -10,49 +29,47 @@ try:
 except ImportError:  # CPU-only installs never launch these (importing this module must still work)
     triton = None
 
+UNPAD, THD, BSHD = 0, 1, 2  # the kernel's MODE
+
+# Rows whose lengths one program sums per step, mask columns it walks per step (powers of two), warps per program.
+CONFIG = {"block_b": 256, "block_s": 1024, "num_warps": 4}
+
+
+def available(mask: Tensor) -> bool:
+    """Whether this mask can be planned by the kernel (CUDA, Triton installed, non-empty)."""
+    return mask.is_cuda and mask.numel() > 0 and triton is not None
+
+
+def plan_rows(
+    mode: int, mask: Tensor, lengths: Tensor, *, total: int, align: int = 1, cp: int = 1, rank: int = 0,
+    last_extra: int = 0, width: int = 0,
+) -> dict[str, Tensor]:
+    """Run the kernel.  ``lengths``: [b] on the mask's device (any integer dtype); ``total``: fwd entries
+    (t for UNPAD, cp * local for THD, b * width for BSHD).  Returns the maps as int64 (cu_seqlens int32)."""
+    b, s = mask.shape
+    dev = mask.device
+    local = total // cp
+    sizes = [b * s, total] + ([local] if mode == THD else [])
+    block = torch.empty(sum(sizes), dtype=torch.long, device=dev)
+    parts = block.split(sizes)
+    cu = torch.empty(2 * (b + 1) if mode == THD else b + 1, dtype=torch.int32, device=dev)
+    row_mask = torch.empty(total, dtype=torch.bool, device=dev) if mode == BSHD else cu
+    positions = parts[2] if mode == THD else cu
+    plan_rows_kernel[(b,)](
+        mask, lengths, parts[0], parts[1], positions, row_mask, cu, cu[b + 1 :] if mode == THD else cu,
+        s, total, local, rank, b - 1, last_extra, width, align,
+        MODE=mode, CP=cp, BLOCK_B=CONFIG["block_b"], BLOCK_S=CONFIG["block_s"], num_warps=CONFIG["num_warps"],
+    )
+    out = {"inverse": parts[0], "index": parts[1], "cu_seqlens": cu[: b + 1]}
+    if mode == THD:
+        out["cu_seqlens_padded"] = cu[b + 1 :]
+        out["positions"] = parts[2]
+    if mode == BSHD:
+        out["attention_mask"] = row_mask.view(b, width)
+    return out
+
+
 if triton is not None:
-    @triton.jit(do_not_specialize=["fill"])
-    def gather_rows_kernel(
-        src, d1, d2, d3, d4, d5, d6, d7,  # the first source; element offsets of the others from it
-        index, out, n_out, rows_per_src, n_src_rows, index_offset, fill,
-        WIDTH: tl.constexpr, NSRC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-    ):
-        """out[r, :] = cat(srcs)[index[r] - index_offset, :] where that row exists, else ``fill`` (a word's bits)."""
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        row_ok = rows < n_out
-        k = tl.load(index + rows, mask=row_ok, other=-1).to(tl.int64) - index_offset
-        keep = row_ok & (k >= 0) & (k < n_src_rows)
-        k = tl.where(keep, k, 0)
-        if NSRC == 1:
-            base = k * WIDTH
-        else:  # which source holds row k, and its element offset from the first source
-            which = k // rows_per_src
-            base = (k - which * rows_per_src) * WIDTH
-            base += tl.where(which == 1, d1, 0)
-            if NSRC > 2:
-                base += tl.where(which == 2, d2, 0)
-            if NSRC > 3:
-                base += tl.where(which == 3, d3, 0)
-            if NSRC > 4:
-                base += tl.where(which == 4, d4, 0)
-            if NSRC > 5:
-                base += tl.where(which == 5, d5, 0)
-            if NSRC > 6:
-                base += tl.where(which == 6, d6, 0)
-            if NSRC > 7:
-                base += tl.where(which == 7, d7, 0)
-        fill = (fill + tl.zeros([], dtype=tl.int64)).to(out.dtype.element_ty)  # the word's bits
-        dst = out + rows.to(tl.int64)[:, None] * WIDTH + cols[None, :]
-        if WIDTH % BLOCK_W == 0:  # whole blocks of columns: masks per row only
-            vals = tl.load(src + base[:, None] + cols[None, :], mask=keep[:, None], other=fill)
-            tl.store(dst, vals, mask=row_ok[:, None])
-        else:
-            col_ok = cols < WIDTH
-            vals = tl.load(src + base[:, None] + cols[None, :], mask=keep[:, None] & col_ok[None, :], other=fill)
-            tl.store(dst, vals, mask=row_ok[:, None] & col_ok[None, :])
-
-
     # MODE: 0 unpad, 1 THD, 2 BSHD (literals: Triton kernels read no Python globals)
     @triton.jit
     def _dest(q, start, c, local, MODE: tl.constexpr, CP: tl.constexpr):

@@ -1,0 +1,141 @@
+"""The forward factory: a padded (or jagged) batch in, the padded model's outputs out, computed packed.
+
+``make_forward(data_format)`` returns a pure function ``forward(model, input_ids, attention_mask, ...)``:
+
+* ``"thd"``: ``to_thd -> model(packed_seq_params=...) -> from_thd``.  The batch becomes one packed row
+  ``[1, t]``; attention runs per sequence on ``cu_seqlens_padded``; nothing is computed for padding.
+* ``"bshd"``: ``to_bshd -> model -> from_bshd``.  Each row's real tokens are moved left into ``[b, s_c]``
+  (``s_c`` the longest row); causal attention over a row then never sees its padding.
+
+Without a logits processor it returns the logits ``[b, s, v]`` (``v_local`` under tensor parallelism) in the
+caller's layout, zeros at padding; a value model's ``[b, s]``.  With one, ``processor(logits [t, v_local],
+**packed_args) -> dict[str, Tensor [t, ...]]`` runs on the packed logits and every output comes back as
+``[b, s, ...]``.  Processor arguments are packed the same way as the logits: a ``[b, s, ...]`` tensor token by
+token, a ``[b]`` tensor (a per-sequence value such as a temperature) is given to each of its sequence's tokens;
+anything else (a float, a 0-d tensor, a process group) is passed unchanged.  A jagged nested ``input_ids``
+(``torch.nested``, ``layout=torch.jagged``, ``attention_mask=None``) gives jagged outputs, and its
+per-token processor arguments are jagged too.
+
+Pipeline parallelism: a stage without the output layer (``post_process=False``) returns its hidden states as
+the model produced them (``[t, 1, h]`` for THD, ``[s_c, b, h]`` for BSHD), for the next stage's
+``set_input_tensor``; only the last stage applies the processor and unpacks.
+
+Vision models: with ``vision=True`` the entries of ``multi_modal_inputs`` (``pixel_values``,
+``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``, ...) go to the model as keyword arguments and
+the model embeds the (packed) tokens and images itself; packfwd packs ids and positions only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from torch import Tensor
+
+from .._validate import check_positive_int, check_rank
+from .guards import bind_processor, check_ids, check_results, empty_output, model_facts
+from .layouts import Bshd, Thd
+
+__all__ = ["make_forward"]
+
+_FORMATS = ("thd", "bshd")
+
+
+def make_forward(
+    data_format: str = "thd",
+    *,
+    vision: bool = False,
+    logits_processor: Callable[..., Mapping[str, Tensor]] | None = None,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_group=None,
+    seq_align: int | None = None,
+    check_group=None,
+) -> Callable:
+    """A pure ``forward(model, input_ids, attention_mask, position_ids=None, multi_modal_inputs=None, *,
+    seqlens=None, **processor_args)`` (see the module docstring).
+
+    ``seqlens``: the real length of every row as host ints (a list, or a CPU tensor), when the caller knows them
+    (an RL trainer does): the plan is then made with no host sync, and the whole forward makes none.  Without
+    it the plan reads the lengths back from the device once.
+
+    ``tp_size``: the tensor-parallel size when the model uses sequence parallelism (packed lengths must divide by
+    it); ``cp_size``/``cp_rank``/``cp_group``: context parallelism (THD only): each rank packs its zigzag share,
+    and the outputs of all CP ranks are all-gathered over ``cp_group`` to unpack them (the gather's backward keeps
+    this rank's share of the gradient: every rank must compute the same loss from the unpacked outputs).
+    ``seq_align``: per-sequence alignment of ``plan_thd``.
+
+    ``check_group``: a process group whose ranks must all get the same batch (e.g. Megatron-Core's
+    tensor-and-context-parallel group).  With it, each call validates its inputs and plans the packing on every
+    rank, then compares the outcome across the group (``packfwd.parallel.check_across_ranks``: one all-gather of a
+    few integers and a host sync) before the model runs: a rank with bad or different inputs makes every rank
+    raise the same error, where otherwise the others would wait for it in the model's collectives.
+
+    >>> import torch
+    >>> class Toy(torch.nn.Module):        # one-hot "logits" of the input ids, under any packing
+    ...     def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None):
+    ...         return torch.nn.functional.one_hot(input_ids, 5).float()
+    >>> ids = torch.tensor([[0, 3, 4], [2, 0, 0]]); mask = torch.tensor([[0, 1, 1], [1, 0, 0]])
+    >>> make_forward("thd")(Toy(), ids, mask).argmax(-1).tolist()
+    [[0, 3, 4], [2, 0, 0]]
+    >>> def hit(logits, labels):                 # a logits processor: [t, v], [t] -> {name: [t]}
+    ...     return {"hit": logits[torch.arange(len(labels)), labels]}
+    >>> make_forward("bshd", logits_processor=hit)(Toy(), ids, mask, labels=ids)["hit"].tolist()
+    [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    """
+    if data_format not in _FORMATS:
+        raise ValueError(f"data_format={data_format!r}; pass one of {_FORMATS}")
+    if logits_processor is not None and not callable(logits_processor):
+        raise TypeError("logits_processor must be callable: processor(logits [t, v], **packed_args) -> dict")
+    tp_size = check_positive_int("tp_size", tp_size)
+    cp_size = check_positive_int("cp_size", cp_size)
+    cp_rank = check_rank("cp_rank", cp_rank, cp_size, "cp_size")
+    if cp_size > 1 and data_format != "thd":
+        raise ValueError("context parallelism needs data_format='thd'")
+    if seq_align is not None and data_format != "thd":
+        raise ValueError(
+            f"seq_align={seq_align} only applies to data_format='thd' (BSHD pads every row to one width, a "
+            "multiple of tp_size); drop seq_align or use data_format='thd'"
+        )
+    if cp_size > 1 and cp_group is None:
+        raise ValueError("cp_size > 1 needs cp_group (to gather every CP rank's outputs); pass the CP process group")
+    layout = Thd(tp_size, cp_size, cp_rank, cp_group, seq_align) if data_format == "thd" else Bshd(tp_size)
+
+    def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
+                seqlens=None, **processor_args):
+        if processor_args and logits_processor is None:
+            raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
+        if multi_modal_inputs and not vision:
+            raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
+        error = None
+        try:
+            facts = model_facts(model, tp_size, cp_size)
+            processor = bind_processor(logits_processor, facts)
+            check_ids(input_ids)
+            plan, ids = layout.pack(input_ids, attention_mask, seqlens)
+            positions = layout.positions(plan, ids, position_ids, input_ids)
+            args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}
+        except (ValueError, TypeError) as exc:
+            if check_group is None:
+                raise
+            error = exc
+        if check_group is not None:
+            from ..parallel import check_across_ranks
+
+            fingerprint = () if error is not None else layout.fingerprint(plan)
+            check_across_ranks(check_group, error=error, values=fingerprint, what="batches")
+        if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
+            out = empty_output(model, facts, layout.empty_shape(plan, facts.post_process))
+        else:
+            out = model(input_ids=ids, position_ids=positions, attention_mask=None,
+                        **layout.model_kwargs(plan), **dict(multi_modal_inputs or {}))
+        if not facts.post_process:
+            return out  # a middle pipeline stage: hidden states for the next one
+        logits = layout.tokens(out, plan)  # [t, v]
+        if processor is None:
+            full = layout.unpack(logits, plan)
+            return full.squeeze(-1) if facts.value_model else full
+        results = processor(logits, **args)
+        return {k: layout.unpack(v, plan) for k, v in check_results(results, logits.shape[0]).items()}
+
+    return forward

@@ -1,0 +1,151 @@
+"""What ``make_forward`` checks before it runs a model: the model's parallel layout and head (``ModelFacts``),
+the processor it may call on a vocabulary slice, the ids and positions, the processor's results; and the output
+of a batch with no real token, made without running the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the forward must know about the model (defaults for a plain module without a Megatron config)."""
+
+    post_process: bool = True
+    value_model: bool = False
+    tp_size: int = 1  # the output layer's vocab is split over this many ranks (1: full vocab)
+    tp_group: object = None
+    out_width: int | None = None  # v_local (1 for a value head) on the last stage, the hidden size elsewhere
+    dtype: torch.dtype | None = None
+
+
+def model_facts(model, tp_size: int, cp_size: int) -> ModelFacts:
+    """Read the model's parallel layout and head; raise when the forward's arguments contradict it."""
+    from ..models.gpt import is_value_model, unwrap  # imports no Megatron-Core
+
+    gpt = unwrap(model)
+    config = getattr(gpt, "config", None)
+    if config is None:
+        return ModelFacts(post_process=getattr(gpt, "post_process", True))
+    model_tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if getattr(config, "sequence_parallel", False) and model_tp != tp_size:
+        raise ValueError(f"the model is sequence parallel over {model_tp} ranks; pass tp_size={model_tp} to make_forward")
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp != cp_size:
+        raise ValueError(f"the model's context_parallel_size is {cp}; pass cp_size={cp} (and cp_rank, cp_group)")
+    post, value = getattr(gpt, "post_process", True), is_value_model(gpt)
+    head = getattr(gpt, "output_layer", None)
+    group = getattr(head, "tp_group", None)
+    if model_tp > 1 and group is None and not value:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    if not post:
+        width = config.hidden_size
+    elif value:
+        width = 1
+    else:
+        width = getattr(gpt, "vocab_size", 0) // model_tp or None
+    return ModelFacts(post_process=post, value_model=value, tp_size=1 if value else model_tp, tp_group=group,
+                       out_width=width, dtype=getattr(config, "params_dtype", None))
+
+
+def bind_processor(processor, facts: ModelFacts):
+    """The processor to call on ``[t, v_local]`` logits: given the model's TP group when it takes one; an error
+    when it cannot give full-vocabulary numbers (or when the model has a value head, not logits)."""
+    if processor is None:
+        return None
+    if facts.value_model:
+        raise ValueError(
+            "the model has a value head: its output is [b, s] (one value per token), not logits, so it takes no "
+            "logits_processor; call make_forward without logits_processor for a value model"
+        )
+    if facts.tp_size == 1:
+        return processor
+    fn, bound = processor, {}
+    while isinstance(fn, functools.partial):
+        bound = {**fn.keywords, **bound}
+        fn = fn.func
+    if "tp_group" not in bound and not getattr(fn, "takes_tp_group", False):
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise ValueError(
+            f"the model's output layer is split over {facts.tp_size} tensor-parallel ranks, so each rank holds "
+            f"logits [t, v/{facts.tp_size}]; logits_processor {name!r} does not declare that it handles a vocabulary "
+            "slice and would return numbers of this rank's slice only. Use packfwd.logits.log_probs / entropy / "
+            "log_probs_and_entropy (make_forward passes them the model's TP group), or decorate yours with "
+            "packfwd.logits.vocab_parallel and reduce over its tp_group argument (or bind tp_group yourself with "
+            "functools.partial)"
+        )
+    group = bound.get("tp_group")
+    if group is None:
+        return functools.partial(processor, tp_group=facts.tp_group)
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) != facts.tp_size:
+        raise ValueError(
+            f"logits_processor is bound to a tp_group of {dist.get_world_size(group)} ranks but the model's output "
+            f"layer is split over {facts.tp_size}; leave tp_group unbound and make_forward passes the model's group"
+        )
+    return processor
+
+
+def check_ids(input_ids) -> None:
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [b, s], got {type(input_ids).__name__}")
+    dtype = input_ids.dtype
+    if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
+        raise TypeError(f"input_ids has dtype {dtype}; pass integer token ids (e.g. input_ids.long())")
+    if input_ids.dim() != 2:
+        hint = " (drop the trailing dim: input_ids.squeeze(-1))" if input_ids.dim() == 3 and input_ids.shape[-1] == 1 else ""
+        raise ValueError(f"input_ids must be [b, s] token ids, got shape {tuple(input_ids.shape)}{hint}")
+
+
+def check_positions(position_ids, input_ids) -> None:
+    if not isinstance(position_ids, Tensor):
+        raise TypeError(f"position_ids must be a tensor like input_ids, got {type(position_ids).__name__}")
+    if position_ids.dtype == torch.bool or position_ids.dtype.is_floating_point or position_ids.dtype.is_complex:
+        raise TypeError(f"position_ids has dtype {position_ids.dtype}; pass integer positions")
+    if input_ids.is_nested:
+        if not position_ids.is_nested:
+            raise ValueError("input_ids is nested (jagged): pass position_ids as a nested tensor with the same offsets")
+        return
+    shape, want = tuple(position_ids.shape), tuple(input_ids.shape)
+    if shape != want and (len(shape) != 3 or shape[1:] != want):
+        raise ValueError(
+            f"position_ids has shape {shape}; pass [b, s] = {list(want)} like input_ids, or [k, b, s] for "
+            "multimodal RoPE (k position components per token)"
+        )
+
+
+def check_results(results, t: int) -> Mapping[str, Tensor]:
+    if not isinstance(results, Mapping):
+        raise TypeError(f"logits_processor must return a dict of [t, ...] tensors, got {type(results).__name__}")
+    for key, value in results.items():
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != t:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"logits_processor returned {key!r} with shape {got}, but it was given logits of t={t} packed "
+                "tokens; a processor must return one row per token it was given ([t, ...])"
+            )
+    return results
+
+
+def empty_output(model, facts: ModelFacts, shape) -> Tensor:
+    """The model's output for a batch with no real token, without running it: zeros of the model's output shape
+    for zero tokens, tied to the parameters so that a backward pass gives them zero gradients."""
+    if facts.out_width is None:
+        raise ValueError(
+            "the batch has no real token and packfwd cannot tell this model's output width; skip the call for an "
+            "empty batch"
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device if params else None
+    out = torch.zeros(*shape, facts.out_width, dtype=facts.dtype, device=device)
+    if params and torch.is_grad_enabled():
+        out = out + sum(p.reshape(-1)[:1].sum() for p in params).to(out.dtype) * 0
+    return out

@@ -1,0 +1,126 @@
+"""How ``make_forward`` packs a batch, its positions and processor arguments, and unpacks the outputs: one class
+per data format (THD, BSHD), each a thin adapter over the layout's plan (``packfwd.layout``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from ..layout.bshd import from_bshd, to_bshd
+from ..layout.thd import from_thd, plan_thd, position_ids as thd_position_ids, to_thd
+from .guards import check_positions
+
+
+class Thd:
+    def __init__(self, tp_size, cp_size, cp_rank, cp_group, seq_align):
+        self.kw = dict(tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, seq_align=seq_align)
+        self.cp_group = cp_group
+
+    def pack(self, input_ids, attention_mask, seqlens=None):
+        info = plan_thd(attention_mask, x=input_ids, seqlens=seqlens, **self.kw)
+        if info.cp_size > 1 and info.max_seqlen * info.cp_size == info.total_tokens:
+            # Megatron-Core's THD RoPE takes a table of max_seqlen * cp_size rows whose length equals the packed
+            # total as "one row per packed token" and offsets each sequence's positions by its start; report
+            # a larger max_seqlen (still valid: an upper bound, a multiple of 2*cp) so the table means "positions
+            # 0, 1, ..." of each sequence.  Only the reported bound changes: no second planning pass.
+            info = dataclasses.replace(info, max_seqlen=info.max_seqlen + 2 * info.cp_size)
+        ids, _ = to_thd(input_ids, info)
+        return info, ids[None]  # [1, t]
+
+    def positions(self, info, ids, position_ids, input_ids):
+        if position_ids is None:
+            return thd_position_ids(info)[None]
+        check_positions(position_ids, input_ids)
+        if position_ids.dim() == 3:  # [k, b, s] (multimodal RoPE) -> [k, 1, t]
+            packed, _ = to_thd(position_ids.permute(1, 2, 0), info)
+            return packed.permute(1, 0)[:, None]
+        return to_thd(position_ids, info)[0][None]
+
+    def model_kwargs(self, info):
+        return {"packed_seq_params": info.packed_seq_params()}
+
+    def empty_shape(self, info, post_process):  # the model's output for t = 0, before its last dim
+        return (1, info.local_tokens) if post_process else (info.local_tokens, 1)
+
+    def fingerprint(self, info):
+        """Host ints every rank of a TP/CP group must agree on (no device sync)."""
+        return (info.batch_size, info.seq_len, info.source.total, info.total_tokens, info.max_seqlen)
+
+    def tokens(self, out, info):
+        return out.reshape(info.local_tokens, *out.shape[2:])  # [1, t, v] -> [t, v]
+
+    def pack_arg(self, value, info, input_ids):
+        return _pack_arg(value, input_ids, lambda x: to_thd(x, info)[0], info.source)
+
+    def unpack(self, y, info):
+        if info.cp_size > 1 and info.local_tokens == 0:  # nothing to gather (every rank planned the same batch)
+            return from_thd([y] * info.cp_size, info)
+        if info.cp_size > 1:
+            from ..parallel import all_gather_cp
+
+            # every rank computes the same loss from the gathered outputs: the backward keeps this rank's slice
+            return from_thd(list(all_gather_cp(y, self.cp_group, backward="local")), info)
+        return from_thd(y, info)
+
+
+class Bshd:
+    def __init__(self, tp_size):
+        self.tp_size = tp_size
+
+    def pack(self, input_ids, attention_mask, seqlens=None):
+        ids, info = to_bshd(input_ids, attention_mask, tp_size=self.tp_size, seqlens=seqlens)
+        return info, ids  # [b, s_c]
+
+    def positions(self, info, ids, position_ids, input_ids):
+        if position_ids is None:
+            return torch.arange(info.width, device=ids.device).expand(ids.shape[0], info.width)
+        check_positions(position_ids, input_ids)
+        if position_ids.dim() == 3:  # [k, b, s] -> [k, b, s_c]
+            return to_bshd(position_ids.permute(1, 2, 0), info)[0].permute(2, 0, 1)
+        return to_bshd(position_ids, info)[0]
+
+    def model_kwargs(self, info):
+        return {}
+
+    def empty_shape(self, info, post_process):
+        b = info.source.batch_size
+        return (b, info.width) if post_process else (info.width, b)
+
+    def fingerprint(self, info):
+        return (info.source.batch_size, info.source.seq_len, info.source.total, info.width)
+
+    def tokens(self, out, info):
+        return out.reshape(-1, *out.shape[2:])  # [b, s_c, v] -> [b*s_c, v]
+
+    def pack_arg(self, value, info, input_ids):
+        return _pack_arg(value, input_ids, lambda x: to_bshd(x, info)[0].reshape(-1, *x.shape[2:]), info.source)
+
+    def unpack(self, y, info):
+        b = info.source.batch_size
+        return from_bshd(y.reshape(b, info.width, *y.shape[1:]), info)
+
+
+def _pack_arg(value, input_ids, pack, source):
+    """A processor argument in the packed layout (rules in the module docstring)."""
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return value
+    b = source.batch_size
+    if input_ids.is_nested:
+        if value.is_nested:
+            return pack(value)
+        if value.dim() == 1 and value.shape[0] == b:  # per sequence -> per token, jagged like input_ids
+            token = torch.arange(source.total, device=value.device)
+            seq = torch.searchsorted(source.cu_seqlens[1:].to(value.device), token, right=True)
+            return pack(torch.nested.nested_tensor_from_jagged(value[seq], source.nested_offsets.to(value.device)))
+    else:
+        s = input_ids.shape[1]
+        if value.dim() >= 2 and tuple(value.shape[:2]) == (b, s):
+            return pack(value)
+        if value.dim() == 1 and value.shape[0] == b:
+            return pack(value[:, None].expand(b, s))
+    raise ValueError(
+        f"a processor argument has shape {tuple(value.shape)}; give per-token values like input_ids ([b, s, ...], or "
+        f"jagged), per-sequence values as [b={b}], or a scalar"
+    )

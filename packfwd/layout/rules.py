@@ -1,0 +1,173 @@
+"""The two rules of the THD layout, each defined once: how long a padded sequence is (alignment), and which CP
+rank holds each of its tokens (the zigzag split).
+
+Everything that must agree with the layout calls these functions: the host planner (``layout/thd.py``, numpy),
+``ThdInfo.positions`` and the RoPE of packfwd's models (torch, on the device), context-parallel attention
+(``parallel/context.py``), the picture helpers and the micro-batch planner.  They use integer operators only, so
+one definition serves Python ints, numpy arrays and torch tensors alike.  The one copy that cannot call them, the
+Triton planning kernel (``ops/plan.py``), is checked against them by Hypothesis (``tests/gpu/test_plan_kernel.py``, run on the CPU under Triton's interpreter).
+
+Alignment: sequence ``i`` of ``n_i`` real tokens is padded to ``p_i = round_up(n_i, seq_align)``; then the last
+sequence is extended by ``last_extra`` so the total divides by ``lcm(seq_align, tp * cp)`` (each CP rank's share
+then divides by ``tp``: sequence parallelism splits it).  ``seq_align`` defaults to ``2 * cp`` (1 without CP),
+the smallest Megatron-Core accepts.
+
+Zigzag: under CP a padded sequence is cut into ``2 * cp`` chunks of ``c = p / (2 * cp)`` tokens; rank ``r``
+keeps chunks ``r`` and ``2 * cp - 1 - r``, in that order, so every rank gets the same causal-attention work::
+
+    p = 8, cp = 2, c = 2:   positions 0 1 | 2 3 | 4 5 | 6 7
+                            chunk     0     1     2     3
+                            rank 0 holds 0 1 6 7,  rank 1 holds 2 3 4 5
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._validate import check_positive_int
+
+__all__ = [
+    "chunk_size",
+    "local_positions",
+    "default_seq_align",
+    "check_padded_total",
+    "check_seq_align",
+    "last_extra",
+    "padded_lengths",
+    "round_up",
+    "zigzag_owner",
+    "zigzag_position",
+]
+
+
+def default_seq_align(cp_size: int) -> int:
+    """The smallest per-sequence alignment Megatron accepts: ``2*cp_size`` under CP, else 1.
+
+    >>> default_seq_align(1), default_seq_align(4)
+    (1, 8)
+    """
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def check_seq_align(seq_align: int | None, cp_size: int, tp_size: int) -> int:
+    """``seq_align`` validated (None: the default); raises ValueError when the CP split cannot use it."""
+    if seq_align is None:
+        return default_seq_align(cp_size)
+    check_positive_int("seq_align", seq_align)
+    if cp_size > 1 and seq_align % (2 * cp_size):
+        raise ValueError(
+            f"seq_align={seq_align} breaks context parallelism: every padded sequence is cut into 2*cp_size="
+            f"{2 * cp_size} equal chunks, so seq_align must be a multiple of {2 * cp_size} "
+            f"(e.g. {2 * cp_size * tp_size}), or None for the smallest valid alignment"
+        )
+    return seq_align
+
+
+def round_up(n, align: int):
+    """``n`` rounded up to a multiple of ``align`` (int, numpy array or tensor).
+
+    >>> round_up(5, 4), round_up(8, 4), round_up(0, 4)
+    (8, 8, 0)
+    """
+    return (n + (align - 1)) // align * align
+
+
+def last_extra(padded_total: int, *, seq_align: int, tp_size: int, cp_size: int) -> int:
+    """Tokens added to the last sequence so the whole batch divides by ``lcm(seq_align, tp_size * cp_size)``.
+
+    >>> last_extra(12, seq_align=4, tp_size=4, cp_size=2)     # 12 -> 16: each rank's 8 tokens divide by tp=4
+    4
+    """
+    return -int(padded_total) % math.lcm(seq_align, tp_size * cp_size)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_padded_total(total: int, seq_align: int) -> int:
+    """The padded token count must fit Megatron's int32 ``cu_seqlens``; a larger one (usually an oversized
+    ``seq_align``) would also mean tensors of terabytes.  Raises ValueError naming ``seq_align``.
+
+    >>> check_padded_total(12, 4)
+    12
+    """
+    if total > INT32_MAX:
+        raise ValueError(
+            f"the padded batch would hold {total} tokens (seq_align={seq_align}), more than int32 cu_seqlens can "
+            f"index ({INT32_MAX}); use a smaller seq_align (None picks the smallest valid one) or split the batch"
+        )
+    return total
+
+
+def padded_lengths(lengths, *, seq_align: int, tp_size: int, cp_size: int):
+    """``[b]`` padded length of every sequence (numpy array or tensor in, the same kind out).
+
+    >>> import numpy as np
+    >>> padded_lengths(np.array([5, 3]), seq_align=4, tp_size=4, cp_size=2).tolist()
+    [8, 8]
+    """
+    p = round_up(lengths, seq_align)
+    if len(p):
+        p = p.copy() if hasattr(p, "copy") and not hasattr(p, "clone") else p.clone()
+        p[-1] += last_extra(p.sum(), seq_align=seq_align, tp_size=tp_size, cp_size=cp_size)
+    return p
+
+
+def chunk_size(padded_length, cp_size: int):
+    """Tokens per zigzag chunk: ``p / (2 * cp)`` (``p`` is a multiple of ``2 * cp`` under CP).
+
+    >>> chunk_size(8, 2)
+    2
+    """
+    return padded_length // (2 * cp_size)
+
+
+def zigzag_position(u, chunk, cp_size: int, cp_rank: int):
+    """The position in its padded sequence of row ``u`` of rank ``cp_rank``'s share of that sequence
+    (``0 <= u < 2 * chunk``): rows ``[0, chunk)`` are chunk ``cp_rank``, the rest chunk ``2*cp_size-1-cp_rank``.
+
+    >>> [zigzag_position(u, 2, 2, 0) for u in range(4)], [zigzag_position(u, 2, 2, 1) for u in range(4)]
+    ([0, 1, 6, 7], [2, 3, 4, 5])
+    """
+    if cp_size == 1:
+        return u
+    return u + cp_rank * chunk + (u >= chunk) * ((2 * cp_size - 2 - 2 * cp_rank) * chunk)
+
+
+def zigzag_owner(q, chunk, cp_size: int):
+    """``(rank, row)``: the CP rank that holds position ``q`` of a padded sequence, and its row in that rank's
+    share of the sequence.  The inverse of :func:`zigzag_position`.  ``chunk`` must be >= 1 under CP.
+
+    >>> [zigzag_owner(q, 2, 2) for q in (0, 3, 5, 7)]
+    [(0, 0), (1, 1), (1, 3), (0, 3)]
+    """
+    if cp_size == 1:
+        return q * 0, q
+    k = q // chunk  # global chunk index in [0, 2 * cp)
+    second = k >= cp_size
+    return k + second * (2 * cp_size - 1 - 2 * k), q - k * chunk + second * chunk
+
+
+def local_positions(cu_seqlens_padded, tokens: int, cp_size: int = 1, cp_rank: int = 0):
+    """``[tokens]`` int64: the position of each row of CP rank ``cp_rank``'s THD tensor inside its own padded
+    sequence, from ``cu_seqlens_padded [n+1]`` (whole padded sequences, before the CP split).  On the device,
+    no host sync; what RoPE, context-parallel attention and ``ThdInfo.positions`` use.
+
+    >>> import torch
+    >>> cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    >>> local_positions(cu, 12).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    >>> local_positions(cu, 6, cp_size=2, cp_rank=1).tolist()     # chunks 1 and 2 of each sequence
+    [2, 3, 4, 5, 1, 2]
+    """
+    import torch
+
+    device = cu_seqlens_padded.device
+    if tokens == 0 or cu_seqlens_padded.numel() < 2:
+        return torch.zeros(tokens, dtype=torch.long, device=device)
+    starts = cu_seqlens_padded.to(torch.long) // cp_size  # where each sequence starts in this rank's tensor
+    row = torch.arange(tokens, device=device)
+    seq = torch.searchsorted(starts[1:], row, right=True).clamp_(max=starts.numel() - 2)
+    first = starts[seq]
+    chunk = chunk_size(starts[seq + 1] - first, 1)  # this rank's share is 2 chunks: (p / cp) / 2
+    return zigzag_position(row - first, chunk, cp_size, cp_rank)

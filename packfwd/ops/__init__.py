@@ -1,0 +1,6 @@
+"""Kernels beside their launchers, one file per kernel family: ``gather`` (the row gather every layout applies),
+``plan`` (a layout's per-token maps planned on CUDA in one kernel), ``logprob`` (fused log-probs and entropy).
+
+Each file works without Triton (CPU installs): the torch path is the reference, the kernels are used on CUDA
+(and tested on the CPU too, in Triton's interpreter: ``tests/gpu/test_*_kernel.py``).
+"""

@@ -1,0 +1,9 @@
+"""Helpers for packfwd's tests, doctests and notebooks, not the library proper.
+
+:func:`packfwd.testing.launch.run_local` runs a function on N local processes joined in one
+``torch.distributed`` group (gloo on CPU, NCCL with one GPU per rank); the multi-process tests and examples use
+it.  Production runs start their ranks with torchrun or a trainer's own launcher.
+"""
+
+from .launch import RankError as RankError
+from .launch import run_local as run_local

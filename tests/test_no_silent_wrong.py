@@ -1,0 +1,266 @@
+"""No silent wrong numbers: every call that used to return a plausible-looking wrong tensor now returns the right
+one or raises an error that names the fix.
+
+Each test below failed on the code before this suite was written (the hazard is named in its docstring).  The
+references are HF transformers run on each sequence alone (``test_hf_interop.per_sequence``) or the
+single-process model, never packfwd's own output under another setting.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from packfwd import make_forward, next_token_labels, plan_thd
+from packfwd.logits import log_probs, log_probs_and_entropy, vocab_parallel
+from packfwd.models import ModelArgs, build_model, from_hf
+
+from .test_hf_interop import TINY, randomise, ragged_batch
+
+FORMATS = ["thd", "bshd"]
+
+
+@functools.lru_cache(maxsize=None)
+def _llama():
+    hf = randomise(LlamaForCausalLM(LlamaConfig(**TINY, num_key_value_heads=2)))
+    return hf, from_hf(hf)
+
+
+# ------------------------------------------------------------------------------------------ empty batches
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (3, 4)], ids=["b=0", "s=0", "all-padding"])
+def test_empty_batch_gives_zeros_and_zero_gradients(data_format, shape):
+    """Hazard: Megatron's attention crashed with a reshape error on a batch without a real token."""
+    _, model = _llama()
+    ids = torch.randint(0, 128, shape)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    logits = make_forward(data_format)(model, ids, mask)
+    assert logits.shape == (*shape, 128) and not logits.any()
+    out = make_forward(data_format, logits_processor=log_probs_and_entropy)(
+        model, ids, mask, labels=next_token_labels(ids, mask)
+    )
+    assert out["log_probs"].shape == shape and out["entropy"].shape == shape
+    model.zero_grad(set_to_none=True)
+    (out["log_probs"].sum() + logits.sum()).backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+
+
+# ------------------------------------------------------------------------------------------ value models
+
+
+def test_value_model_refuses_a_token_processor():
+    """Hazard: labels indexed a [t, 1] value head and gave zeros."""
+    args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=2,
+                     value_head=True)
+    model = build_model(args)
+    ids, mask = torch.randint(0, 64, (2, 5)), torch.ones(2, 5, dtype=torch.bool)
+    assert make_forward("thd")(model, ids, mask).shape == (2, 5)
+    with pytest.raises(ValueError, match=r"value head: its output is \[b, s\]"):
+        make_forward("thd", logits_processor=log_probs_and_entropy)(model, ids, mask, labels=ids)
+
+
+# ------------------------------------------------------------------------------------------ labels
+
+
+@pytest.mark.parametrize("fn", [log_probs, log_probs_and_entropy])
+def test_labels_outside_the_vocabulary_raise(fn):
+    """Hazard: a label >= v gave garbage, including positive log-probs."""
+    logits = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"token id >= the vocabulary size 8"):
+        fn(logits, torch.tensor([1, 8, -100]))
+    assert fn(logits, torch.tensor([1, 7, -100])) is not None  # the last id and the ignore index are fine
+
+
+def test_labels_outside_the_vocabulary_raise_through_the_forward():
+    _, model = _llama()
+    ids, mask = ragged_batch("right")
+    labels = next_token_labels(ids, mask)
+    labels[0, 0] = 128
+    with pytest.raises(ValueError, match="vocabulary size 128"):
+        make_forward("thd", logits_processor=log_probs_and_entropy)(model, ids, mask, labels=labels)
+
+
+# ------------------------------------------------------------------------------------------ clear errors
+
+
+@pytest.mark.parametrize(
+    "ids, error, match",
+    [
+        (torch.randint(0, 128, (2, 5, 1)), ValueError, r"input_ids.squeeze\(-1\)"),
+        (torch.ones(2, 5, dtype=torch.bool), TypeError, "integer token ids"),
+        (torch.ones(2, 5), TypeError, "integer token ids"),
+    ],
+    ids=["[b,s,1]", "bool", "float"],
+)
+@pytest.mark.parametrize("data_format", FORMATS)
+def test_bad_ids_are_named(data_format, ids, error, match):
+    _, model = _llama()
+    with pytest.raises(error, match=match):
+        make_forward(data_format)(model, ids, torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_seq_align_is_refused_by_bshd():
+    """Hazard: make_forward('bshd', seq_align=...) accepted the argument and ignored it."""
+    with pytest.raises(ValueError, match="seq_align=8 only applies to data_format='thd'"):
+        make_forward("bshd", seq_align=8)
+
+
+def test_a_huge_seq_align_is_refused_before_allocating():
+    """Hazard: a seq_align of 2**30 planned a layout of terabytes."""
+    with pytest.raises(ValueError, match="seq_align=1073741824"):
+        plan_thd(torch.ones(4, 3, dtype=torch.bool), seq_align=2**30)
+
+
+def test_a_processor_returning_the_wrong_token_count_is_blamed():
+    """Hazard: the error blamed the model output."""
+    _, model = _llama()
+    ids, mask = ragged_batch("right")
+
+    def drops_one(logits):
+        return {"x": logits[1:, 0]}
+
+    for data_format in FORMATS:
+        with pytest.raises(ValueError, match=r"logits_processor returned 'x' with shape .*one row per token"):
+            make_forward(data_format, logits_processor=drops_one)(model, ids, mask)
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+def test_bad_position_ids_are_named(data_format):
+    _, model = _llama()
+    ids, mask = ragged_batch("right")
+    with pytest.raises(ValueError, match=r"position_ids has shape \(4, 11\)"):
+        make_forward(data_format)(model, ids, mask, position_ids=torch.zeros(4, 11, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer positions"):
+        make_forward(data_format)(model, ids, mask, position_ids=torch.zeros(4, 12))
+
+
+# ------------------------------------------------------------------------------------------ tensor parallelism
+
+
+class _ShardedToy(torch.nn.Module):
+    """A model whose output layer claims a vocabulary split over two ranks (no process group needed to plan)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(tensor_model_parallel_size=2, context_parallel_size=1, sequence_parallel=False,
+                                      hidden_size=4, params_dtype=torch.float32)
+        self.vocab_size = 8
+        self.output_layer = SimpleNamespace(tp_group="the-tp-group")
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None):
+        return torch.zeros(*input_ids.shape, 4) + self.weight
+
+
+def test_an_unmarked_processor_is_refused_on_a_vocab_parallel_model():
+    """Hazard: each rank normalised its own half of the vocabulary: log-probs off by 6-7 nats, no warning."""
+
+    def my_log_probs(logits, labels):
+        return {"lp": torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]}
+
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="split over 2 tensor-parallel ranks.*my_log_probs"):
+        make_forward("thd", logits_processor=my_log_probs)(_ShardedToy(), ids, ids > 0, labels=ids)
+
+
+def test_packfwd_processors_get_the_model_tp_group():
+    seen = {}
+
+    @vocab_parallel
+    def spy(logits, *, tp_group=None):
+        seen["group"] = tp_group
+        return {"x": logits[:, 0]}
+
+    ids = torch.tensor([[1, 2, 3]])
+    make_forward("thd", logits_processor=spy)(_ShardedToy(), ids, ids > 0)
+    assert seen["group"] == "the-tp-group"
+
+
+def _tp_rank(rank, world_size, hf):
+    """Rank side of the TP test: the README's forward on a TP=2 shard, processor unbound."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(tp_size=2)
+    model = from_hf(hf, tp_size=2, tp_rank=ps.get_tensor_model_parallel_rank())
+    ids, mask = ragged_batch("mixed")
+    out = make_forward("thd", logits_processor=log_probs_and_entropy)(model, ids, mask,
+                                                                       labels=next_token_labels(ids, mask))
+    ps.destroy_model_parallel()
+    return {k: v.detach() for k, v in out.items()}
+
+
+def test_tensor_parallel_log_probs_are_full_vocabulary():
+    """The README's ``make_forward('thd', logits_processor=log_probs_and_entropy)`` on a TP=2 model: each rank's
+    log-probs and entropy equal the single-process model's (fp32, atol 2e-5)."""
+    from packfwd.testing import run_local
+
+    hf, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    ref = make_forward("thd", logits_processor=log_probs_and_entropy)(model, ids, mask, labels=labels)
+    for out in run_local(_tp_rank, 2, hf, backend="gloo"):
+        for key in ("log_probs", "entropy"):
+            torch.testing.assert_close(out[key], ref[key].detach(), atol=2e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ positions and masks
+
+
+def _hf_with_positions(hf, ids, mask, positions):
+    """HF transformers on each sequence alone, RoPE from the given positions of its real tokens."""
+    with torch.no_grad():
+        return [hf(ids[i][mask[i]][None], position_ids=positions[i][mask[i]][None]).logits[0]
+                for i in range(ids.shape[0])]
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("padding", ["right", "mixed"])
+def test_caller_position_ids_are_honoured(data_format, padding):
+    """Hazard: zeros or arbitrary positions gave logits bit-identical to passing none (HF's change by 2.5)."""
+    hf, model = _llama()
+    ids, mask = ragged_batch(padding)
+    g = torch.Generator().manual_seed(3)
+    # RoPE is relative: a constant shift per row changes nothing, so stretch the distances as well
+    positions = 2 * (mask.cumsum(1) - 1).clamp(min=0) + torch.randint(0, 50, (ids.shape[0], 1), generator=g)
+    forward = make_forward(data_format)
+    with torch.no_grad():
+        got = forward(model, ids, mask, position_ids=positions)
+        default = forward(model, ids, mask)
+        zeros = forward(model, ids, mask, position_ids=torch.zeros_like(ids))
+    for i, want in enumerate(_hf_with_positions(hf, ids, mask, positions)):
+        torch.testing.assert_close(got[i][mask[i]], want, atol=2e-5, rtol=1e-4)
+    assert (zeros - default)[mask].abs().max() > 0.1 and (got - default)[mask].abs().max() > 0.1
+    natural = (mask.cumsum(1) - 1).clamp(min=0)  # the default, given explicitly: the same numbers
+    with torch.no_grad():
+        torch.testing.assert_close(forward(model, ids, mask, position_ids=natural)[mask], default[mask],
+                                   atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "mixed"])
+def test_the_model_takes_a_bshd_padding_mask(padding):
+    """verl's BSHD calls hand the model ``attention_mask [b, s]`` (True at real tokens) with any padding; the
+    model's real-token logits must equal HF on each sequence alone, with the caller's positions."""
+    hf, model = _llama()
+    ids, mask = ragged_batch(padding)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=positions, attention_mask=mask)
+    assert got.shape == (*ids.shape, 128) and not got[~mask].any()
+    for i, want in enumerate(_hf_with_positions(hf, ids, mask, positions)):
+        torch.testing.assert_close(got[i][mask[i]], want, atol=2e-5, rtol=1e-4)
+
+
+def test_multimodal_positions_on_a_text_model_are_refused():
+    _, model = _llama()
+    ids, mask = ragged_batch("right")
+    with pytest.raises(ValueError, match="1-D RoPE"):
+        make_forward("thd")(model, ids, mask, position_ids=torch.zeros(3, *ids.shape, dtype=torch.long))
