@@ -1,0 +1,20 @@
+"""verl's Megatron-Core forwards with packfwd inside: swap the import, keep the call.
+
+::
+
+    # from verl.models.mcore.model_forward import model_forward_gen, gptmodel_forward_model_engine
+    from packfwd.verl import model_forward_gen, gptmodel_forward_model_engine
+
+Same signatures and results as verl 0.9.1's (``verl/models/mcore/model_forward.py``): parallel sizes, ranks and
+groups from ``megatron.core.parallel_state``, sequence parallelism and FP8 from the model's config, verl's THD
+layout token for token, the logits processor called with verl's shapes.  The packing and unpacking are packfwd's
+planned gathers (no Python loop over the batch, one host sync to plan).  Where the results differ from verl's
+(labels at each sequence's last token, a few arguments verl crashes on): ``docs/VERL.md``.
+
+Importing this package imports neither verl nor Megatron-Core.
+"""
+
+from .nested import gptmodel_forward_model_engine as gptmodel_forward_model_engine
+from .padded import model_forward_gen as model_forward_gen
+
+__all__ = ["gptmodel_forward_model_engine", "model_forward_gen"]
