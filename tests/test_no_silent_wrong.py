@@ -264,3 +264,10 @@ def test_multimodal_positions_on_a_text_model_are_refused():
     ids, mask = ragged_batch("right")
     with pytest.raises(ValueError, match="1-D RoPE"):
         make_forward("thd")(model, ids, mask, position_ids=torch.zeros(3, *ids.shape, dtype=torch.long))
+
+
+def test_from_hf_of_the_bare_decoder_names_the_fix():
+    """Hazard: ``from_hf(hf.model)`` failed with ``KeyError: 'model.embed_tokens.weight'``."""
+    hf, _ = _llama()
+    with pytest.raises(ValueError, match=r"from_hf\(hf\) for a LlamaForCausalLM rather than from_hf\(hf.model\)"):
+        from_hf(hf.model)

@@ -154,6 +154,7 @@ def from_hf(
     from .gpt import build_model
     from .runtime import ensure_model_parallel
 
+    _check_whole_model(hf_model)
     has_score = hasattr(hf_model, "score")
     if value_head is None:
         value_head = has_score
@@ -185,6 +186,18 @@ def from_hf(
     if value_head and not has_score:  # keep the head as initialised
         weights.update({n: p.detach() for n, p in model.named_parameters() if n.startswith("output_layer.")})
     return load_weights(model, weights)
+
+
+def _check_whole_model(hf_model) -> None:
+    """``from_hf`` takes the model with its head (``LlamaForCausalLM``, ``...ForTokenClassification``), whose
+    state dict names start with ``model.``; a bare decoder (``hf.model``) has neither the head nor those names."""
+    if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
+        raise TypeError(f"from_hf takes a transformers model, got {type(hf_model).__name__}")
+    if not hasattr(hf_model, "lm_head") and not hasattr(hf_model, "score"):
+        raise ValueError(
+            f"{type(hf_model).__name__} has no output head (lm_head or score): it is the bare decoder. Pass the "
+            "whole model, e.g. from_hf(hf) for a LlamaForCausalLM rather than from_hf(hf.model)"
+        )
 
 
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
