@@ -47,6 +47,8 @@ import math
 import torch
 from torch import Tensor
 
+from .ops.logprob import save_row_stats
+
 __all__ = ["entropy", "fused_log_probs_and_entropy", "log_probs", "log_probs_and_entropy", "vocab_parallel"]
 
 # Entries of one float32 work block: 2**26 * 4 B = 256 MiB.  At most two such buffers live at once, far below
@@ -219,13 +221,8 @@ class _RowBlocks(torch.autograd.Function):
         ]
         stats = [None if k == 2 and not want_entropy else torch.cat([b[k] for b in blocks]) for k in range(5)]
         m, s, mean_z, logp, ent = _finish(*_reduce_over_group(*stats, inv_t, group), labels >= 0)
-        ctx.save_for_backward(logits, inv_t, labels, m, s, mean_z if want_entropy else s)
-        ctx.group, ctx.chunk, ctx.want_entropy, ctx.unit = group, chunk, want_entropy, unit
-        ctx.set_materialize_grads(False)
-        if not want_entropy:
-            ent = torch.zeros_like(s)
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        ctx.group, ctx.chunk, ctx.unit = group, chunk, unit
+        return save_row_stats(ctx, logits, inv_t, labels, m, s, mean_z, logp, ent, want_entropy)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):

@@ -42,6 +42,18 @@ def supported(logits: Tensor) -> bool:
     return triton is not None and logits.is_cuda and logits.dtype in DTYPES and logits.shape[0] > 0
 
 
+def save_row_stats(ctx, logits, inv_t, labels, m, s, mean_z, logp, ent, want_entropy: bool):
+    """What both log-prob autograd functions (this kernel's and ``packfwd.logits``' torch blocks) keep for their
+    backward: the logits and the ``[t]`` statistics; without entropy, a zero entropy that takes no gradient."""
+    ctx.save_for_backward(logits, inv_t, labels, m, s, mean_z if want_entropy else s)
+    ctx.want_entropy = want_entropy
+    ctx.set_materialize_grads(False)
+    if not want_entropy:
+        ent = torch.zeros_like(s)
+        ctx.mark_non_differentiable(ent)
+    return logp, ent
+
+
 class RowKernel(torch.autograd.Function):
     """(log_probs, entropy) of ``logits [t, v]`` through the kernels; saves the logits and ``[t]`` vectors only.
 
@@ -52,13 +64,7 @@ class RowKernel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, inv_t, labels, want_entropy):
         m, s, mean_z, logp, ent = forward_stats(logits, inv_t, labels, want_entropy)
-        ctx.save_for_backward(logits, inv_t, labels, m, s, mean_z if want_entropy else s)
-        ctx.want_entropy = want_entropy
-        ctx.set_materialize_grads(False)
-        if not want_entropy:
-            ent = torch.zeros_like(s)
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
+        return save_row_stats(ctx, logits, inv_t, labels, m, s, mean_z, logp, ent, want_entropy)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
