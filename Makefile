@@ -31,6 +31,7 @@ test: $(STAMP)
 # The thorough Hypothesis profile: many more examples per property (minutes, not seconds).
 test-thorough: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q tests
+	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
