@@ -34,6 +34,7 @@ BENCHMARKS = {
     "vs_verl": ("bench_vs_verl.py", _dir_args("vs_verl")),
     "logprobs": ("bench_logprobs.py", _file_args("logprobs")),
     "forward": ("bench_forward.py", _file_args("forward")),
+    "micro_batches": ("bench_micro_batches.py", _file_args("micro_batches")),
 }
 
 

@@ -15,7 +15,7 @@ import logging
 import sys
 import types
 
-from .verl_ref import load_verl_util
+from .verl_ref import load_verl_util, load_with_stubs
 
 PACKAGE = "packfwd_ref_verl_mcore"
 
@@ -55,17 +55,6 @@ def load_verl_forward():
         "verl.utils.megatron_utils": types.SimpleNamespace(unwrap_model=unwrap_model),
         "verl.workers.config": types.SimpleNamespace(MtpConfig=MtpConfig),
     }
-    saved = {k: sys.modules.get(k) for k in stubs if not k.startswith(PACKAGE)}
-    sys.modules.update(stubs)  # type: ignore[arg-type]
-    try:
-        mspec = importlib.util.spec_from_file_location(PACKAGE + ".model_forward", f"{root}/models/mcore/model_forward.py")
-        module = importlib.util.module_from_spec(mspec)
-        mspec.loader.exec_module(module)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+    module = load_with_stubs(f"{root}/models/mcore/model_forward.py", PACKAGE + ".model_forward", stubs, keep=PACKAGE)
     sys.modules[PACKAGE + ".model_forward"] = module
     return module

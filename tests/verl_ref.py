@@ -24,10 +24,17 @@ def load_verl_util():
         "verl.utils.device": types.SimpleNamespace(is_npu_available=False),
         "verl.utils.model": types.SimpleNamespace(CausalLMOutputForPPO=object),
     }
-    saved = {k: sys.modules.get(k) for k in stubs}
+    return load_with_stubs(f"{root}/models/mcore/util.py", "packfwd_ref_verl_util", stubs)
+
+
+def load_with_stubs(path: str, name: str, stubs: dict, keep: str | None = None):
+    """Execute the verl source file ``path`` as module ``name`` with ``stubs`` standing in for the modules it
+    imports (verl's heavy dependencies are not installed); the stubs are removed afterwards, except those whose
+    name starts with ``keep``."""
+    saved = {k: sys.modules.get(k) for k in stubs if keep is None or not k.startswith(keep)}
     sys.modules.update(stubs)  # type: ignore[arg-type]
     try:
-        mspec = importlib.util.spec_from_file_location("packfwd_ref_verl_util", f"{root}/models/mcore/util.py")
+        mspec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(mspec)
         mspec.loader.exec_module(module)
     finally:

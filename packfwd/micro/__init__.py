@@ -1,0 +1,16 @@
+"""Micro-batches for variable-length batches: a pure planner and a CPU step that runs a forward over them.
+
+* ``plan``  ``plan_micro_batches``: which sequences each DP rank runs in each micro-batch, within a token budget
+  on the real padded footprint, balanced in tokens or FLOPs (``MicroBatchPlan``, with ``restore``)
+* ``pack``  the packing algorithm and why (capacity-aware LPT, Karmarkar-Karp on small batches, best fit)
+* ``kk``, ``refine``, ``ranks``  Karmarkar-Karp, pairwise exchanges, micro-batches to DP ranks
+* ``step``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses normalised over the
+  whole global batch; ``agree_micro_batch_count`` for ranks that plan their own lengths
+"""
+
+from .plan import MicroBatchPlan as MicroBatchPlan
+from .plan import plan_micro_batches as plan_micro_batches
+from .step import StepResult as StepResult
+from .step import agree_micro_batch_count as agree_micro_batch_count
+from .step import run_micro_batches as run_micro_batches
+from .step import sequence_weights as sequence_weights

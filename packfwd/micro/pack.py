@@ -1,0 +1,267 @@
+"""Balanced bin packing under a capacity: the algorithm behind :func:`packfwd.micro.plan_micro_batches`.
+
+Items (sequences) carry a *cost* (what is balanced: tokens or FLOPs) and a *size* (their padded length, what the
+budget limits); ``bins`` bins (micro-batches) of one capacity ``cap`` on the size.  Why these steps:
+
+1. **LPT, capacity-aware** (longest processing time first): items by decreasing load go one by one to the
+   least-loaded bin that still has room.  A bin's load is the larger of its shares of the mean cost and of the
+   capacity (plain LPT when cost is tokens; with FLOPs it keeps cheap-per-token short sequences from filling a
+   bin's tokens while it looks light).  LPT is within 4/3 of the optimal makespan and its final spread is about
+   its last (smallest) items', which on LLM length distributions -- many short sequences after a few long
+   ones -- means micro-batches within a few tokens of each other; and the capacity is part of every placement,
+   so a count that LPT fills is a feasible plan at once (verl's Karmarkar-Karp knows no capacity: it is re-run
+   with more and more parts until every part happens to fit, on raw lengths).  Exact LPT is a heap walk, ~0.5 us
+   per item in Python, so: with many bins it runs in numpy *rounds* (the bins within one item of the lightest take
+   the next items, largest to lightest, one each); with few bins the heap walks *units*, runs of sorted items
+   each ~1/(4 bins) of the load still to place, single items again at the end, where LPT's balance is decided.
+2. **Karmarkar-Karp** as a second opinion on small batches (at most ``KK_MAX_ITEMS`` items, ``kk.py``): with few
+   items per bin it balances better than LPT; kept when within the capacity and lighter in its costliest bin.
+   Then pairwise moves and swaps between the costliest bin and the others (``refine.py``; on large batches only
+   with the ``POLISH_PARTNERS`` lightest bins, ``POLISH_ROUNDS`` times, to stay within a few milliseconds).
+3. **Best-fit decreasing** when LPT cannot place an item although the count might suffice (a tight budget: LPT
+   spreads, best fit fills).  With a cost other than tokens LPT first gets up to 2% more micro-batches: a
+   size-tight packing can be far from balanced in FLOPs.
+4. **Ranks** (``ranks.py``): the bins dealt to DP ranks, each rank the same number, then polished.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+
+import numpy as np
+
+from .kk import KK_MAX_ITEMS, KK_MAX_WORK, karmarkar_karp
+from .refine import refine
+
+__all__ = ["pack", "balanced", "lpt", "best_fit"]
+
+POLISH_PARTNERS, POLISH_ROUNDS = 16, 16  # exchanges after LPT on large batches: lightest bins tried, at most
+ROUNDS_MIN_BINS = 64  # below this many bins the exact heap walk is faster than numpy rounds
+
+
+def pack(cost: np.ndarray, size: np.ndarray, *, ranks: int, count: int, step: int, cap: int,
+         cost_is_size: bool) -> tuple[np.ndarray, int]:
+    """``([n] bin of each item, count)``: the items packed into ``ranks * count`` bins of total size ``<= cap``,
+    ``count`` the first of ``count, count + step, ...`` that packs.  Every item must fit alone.  Deterministic.
+
+    At each count: LPT (or KK); when it cannot place everything, best fit at the same count -- unless the cost is
+    not the size: a size-tight best-fit packing can be far from balanced in cost, so LPT first gets up to 2% more
+    micro-batches (at least two steps), which usually lets it balance.
+    """
+    while True:
+        extra = 0 if cost_is_size else max(2, count // 50)
+        for c in range(count, count + extra * step + 1, step):
+            got = balanced(cost, size, ranks * c, cap)
+            if got is not None:
+                _polish(got, cost, size, ranks * c, cap)
+                return got, c
+        got = best_fit(cost, size, ranks * count, cap)
+        if got is not None:
+            _polish(got, cost, size, ranks * count, cap)
+            return got, count
+        count += step  # terminates: with a bin per item LPT always packs
+
+
+def _polish(bin_of: np.ndarray, cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> None:
+    """Exchanges between the costliest bin and the others (small batches), or the few lightest (large ones)."""
+    if len(cost) <= KK_MAX_ITEMS:
+        refine(bin_of, np.arange(bins), cost, size, cap)
+    else:
+        refine(bin_of, np.arange(bins), cost, size, cap, partners=POLISH_PARTNERS, rounds=POLISH_ROUNDS)
+
+
+def balanced(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray | None:
+    """LPT's packing, or Karmarkar-Karp's where that is cheap to run, within the capacity, leaves no bin empty
+    that need not be, and has a lighter costliest bin."""
+    got = lpt(cost, size, bins, cap)
+    n = len(cost)
+    if n == 0 or n * bins > KK_MAX_WORK or n > KK_MAX_ITEMS:
+        return got
+    parts = karmarkar_karp(cost, bins)
+    if min(n, bins) > sum(1 for part in parts if part):
+        return got
+    alt = np.empty(n, dtype=np.int64)
+    for b, part in enumerate(parts):
+        alt[part] = b
+    if np.bincount(alt, weights=size, minlength=bins).max() > cap:
+        return got
+    if got is None or _costliest(alt, cost, bins) < _costliest(got, cost, bins):
+        return alt
+    return got
+
+
+def _costliest(bin_of: np.ndarray, cost: np.ndarray, bins: int) -> float:
+    return float(np.bincount(bin_of, weights=cost, minlength=bins).max())
+
+
+def lpt(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray | None:
+    """``[n]`` bin of each item by capacity-aware LPT, or None when some item finds no bin with room."""
+    if len(cost) == 0:
+        return np.zeros(0, dtype=np.int64)
+    # Each bin's load is the larger of its two shares: of the mean cost per bin, and of the capacity.  With
+    # cost="tokens" that is the cost share (plain LPT); with FLOPs it stops cheap-per-token items piling up in one
+    # bin until it is full while another bin has room but is FLOPs-heavy.
+    w = cost / (cost.sum() / bins or 1.0)
+    z = size / max(cap, 1)  # cap is 0 only when every sequence is empty
+    order = np.argsort(-np.maximum(w, z))  # largest share first (introsort: deterministic, faster than stable)
+    walk = _lpt_rounds if bins >= ROUNDS_MIN_BINS else _lpt_heap
+    return walk(w, z, size, order, bins, cap)
+
+
+def _lpt_heap(w, z, size, order, bins, cap):
+    """LPT with a heap, over *units*: runs of consecutive sorted items, each about ``1 / (UNITS_PER_BIN * bins)``
+    of the load still to place.  The long tail of short items then costs a few thousand heap steps, not one per
+    item, and the last units (the smallest items) are single items again, which is what sets LPT's final balance.
+    A unit that fits no bin whole is placed item by item."""
+    ws, zs, ss = w[order], z[order], size[order]
+    starts = np.union1d(np.arange(min(bins, len(order))), _unit_starts(np.maximum(ws, zs), bins))  # a bin each first
+    ends = np.append(starts[1:], len(order))
+    unit_w, unit_z, unit_s = (np.add.reduceat(a, starts) for a in (ws, zs, ss))
+    heap = _Heap(bins, cap)
+    placed = np.empty(len(order), dtype=np.int64)  # bin of each item, in sorted order
+    for u, (uw, uz, us) in enumerate(zip(unit_w.tolist(), unit_z.tolist(), unit_s.tolist())):
+        b = heap.place(uw, uz, us, int(ends[u] - starts[u]))
+        if b >= 0:
+            placed[starts[u] : ends[u]] = b
+            continue
+        for j in range(int(starts[u]), int(ends[u])):
+            placed[j] = heap.place(float(ws[j]), float(zs[j]), int(ss[j]))
+            if placed[j] < 0:
+                return None
+    out = np.empty(len(order), dtype=np.int64)
+    out[order] = placed
+    return out
+
+
+UNITS_PER_BIN = 4
+
+
+def _unit_starts(share: np.ndarray, bins: int) -> np.ndarray:
+    """Where each unit starts: items (sorted by decreasing share) whose remaining load ``R`` (this item's share
+    and all after it) falls in the same interval of ``log R`` of width ``1 / (UNITS_PER_BIN * bins)``."""
+    remaining = np.cumsum(share[::-1])[::-1]
+    positive = remaining[remaining > 0]
+    if len(positive) == 0:
+        return np.zeros(1, dtype=np.int64)
+    level = np.floor(UNITS_PER_BIN * bins * np.log(remaining[0] / np.maximum(remaining, positive.min() / 2)))
+    return np.flatnonzero(np.r_[True, level[1:] != level[:-1]])
+
+
+class _Heap:
+    """Bins in a heap of (load, items, bin), the load the larger of a bin's cost and size shares (ties: the bin
+    with fewer items, so that items of no cost spread too)."""
+
+    def __init__(self, bins: int, cap: int):
+        self.heap = [(0.0, 0, b) for b in range(bins)]
+        self.w, self.z, self.fill = [0.0] * bins, [0.0] * bins, [0] * bins
+        self.cap = cap
+
+    def place(self, w: float, z: float, s: int, items: int = 1) -> int:
+        """Put an item (or a unit of ``items``) in the least-loaded bin with room for it; its bin, or -1 when none
+        has room."""
+        heap, fill, cap = self.heap, self.fill, self.cap
+        held = []
+        while heap and fill[heap[0][2]] + s > cap:
+            held.append(heapq.heappop(heap))
+        b = heap[0][2] if heap else -1
+        if b >= 0:
+            x, y = self.w[b] + w, self.z[b] + z
+            self.w[b], self.z[b] = x, y
+            fill[b] += s
+            heapq.heapreplace(heap, (x if x > y else y, heap[0][1] + items, b))
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return b
+
+
+def _lpt_rounds(w, z, size, order, bins, cap):
+    """LPT in rounds (see the module docstring); items a round cannot place go one by one to the lightest bin
+    with room.  Ties between equally loaded bins go to the lower bin id, so zero-cost items spread too."""
+    wb, zb = np.zeros(bins), np.zeros(bins)
+    fill = np.zeros(bins, dtype=np.int64)
+    out = np.empty(len(w), dtype=np.int64)
+    w_sorted, z_sorted, s_sorted = w[order], z[order], size[order]
+    step = np.maximum(w_sorted, z_sorted)
+    pos, n = 0, len(order)
+    while pos < n:
+        load = np.maximum(wb, zb)
+        by_load = np.argsort(load)
+        ranked = load[by_load]
+        m = min(int(np.searchsorted(ranked, ranked[0] + step[pos], side="right")), n - pos)
+        near, end = by_load[:m], pos + m
+        items = (w_sorted[pos:end], z_sorted[pos:end], s_sorted[pos:end])
+        ok = fill[near] + items[2] <= cap
+        if ok.all():
+            wb[near] += items[0]
+            zb[near] += items[1]
+            fill[near] += items[2]
+            out[order[pos:end]] = near
+        elif not _place_one_by_one(near, ok, items, order[pos:end], (wb, zb, fill), out, cap):
+            return None
+        pos = end
+    return out
+
+
+def _place_one_by_one(near, ok, items, ids, state, out, cap) -> bool:
+    """The round's items whose paired bin has room go there; the others, largest first, to the bins with the
+    most room left (one each, where they fit), and what still has no bin one by one to the lightest bin with
+    room."""
+    s, (wb, zb, fill) = items[2], state
+    _add(near[ok], np.flatnonzero(ok), items, ids, state, out)
+    bad = np.flatnonzero(~ok)
+    bad = bad[np.argsort(-s[bad], kind="stable")]
+    roomiest = np.argsort(fill, kind="stable")[: len(bad)]
+    fits = s[bad[: len(roomiest)]] <= cap - fill[roomiest]
+    _add(roomiest[fits], bad[: len(roomiest)][fits], items, ids, state, out)
+    for j in bad[: len(roomiest)][~fits].tolist() + bad[len(roomiest) :].tolist():
+        room = np.flatnonzero(fill + s[j] <= cap)
+        if len(room) == 0:
+            return False
+        _add(room[np.argmin(np.maximum(wb[room], zb[room]))], j, items, ids, state, out)
+    return True
+
+
+def _add(b, j, items, ids, state, out) -> None:
+    """Items ``j`` of the round into bins ``b`` (distinct)."""
+    (w, z, s), (wb, zb, fill) = items, state
+    wb[b] += w[j]
+    zb[b] += z[j]
+    fill[b] += s[j]
+    out[ids[j]] = b
+
+
+def best_fit(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray | None:
+    """``[n]`` bin of each item by best-fit decreasing on the size (each item into the fullest bin it fits), or
+    None; then empty bins take the costliest item of the heaviest bins, so no bin is empty while another holds
+    two items."""
+    order = np.argsort(-size, kind="stable").tolist()
+    sizes = size.tolist()
+    keys = list(range(bins))  # fill * bins + bin, sorted: the fullest bin that fits is one bisect away
+    out = [0] * len(sizes)
+    for i in order:
+        k = bisect.bisect_right(keys, (cap - sizes[i]) * bins + bins - 1) - 1
+        if k < 0:
+            return None
+        key = keys.pop(k)
+        bisect.insort(keys, key + sizes[i] * bins)
+        out[i] = key % bins
+    return _fill_empty(np.asarray(out, dtype=np.int64), cost, bins)
+
+
+def _fill_empty(out: np.ndarray, cost: np.ndarray, bins: int) -> np.ndarray:
+    counts = np.bincount(out, minlength=bins)
+    loads = np.bincount(out, weights=cost, minlength=bins)
+    for empty in np.flatnonzero(counts == 0).tolist():
+        donors = np.flatnonzero(counts >= 2)
+        if len(donors) == 0:
+            break
+        donor = int(donors[np.argmax(loads[donors])])
+        members = np.flatnonzero(out == donor)
+        moved = int(members[np.argmax(cost[members])])
+        out[moved] = empty
+        counts[donor] -= 1
+        counts[empty] += 1
+        loads[donor] -= cost[moved]
+        loads[empty] += cost[moved]
+    return out

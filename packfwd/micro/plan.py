@@ -1,0 +1,256 @@
+"""``plan_micro_batches``: cut a global batch of variable-length sequences into micro-batches for every DP rank,
+each within a token budget on its *real* padded footprint, balanced in tokens or FLOPs.
+
+The footprint is the THD layout's (:mod:`packfwd.layout.rules`): sequence ``i`` of ``n_i`` tokens takes
+``p_i = round_up(n_i, seq_align)`` and the micro-batch's total ``P = sum p_i`` is extended (on its last sequence)
+by ``last_extra(P)`` to divide by the rule's period ``lcm(seq_align, tp * cp)``; each CP rank holds
+``(P + last_extra(P)) / cp`` tokens.  That is ``P`` rounded up to the period, so a micro-batch fits
+``max_tokens`` exactly when ``P <= cap``, ``cap`` the largest multiple of the period not above
+``max_tokens * cp``: the set-dependent extension becomes one capacity on a sum, exactly.
+
+The packing (:mod:`packfwd.micro.pack`, which says why): count = the smallest number of micro-batches per rank
+the lower bounds allow (total over capacity; sequences above half the capacity need a micro-batch each), raised to
+``min_micro_batches`` and to a multiple of ``micro_batches_multiple_of``; capacity-aware LPT (or Karmarkar-Karp
+on small batches) into ``dp_size * count`` bins, best fit when LPT cannot place everything, one more multiple
+when neither can; bins dealt to ranks and refined.  Each rank's micro-batches are ordered cheapest at both ends
+(pipeline warm-up and cool-down); within a micro-batch sequences keep their global order.  Pure and
+deterministic: host numbers in, host numbers out, no collectives (``agree_micro_batch_count`` is apart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .._validate import check_positive_int
+from ..layout import rules
+from . import pack
+from .kk import KK_MAX_ITEMS
+from .ranks import deal_to_ranks, pipeline_order, repartition_ranks
+from .refine import refine
+
+__all__ = ["MicroBatchPlan", "plan_micro_batches", "FLOPS_PER_TOKEN", "FLOPS_PER_TOKEN_PAIR"]
+
+# cost="flops": a * p + b * p^2 for a sequence of padded length p.  A dense decoder layer's forward spends about
+# 24 h^2 FLOPs per token in its matmuls (QKV, output, a 4h MLP) and, causally, about 2 h p^2 per sequence in
+# attention; divided by 2 h that is a = 12 h, b = 1.  The default takes h = 4096; pass ("flops", 12 * hidden, 1)
+# for your model (grouped-query attention and other MLP widths change the 12).
+FLOPS_PER_TOKEN = 12 * 4096
+FLOPS_PER_TOKEN_PAIR = 1
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Which sequences each DP rank runs in each micro-batch.
+
+    ``micro_batches[dp_rank][mb]``: global indices (ascending) of the sequences of micro-batch ``mb`` of rank
+    ``dp_rank``; every rank has ``num_micro_batches`` of them, some empty only when there are fewer sequences
+    than micro-batches.  ``dp_rank_of[i]``: the rank that runs sequence ``i``.  ``tokens[dp_rank][mb]``: the
+    micro-batch's padded tokens per CP rank (``plan_thd(...).local_tokens``), all ``<= max_tokens``;
+    ``costs[dp_rank][mb]``: its balance cost.  ``seqlens``: the real lengths planned (host ints, for the forward).
+    """
+
+    micro_batches: list  # [dp_size][num_micro_batches] -> list[int]
+    dp_rank_of: tuple
+    tokens: list  # [dp_size][num_micro_batches] -> int
+    costs: list  # [dp_size][num_micro_batches] -> float
+    seqlens: tuple
+    num_micro_batches: int
+    max_tokens: int
+    dp_size: int
+    tp_size: int
+    cp_size: int
+    seq_align: int
+
+    def rows(self, dp_rank: int) -> list[int]:
+        """The global indices rank ``dp_rank`` runs, ascending (the rows its outputs come back in)."""
+        return sorted(i for mb in self.micro_batches[dp_rank] for i in mb)
+
+    def restore(self, outputs: Sequence[Sequence[Sequence[Any]]]) -> list:
+        """Per-sequence results back in global order.
+
+        ``outputs[dp_rank][mb]``: one entry per sequence of ``micro_batches[dp_rank][mb]``, in that order (a list,
+        or a tensor whose first dimension runs over those sequences).  Returns a list of ``len(seqlens)`` entries,
+        entry ``i`` the result of sequence ``i`` (``torch.stack`` it when the entries share a shape).
+
+        >>> plan = plan_micro_batches([5, 1, 4, 2, 3], max_tokens=6, dp_size=2)
+        >>> plan.micro_batches
+        [[[1, 3], [0]], [[4], [2]]]
+        >>> plan.restore([[["b", "d"], ["a"]], [["e"], ["c"]]])
+        ['a', 'b', 'c', 'd', 'e']
+        """
+        if len(outputs) != self.dp_size:
+            raise ValueError(f"outputs has {len(outputs)} ranks; pass outputs[dp_rank][mb] for all {self.dp_size}")
+        out: list = [None] * len(self.seqlens)
+        for r, (ranks_mbs, ranks_out) in enumerate(zip(self.micro_batches, outputs)):
+            if len(ranks_out) != len(ranks_mbs):
+                raise ValueError(
+                    f"outputs[{r}] has {len(ranks_out)} micro-batches; the plan has {len(ranks_mbs)} per rank"
+                )
+            for m, (indices, values) in enumerate(zip(ranks_mbs, ranks_out)):
+                if len(values) != len(indices):
+                    raise ValueError(
+                        f"outputs[{r}][{m}] has {len(values)} entries for the {len(indices)} sequences of that "
+                        "micro-batch; give one entry per sequence, in the order of plan.micro_batches"
+                    )
+                for i, v in zip(indices, values):
+                    out[i] = v
+        return out
+
+
+def plan_micro_batches(
+    seqlens,
+    *,
+    max_tokens: int,
+    dp_size: int = 1,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    seq_align: int | None = None,
+    cost: str | tuple | Callable = "tokens",
+    min_micro_batches: int = 1,
+    micro_batches_multiple_of: int = 1,
+) -> MicroBatchPlan:
+    """Plan the micro-batches of a global batch (see the module docstring for the footprint and the algorithm).
+
+    ``seqlens``: real length of every sequence (host ints, numpy or a CPU tensor); sequence ``i`` is global index
+    ``i``.  ``max_tokens``: the budget of padded tokens per CP rank of one micro-batch.  ``tp_size``, ``cp_size``,
+    ``seq_align``: the THD layout the forward will use (``make_forward``'s).  ``cost``: what to balance:
+    ``"tokens"`` (padded tokens), ``"flops"`` (``a*p + b*p**2``, defaults ``FLOPS_PER_TOKEN``,
+    ``FLOPS_PER_TOKEN_PAIR``), ``("flops", a, b)``, or a callable ``f(p: int64 [n]) -> [n]`` of the padded lengths.
+    Every rank gets the same number of micro-batches, at least ``min_micro_batches`` and a multiple of
+    ``micro_batches_multiple_of`` (virtual pipelines need one).
+
+    >>> plan = plan_micro_batches([7, 3, 9, 1, 6, 2], max_tokens=10, dp_size=2)
+    >>> plan.num_micro_batches, plan.micro_batches, plan.tokens
+    (2, [[[1, 5], [2]], [[4], [0, 3]]], [[5, 9], [6, 8]])
+    >>> plan = plan_micro_batches([7, 3, 9, 1, 6, 2], max_tokens=10, dp_size=2, tp_size=2, cp_size=2)
+    >>> plan.micro_batches, plan.tokens          # padded to 4 each: 8+4+12+4+8+4 = 40 = 2 ranks x 2 CP x 10
+    ([[[1, 2, 3]], [[0, 4, 5]]], [[10], [10]])
+    """
+    lengths = _check_seqlens(seqlens)
+    tp, cp = check_positive_int("tp_size", tp_size), check_positive_int("cp_size", cp_size)
+    dp = check_positive_int("dp_size", dp_size)
+    check_positive_int("max_tokens", max_tokens)
+    least = check_positive_int("min_micro_batches", min_micro_batches)
+    step = check_positive_int("micro_batches_multiple_of", micro_batches_multiple_of)
+    align = rules.check_seq_align(seq_align, cp, tp)
+    layout = dict(seq_align=align, tp_size=tp, cp_size=cp)
+    padded = rules.round_up(lengths, align)
+    cap = _capacity(max_tokens, **layout)
+    _check_each_fits(lengths, padded, cap, max_tokens, layout)
+    weights = _costs(cost, padded)
+
+    lower = max(-(-int(padded.sum()) // cap) if cap else 0, int(np.count_nonzero(2 * padded > cap)))
+    count = rules.round_up(max(least, -(-lower // dp)), step)
+    bin_of, count = pack.pack(weights, padded, ranks=dp, count=count, step=step, cap=cap,
+                              cost_is_size=isinstance(cost, str) and cost == "tokens")
+    return _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout)
+
+
+def _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout) -> MicroBatchPlan:
+    bins = dp * count
+    dealt = deal_to_ranks(np.bincount(bin_of, weights=weights, minlength=bins), dp)  # [dp, count] bin ids
+    rank_of_bin = np.empty(bins, dtype=np.int64)
+    rank_of_bin[dealt] = np.arange(dp)[:, None]
+    cap = _capacity(max_tokens, **layout)
+    if len(bin_of) <= KK_MAX_ITEMS:  # small batches: polish each rank's micro-batches (KK, then exchanges)
+        repartition_ranks(bin_of, dealt, weights, padded, cap)
+        refine(bin_of, np.arange(bins), weights, padded, cap)
+    ceiling = np.bincount(bin_of, weights=weights, minlength=bins).max(initial=0.0)
+    refine(bin_of, rank_of_bin, weights, padded, cap, ceiling, partners=1, rounds=16)
+    bin_cost = np.bincount(bin_of, weights=weights, minlength=bins)
+    bin_size = np.bincount(bin_of, weights=padded, minlength=bins).astype(np.int64)
+    ends = np.cumsum(np.bincount(bin_of, minlength=bins)).tolist()
+    small = bin_of.astype(np.int32 if bins >= 2**15 else np.int16)  # narrow ints sort by radix
+    flat = np.argsort(small, kind="stable").tolist()  # bin after bin, global order inside each
+    members = [flat[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+    ranks = pipeline_order(dealt, bin_cost)  # [dp, count] bin ids
+    tokens = rules.round_up(bin_size, _period(**layout)) // layout["cp_size"]
+    return MicroBatchPlan(
+        micro_batches=[[members[b] for b in order] for order in ranks.tolist()],
+        dp_rank_of=tuple(rank_of_bin[bin_of].tolist()),
+        tokens=tokens[ranks].tolist(),
+        costs=bin_cost[ranks].tolist(),
+        seqlens=tuple(lengths.tolist()),
+        num_micro_batches=count,
+        max_tokens=max_tokens,
+        dp_size=dp,
+        tp_size=layout["tp_size"],
+        cp_size=layout["cp_size"],
+        seq_align=layout["seq_align"],
+    )
+
+
+def _period(*, seq_align: int, tp_size: int, cp_size: int) -> int:
+    """What the layout rounds a micro-batch's padded total up to: ``last_extra`` pads a total of 1 to it."""
+    return rules.last_extra(1, seq_align=seq_align, tp_size=tp_size, cp_size=cp_size) + 1
+
+
+def _footprint(padded_total: int, *, seq_align: int, tp_size: int, cp_size: int) -> int:
+    """Tokens per CP rank of a micro-batch whose sequences' padded lengths sum to ``padded_total``."""
+    extra = rules.last_extra(padded_total, seq_align=seq_align, tp_size=tp_size, cp_size=cp_size)
+    return (padded_total + extra) // cp_size
+
+
+def _capacity(max_tokens: int, *, seq_align: int, tp_size: int, cp_size: int) -> int:
+    """The largest sum of padded lengths whose footprint is ``<= max_tokens``: the footprint rounds the sum up to
+    the rule's period, so the cap is the largest multiple of the period in ``max_tokens * cp``."""
+    period = _period(seq_align=seq_align, tp_size=tp_size, cp_size=cp_size)
+    return max_tokens * cp_size // period * period
+
+
+def _check_each_fits(lengths, padded, cap, max_tokens, layout) -> None:
+    too_long = np.flatnonzero(padded > cap)
+    if len(too_long):
+        i = int(too_long[np.argmax(padded[too_long])])
+        need = _footprint(int(padded[i]), **layout)
+        more = "" if len(too_long) == 1 else f"; {len(too_long)} sequences are too long"
+        raise ValueError(
+            f"sequence {i} (length {int(lengths[i])}) cannot fit in any micro-batch: alone it takes {need} padded "
+            f"tokens per CP rank (tp_size={layout['tp_size']}, cp_size={layout['cp_size']}, "
+            f"seq_align={layout['seq_align']}), more than max_tokens={max_tokens}; raise max_tokens to at least "
+            f"{need} (or truncate the sequence){more}"
+        )
+
+
+def _check_seqlens(seqlens) -> np.ndarray:
+    if hasattr(seqlens, "device") and getattr(seqlens.device, "type", "cpu") != "cpu":
+        raise TypeError(
+            f"seqlens is on {seqlens.device}; planning is host work: pass host ints or a CPU tensor "
+            "(seqlens.tolist() costs one sync)"
+        )
+    if hasattr(seqlens, "numpy"):
+        seqlens = seqlens.numpy()
+    arr = np.asarray(seqlens)
+    if arr.ndim != 1:
+        raise ValueError(f"seqlens must be 1-D (one length per sequence), got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"seqlens has dtype {arr.dtype}; pass integer lengths (e.g. mask.sum(-1).tolist())")
+    if arr.size and arr.min() < 0:
+        i = int(np.argmin(arr))
+        raise ValueError(f"seqlens[{i}] = {int(arr[i])} is negative; pass the real (non-negative) lengths")
+    return arr.astype(np.int64)
+
+
+def _costs(cost, padded: np.ndarray) -> np.ndarray:
+    p = padded.astype(np.float64)
+    if isinstance(cost, str) and cost == "tokens":
+        return p
+    if isinstance(cost, str) and cost == "flops":
+        return FLOPS_PER_TOKEN * p + FLOPS_PER_TOKEN_PAIR * p * p
+    if isinstance(cost, tuple) and len(cost) == 3 and cost[0] == "flops":
+        a, b = cost[1], cost[2]
+        if not all(isinstance(v, (int, float)) and v >= 0 for v in (a, b)):
+            raise ValueError(f"cost={cost!r}: the coefficients must be non-negative numbers, e.g. ('flops', 49152, 1)")
+        return a * p + b * p * p
+    if callable(cost):
+        values = np.asarray(cost(padded.copy()), dtype=np.float64)
+        if values.shape != padded.shape or not np.all(np.isfinite(values)) or (values.size and values.min() < 0):
+            raise ValueError(
+                f"cost returned shape {values.shape} (or negative / non-finite values); a cost function must map the "
+                f"padded lengths [n={len(padded)}] to [n] finite non-negative costs"
+            )
+        return values
+    raise ValueError(f"cost={cost!r}; pass 'tokens', 'flops', ('flops', a, b) or a callable of the padded lengths")
