@@ -35,6 +35,7 @@ BENCHMARKS = {
     "logprobs": ("bench_logprobs.py", _file_args("logprobs")),
     "forward": ("bench_forward.py", _file_args("forward")),
     "micro_batches": ("bench_micro_batches.py", _file_args("micro_batches")),
+    "composition": ("bench_composition.py", _file_args("composition")),
 }
 
 
