@@ -2,8 +2,10 @@
 
 :func:`packfwd.testing.launch.run_local` runs a function on N local processes joined in one
 ``torch.distributed`` group (gloo on CPU, NCCL with one GPU per rank); the multi-process tests and examples use
-it.  Production runs start their ranks with torchrun or a trainer's own launcher.
+it.  Production runs start their ranks with torchrun or a trainer's own launcher.  :class:`OneHotModel` is a
+stand-in model for examples of the forwards.
 """
 
 from .launch import RankError as RankError
 from .launch import run_local as run_local
+from .toys import OneHotModel as OneHotModel

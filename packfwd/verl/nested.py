@@ -63,14 +63,9 @@ def gptmodel_forward_model_engine(
     is passed to the model as ``padding_mask`` (THD).  ``mtp_enable_train=True`` raises ``NotImplementedError``.
 
     >>> import torch
-    >>> from types import SimpleNamespace
     >>> from packfwd.models.runtime import ensure_model_parallel
+    >>> from packfwd.testing import OneHotModel as Toy   # one-hot "logits" of the ids, under any packing
     >>> ensure_model_parallel()               # verl's workers initialise Megatron's parallel state
-    >>> class Toy(torch.nn.Module):           # one-hot "logits" of the ids, under any packing
-    ...     config = SimpleNamespace(sequence_parallel=False, fp8=None)
-    ...     pre_process = post_process = True
-    ...     def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None):
-    ...         return torch.nn.functional.one_hot(input_ids, 5).float()
     >>> ids = torch.nested.nested_tensor([torch.tensor([3, 4]), torch.tensor([2, 1, 4])], layout=torch.jagged)
     >>> gptmodel_forward_model_engine(Toy(), ids, {}).argmax(-1).values().tolist()
     [3, 4, 2, 1, 4]

@@ -44,14 +44,9 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     ``NotImplementedError`` (multi-token prediction is not built yet).
 
     >>> import torch
-    >>> from types import SimpleNamespace
     >>> from packfwd.models.runtime import ensure_model_parallel
+    >>> from packfwd.testing import OneHotModel as Toy   # one-hot "logits" of the ids, under any packing
     >>> ensure_model_parallel()               # verl's workers initialise Megatron's parallel state
-    >>> class Toy(torch.nn.Module):           # one-hot "logits" of the ids, under any packing
-    ...     config = SimpleNamespace(sequence_parallel=False, fp8=None)
-    ...     pre_process = post_process = True
-    ...     def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None):
-    ...         return torch.nn.functional.one_hot(input_ids, 5).float()
     >>> ids = torch.tensor([[0, 3, 4], [2, 1, 0]]); mask = ids != 0
     >>> model_forward_gen()(Toy(), ids, mask, None, {}).argmax(-1).tolist()
     [[0, 3, 4], [2, 1, 0]]
