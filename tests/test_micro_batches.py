@@ -236,6 +236,60 @@ def test_forward_only_restores_the_callers_order_and_keeps_no_graph():
     assert not got.outputs["log_probs"].requires_grad and all(p.grad is None for p in model.parameters())
 
 
+# ------------------------------------------------------------------------------------- PP=2 over gloo
+
+
+def pp_rank_step(rank: int, world_size: int, hf) -> dict:
+    """One pipeline rank of a PP=2 world: its stage of the model, the planned micro-batches through packfwd's
+    point-to-point schedule; the gradients by the full model's parameter names."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.layers import layer_partition
+    from packfwd.models import from_hf
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(pp_size=world_size)
+    stage = from_hf(hf, pp_rank=rank, pp_size=world_size)
+    ids, mask, labels, loss_mask, adv = step_batch()
+    plan = plan_micro_batches(SEQLENS, max_tokens=20, micro_batches_multiple_of=2)
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy)
+    result = run_micro_batches(forward, [stage], plan, ids, mask, dp_rank=0,
+                                         pp_group=ps.get_pipeline_model_parallel_group(), loss_fn=per_token_loss,
+                                         loss_mask=loss_mask, loss_args={"advantages": adv}, labels=labels)
+    first = layer_partition(hf.config.num_hidden_layers, world_size)[rank][0].start  # global number of layer 0
+
+    def global_name(name):
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            return f"decoder.layers.{int(local) + first}.{rest}"
+        return name
+
+    grads = {global_name(n): p.grad.clone() for n, p in stage.named_parameters()}
+    ps.destroy_model_parallel()
+    return dict(grads=grads, result=None if result is None else (result.loss, result.outputs, result.rows),
+                count=plan.num_micro_batches)
+
+
+def test_pp2_over_gloo_matches_the_single_process_batch():
+    """PP=2 through packfwd's own schedule (Megatron-Core's needs CUDA): each stage's gradients, the loss and the
+    outputs equal one forward/backward of the whole batch in one process."""
+    from packfwd.testing import run_local
+
+    ref_out, ref_loss, ref_grads = reference("token_mean")
+    first, last = run_local(pp_rank_step, 2, tiny_hf(), backend="gloo", timeout=300)
+    assert first["result"] is None and first["count"] >= 2 and first["count"] % 2 == 0
+    loss, outputs, rows = last["result"]
+    tol = dict(rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    for key, value in outputs.items():
+        torch.testing.assert_close(value, ref_out[key][rows], **tol)
+    names = set(first["grads"]) | set(last["grads"])
+    assert names == set(ref_grads), names ^ set(ref_grads)
+    for rank in (first, last):
+        for name, g in rank["grads"].items():
+            torch.testing.assert_close(g, ref_grads[name], **tol, msg=name)
+
+
 # ------------------------------------------------------------------------------------- DP=2 over gloo
 
 

@@ -5,7 +5,8 @@
 * ``pack``  the packing algorithm and why (capacity-aware LPT, Karmarkar-Karp on small batches, best fit)
 * ``kk``, ``refine``, ``ranks``  Karmarkar-Karp, pairwise exchanges, micro-batches to DP ranks
 * ``step``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses normalised over the
-  whole global batch; ``agree_micro_batch_count`` for ranks that plan their own lengths
+  whole global batch, also through a pipeline schedule (``pp_group=``); ``agree_micro_batch_count`` for
+  ranks that plan their own lengths
 """
 
 from .plan import MicroBatchPlan as MicroBatchPlan

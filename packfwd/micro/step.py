@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .plan import MicroBatchPlan
 
-__all__ = ["StepResult", "run_micro_batches", "sequence_weights", "agree_micro_batch_count"]
+__all__ = ["StepResult", "agree_micro_batch_count", "run_micro_batches", "sequence_weights"]
 
 NORMALIZE = ("token_mean", "sequence_mean", "sum")
 
@@ -54,6 +54,7 @@ def run_micro_batches(
     attention_mask: Tensor,
     *,
     dp_rank: int,
+    pp_group=None,
     position_ids: Tensor | None = None,
     loss_fn: Callable[..., Tensor] | None = None,
     loss_mask: Tensor | None = None,
@@ -61,41 +62,93 @@ def run_micro_batches(
     loss_tokens: Sequence[int] | None = None,
     normalize: str = "token_mean",
     **processor_args,
-) -> StepResult:
+) -> StepResult | None:
     """Run rank ``dp_rank``'s micro-batches of ``plan`` (see the module docstring).
 
     ``input_ids``, ``attention_mask`` ``[b, s]``: the whole global batch (``b = len(plan.seqlens)``);
     ``position_ids`` ``[b, s]`` or ``[k, b, s]``; ``processor_args`` go to the forward's logits processor and
     ``loss_args`` to ``loss_fn``, tensors whose first dimension is ``b`` cut to the micro-batch's rows.  Without
     ``loss_fn`` the forwards run under ``torch.no_grad()``.  Empty micro-batches are skipped.
+
+    Pipeline parallelism: with ``pp_group``, ``model`` is the list of this rank's virtual stages and the
+    micro-batches go through ``packfwd.parallel.pipeline_forward_backward`` (packfwd's point-to-point schedule;
+    on GPUs Megatron-Core's schedules run the same stages).  Every rank of ``pp_group`` passes the same batch and
+    plan; the result comes back on the rank that holds the last stage, None on the others.
     """
     _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask)
     weights = None
     if loss_fn is not None:
         weights = sequence_weights(_loss_counts(plan, loss_mask, loss_tokens), normalize)
+    mbs = micro_batch_inputs(plan, input_ids, attention_mask, dp_rank=dp_rank, position_ids=position_ids,
+                             loss_mask=loss_mask, loss_args=loss_args, weights=weights, **processor_args)
+    if pp_group is not None:
+        return _pipelined(forward, model, list(mbs), pp_group, loss_fn)
     total, pieces, order = None, [], []
+    for mb in mbs:
+        with torch.set_grad_enabled(loss_fn is not None and torch.is_grad_enabled()):
+            out = forward(model, *mb.args, **mb.kwargs)
+            if loss_fn is not None:
+                loss = mb.loss(loss_fn, out)
+                if loss.requires_grad:
+                    loss.backward()
+                total = loss.detach() if total is None else total + loss.detach()  # stays on the device
+        pieces.append(_detach(out))
+        order.extend(mb.indices)
+    loss = torch.zeros(()) if total is None else total
+    return StepResult(outputs=_in_row_order(pieces, order), rows=sorted(order), loss=loss)
+
+
+def _pipelined(forward, stages, mbs, pp_group, loss_fn) -> StepResult | None:
+    from packfwd.parallel import pipeline_forward_backward
+
+    outs = pipeline_forward_backward(
+        stages, lambda stage, mb: forward(stage, *mb.args, **mb.kwargs), mbs, pp_group=pp_group,
+        loss_fn=None if loss_fn is None else (lambda out, mb: mb.loss(loss_fn, out)),
+    )
+    if outs is None:
+        return None
+    order = [i for mb in mbs for i in mb.indices]
+    total = sum((mb.loss(loss_fn, out).detach() for mb, out in zip(mbs, outs)), torch.zeros(())) if loss_fn else None
+    return StepResult(outputs=_in_row_order([_detach(o) for o in outs], order), rows=sorted(order),
+                      loss=torch.zeros(()) if total is None else total)
+
+
+@dataclass(frozen=True)
+class MicroBatchInputs:
+    """One micro-batch's share of the global batch: the forward's ``args`` / ``kwargs`` (its rows, host
+    ``seqlens``), and what its loss needs."""
+
+    indices: list
+    args: tuple
+    kwargs: dict
+    loss_kwargs: dict
+    loss_mask: Tensor
+    weights: Tensor | None
+
+    def loss(self, loss_fn: Callable[..., Tensor], out) -> Tensor:
+        """The micro-batch's share of the global loss: ``loss_fn``'s per-token losses, masked and weighted."""
+        return _weighted_sum(loss_fn(out, **self.loss_kwargs), self.loss_mask, self.weights)
+
+
+def micro_batch_inputs(plan, input_ids, attention_mask, *, dp_rank, position_ids=None, loss_mask=None,
+                       loss_args=None, weights=None, **processor_args):
+    """Each non-empty micro-batch of ``dp_rank`` as :class:`MicroBatchInputs` (rows cut from every ``[b, ...]``
+    tensor; positions ``[b, s]`` or ``[k, b, s]``)."""
     for indices in plan.micro_batches[dp_rank]:
         if not indices:
             continue
         rows = torch.tensor(indices, dtype=torch.long).to(input_ids.device, non_blocking=True)
         take = _taker(rows, input_ids.shape[0])
-        with torch.set_grad_enabled(loss_fn is not None and torch.is_grad_enabled()):
-            out = forward(model, take(input_ids), take(attention_mask),
-                          None if position_ids is None else _take_positions(position_ids, rows),
-                          seqlens=[plan.seqlens[i] for i in indices],
-                          **{k: take(v) for k, v in processor_args.items()})
-            if loss_fn is not None:
-                per_token = loss_fn(out, **{k: take(v) for k, v in (loss_args or {}).items()})
-                mask = take(attention_mask if loss_mask is None else loss_mask)
-                w = torch.tensor([weights[i] for i in indices], dtype=torch.float64)
-                loss = _weighted_sum(per_token, mask, w)
-                if loss.requires_grad:
-                    loss.backward()
-                total = loss.detach() if total is None else total + loss.detach()  # stays on the device
-        pieces.append(_detach(out))
-        order.extend(indices)
-    loss = torch.zeros(()) if total is None else total
-    return StepResult(outputs=_in_row_order(pieces, order), rows=sorted(order), loss=loss)
+        positions = None if position_ids is None else _take_positions(position_ids, rows)
+        w = None if weights is None else torch.tensor([weights[i] for i in indices], dtype=torch.float64)
+        yield MicroBatchInputs(
+            indices=list(indices),
+            args=(take(input_ids), take(attention_mask), positions),
+            kwargs={"seqlens": [plan.seqlens[i] for i in indices], **{k: take(v) for k, v in processor_args.items()}},
+            loss_kwargs={k: take(v) for k, v in (loss_args or {}).items()},
+            loss_mask=take(attention_mask if loss_mask is None else loss_mask),
+            weights=w,
+        )
 
 
 def sequence_weights(loss_counts: Sequence[int], normalize: str = "token_mean") -> list[float]:
