@@ -4,7 +4,7 @@
   on the real padded footprint, balanced in tokens or FLOPs (``MicroBatchPlan``, with ``restore``)
 * ``pack``  the packing algorithm and why (capacity-aware LPT, Karmarkar-Karp on small batches, best fit)
 * ``kk``, ``refine``, ``ranks``  Karmarkar-Karp, pairwise exchanges, micro-batches to DP ranks
-* ``step``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses normalised over the
+* ``step``, ``pipeline``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses normalised over the
   whole global batch, also through a pipeline schedule (``pp_group=``); ``agree_micro_batch_count`` for
   ranks that plan their own lengths
 """

@@ -55,6 +55,7 @@ def run_micro_batches(
     *,
     dp_rank: int,
     pp_group=None,
+    schedule: str = "packfwd",
     position_ids: Tensor | None = None,
     loss_fn: Callable[..., Tensor] | None = None,
     loss_mask: Tensor | None = None,
@@ -72,9 +73,17 @@ def run_micro_batches(
 
     Pipeline parallelism: with ``pp_group``, ``model`` is the list of this rank's virtual stages and the
     micro-batches go through ``packfwd.parallel.pipeline_forward_backward`` (packfwd's point-to-point schedule;
-    on GPUs Megatron-Core's schedules run the same stages).  Every rank of ``pp_group`` passes the same batch and
-    plan; the result comes back on the rank that holds the last stage, None on the others.
+    ``schedule="megatron"``: Megatron-Core's ``get_forward_backward_func()`` instead (CUDA; 1F1B, or interleaved
+    with several stages), which needs ``pp_group`` to be Megatron's pipeline group and every stage's config to
+    have ``variable_seq_lengths=True`` (micro-batches differ in packed length) and ``calculate_per_token_loss=True``
+    (the loss is already normalised over the global batch: Megatron must not divide it by the micro-batch count).
+    Every rank of ``pp_group`` passes the same batch and plan; the result comes back on the rank that holds the
+    last stage, None on the others.
     """
+    if schedule not in ("packfwd", "megatron"):
+        raise ValueError(f"schedule={schedule!r}; pass 'packfwd' or 'megatron'")
+    if schedule == "megatron" and pp_group is None:
+        raise ValueError("schedule='megatron' runs a pipeline: pass pp_group (Megatron's pipeline group)")
     _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask)
     weights = None
     if loss_fn is not None:
@@ -82,7 +91,10 @@ def run_micro_batches(
     mbs = micro_batch_inputs(plan, input_ids, attention_mask, dp_rank=dp_rank, position_ids=position_ids,
                              loss_mask=loss_mask, loss_args=loss_args, weights=weights, **processor_args)
     if pp_group is not None:
-        return _pipelined(forward, model, list(mbs), pp_group, loss_fn)
+        from . import pipeline
+
+        run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
+        return run(forward, model, list(mbs), pp_group, loss_fn)
     total, pieces, order = None, [], []
     for mb in mbs:
         with torch.set_grad_enabled(loss_fn is not None and torch.is_grad_enabled()):
@@ -92,25 +104,10 @@ def run_micro_batches(
                 if loss.requires_grad:
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()  # stays on the device
-        pieces.append(_detach(out))
+        pieces.append(detach_outputs(out))
         order.extend(mb.indices)
     loss = torch.zeros(()) if total is None else total
-    return StepResult(outputs=_in_row_order(pieces, order), rows=sorted(order), loss=loss)
-
-
-def _pipelined(forward, stages, mbs, pp_group, loss_fn) -> StepResult | None:
-    from packfwd.parallel import pipeline_forward_backward
-
-    outs = pipeline_forward_backward(
-        stages, lambda stage, mb: forward(stage, *mb.args, **mb.kwargs), mbs, pp_group=pp_group,
-        loss_fn=None if loss_fn is None else (lambda out, mb: mb.loss(loss_fn, out)),
-    )
-    if outs is None:
-        return None
-    order = [i for mb in mbs for i in mb.indices]
-    total = sum((mb.loss(loss_fn, out).detach() for mb, out in zip(mbs, outs)), torch.zeros(())) if loss_fn else None
-    return StepResult(outputs=_in_row_order([_detach(o) for o in outs], order), rows=sorted(order),
-                      loss=torch.zeros(()) if total is None else total)
+    return StepResult(outputs=in_row_order(pieces, order), rows=sorted(order), loss=loss)
 
 
 @dataclass(frozen=True)
@@ -240,13 +237,13 @@ def _weighted_sum(per_token: Tensor, mask: Tensor, w: Tensor) -> Tensor:
     return (per_token * mask.to(per_token.dtype) * w[:, None]).sum()
 
 
-def _detach(out):
+def detach_outputs(out):
     if isinstance(out, Mapping):
         return {k: v.detach() for k, v in out.items()}
     return out.detach()
 
 
-def _in_row_order(pieces: list, order: list[int]):
+def in_row_order(pieces: list, order: list[int]):
     """The micro-batches' outputs concatenated and put in ascending global index."""
     if not pieces:
         return None

@@ -1,0 +1,71 @@
+"""``run_micro_batches`` through a pipeline: one rank's stages, the planned micro-batches, and either packfwd's
+point-to-point schedule (``packfwd.parallel.pipeline_forward_backward``, CPU and GPU) or Megatron-Core's
+``get_forward_backward_func()`` (CUDA).  Both return the last stage's :class:`~packfwd.micro.step.StepResult`
+(None on the other ranks) and leave the gradients, weighted over the global batch, in every stage's ``.grad``."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .step import StepResult, detach_outputs, in_row_order
+
+
+def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn) -> StepResult | None:
+    from packfwd.parallel import pipeline_forward_backward
+
+    outs = pipeline_forward_backward(
+        stages, lambda stage, mb: forward(stage, *mb.args, **mb.kwargs), mbs, pp_group=pp_group,
+        loss_fn=None if loss_fn is None else (lambda out, mb: mb.loss(loss_fn, out)),
+    )
+    if outs is None:
+        return None
+    order = [i for mb in mbs for i in mb.indices]
+    total = sum((mb.loss(loss_fn, out).detach() for mb, out in zip(mbs, outs)), torch.zeros(())) if loss_fn else None
+    return StepResult(outputs=in_row_order([detach_outputs(o) for o in outs], order), rows=sorted(order),
+                      loss=torch.zeros(()) if total is None else total)
+
+
+def megatron_schedule(forward, stages, mbs, pp_group, loss_fn) -> StepResult | None:
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if pp_group is not parallel_state.get_pipeline_model_parallel_group():
+        raise ValueError("schedule='megatron' takes its pipeline group from megatron.core.parallel_state; pass "
+                         "pp_group=parallel_state.get_pipeline_model_parallel_group()")
+    for stage in stages:
+        config = stage.config
+        if not (getattr(config, "variable_seq_lengths", False) and getattr(config, "calculate_per_token_loss", False)):
+            raise ValueError(
+                "schedule='megatron' needs config.variable_seq_lengths=True (packed micro-batches differ in length) "
+                "and config.calculate_per_token_loss=True (the step's loss is normalised over the global batch "
+                "already); set both on every stage's config"
+            )
+
+    def forward_step(data_iterator, stage):
+        mb = next(data_iterator)
+        out = forward(stage, *mb.args, **mb.kwargs)
+
+        def loss_func(output):
+            loss = mb.loss(loss_fn, output) if loss_fn is not None else torch.zeros((), device=_device(output))
+            one = torch.ones((), dtype=torch.int, device=loss.device)
+            return loss, one, {"output": detach_outputs(output), "loss": loss.detach()}
+
+        return out, loss_func
+
+    many = len(stages) > 1
+    stored = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=[iter(mbs) for _ in stages] if many else iter(mbs),
+        model=list(stages) if many else stages[0], num_microbatches=len(mbs), seq_length=1, micro_batch_size=1,
+        forward_only=loss_fn is None,
+    )
+    if not stored:
+        return None
+    order = [i for mb in mbs for i in mb.indices]
+    total = sum((x["loss"] for x in stored), torch.zeros((), device=stored[0]["loss"].device))
+    return StepResult(outputs=in_row_order([x["output"] for x in stored], order), rows=sorted(order), loss=total)
+
+
+def _device(output):
+    return next(iter(output.values())).device if isinstance(output, Mapping) else output.device
