@@ -64,13 +64,6 @@ def check_mask(attention_mask: object, x: Tensor | None = None) -> Tensor:
     return mask
 
 
-def mask_bad_values(mask: Tensor) -> Tensor:
-    """Count of entries other than 0/1 in an integer mask (a device scalar; 0 for a bool mask)."""
-    if mask.dtype == torch.bool:
-        return torch.zeros((), dtype=torch.long, device=mask.device)
-    return ((mask != 0) & (mask != 1)).sum()
-
-
 MASK_VALUES_MESSAGE = (
     "attention_mask holds values other than 0 and 1; pass a bool mask or an integer mask of 0/1 "
     "(for example attention_mask.ne(0) if every nonzero entry means a real token)"

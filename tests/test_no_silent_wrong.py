@@ -271,3 +271,44 @@ def test_from_hf_of_the_bare_decoder_names_the_fix():
     hf, _ = _llama()
     with pytest.raises(ValueError, match=r"from_hf\(hf\) for a LlamaForCausalLM rather than from_hf\(hf.model\)"):
         from_hf(hf.model)
+
+
+def test_megatron_rope_model_refuses_positions_it_cannot_use():
+    """A model built with ``packed_rope=False`` (Megatron-Core's own THD RoPE) reads no positions: the default
+    ones pass, others raise instead of being ignored."""
+    from packfwd.models.hf import args_from_hf_config
+
+    hf, _ = _llama()
+    model = build_model(args_from_hf_config(hf.config), packed_rope=False)
+    ids, mask = ragged_batch("right")
+    make_forward("thd")(model, ids, mask)  # default positions: fine
+    with pytest.raises(ValueError, match="packed_rope=False"):
+        make_forward("thd")(model, ids, mask, position_ids=2 * (mask.cumsum(1) - 1).clamp(min=0))
+
+
+def test_a_cp_group_or_rank_that_is_not_the_models_is_refused():
+    """Hazard: a forgotten or wrong CP group/rank packs one rank's share and gathers another's outputs."""
+    from packfwd.testing import run_local
+
+    errors = run_local(_wrong_cp_rank, 2, backend="gloo")
+    assert all("cp_rank=" in e and "this process is its rank" in e for e in errors), errors
+
+
+def _wrong_cp_rank(rank, world_size):
+    import torch.distributed as dist
+
+    ids, mask = ragged_batch("right")
+    forward = make_forward("thd", cp_size=2, cp_rank=1 - rank, cp_group=dist.group.WORLD)
+    try:
+        forward(torch.nn.Identity(), ids, mask)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_the_model_takes_an_all_padding_bshd_mask():
+    """The model's own BSHD mask path with no real token: zeros, not Megatron's reshape error."""
+    _, model = _llama()
+    ids, mask = torch.randint(1, 128, (2, 5)), torch.zeros(2, 5, dtype=torch.bool)
+    out = model(input_ids=ids, position_ids=None, attention_mask=mask)
+    assert out.shape == (2, 5, 128) and not out.any()

@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
-from .guards import bind_processor, check_ids, check_results, empty_output, model_facts
+from .guards import bind_processor, check_cp, check_ids, check_results, empty_output, model_facts
 from .layouts import Bshd, Thd
 
 __all__ = ["make_forward"]
@@ -110,6 +110,7 @@ def make_forward(
         error = None
         try:
             facts = model_facts(model, tp_size, cp_size)
+            check_cp(model, cp_size, cp_rank, cp_group)
             processor = bind_processor(logits_processor, facts)
             check_ids(input_ids)
             plan, ids = layout.pack(input_ids, attention_mask, seqlens)

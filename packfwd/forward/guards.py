@@ -55,6 +55,29 @@ def model_facts(model, tp_size: int, cp_size: int) -> ModelFacts:
                        out_width=width, dtype=getattr(config, "params_dtype", None))
 
 
+def check_cp(model, cp_size: int, cp_rank: int, cp_group) -> None:
+    """Under context parallelism the batch is packed for ``cp_rank`` and the outputs gathered over ``cp_group``:
+    both must be this process's place in the CP group the model's attention uses, or the numbers are another
+    rank's.  Host-side checks, no collective."""
+    if cp_size == 1:
+        return
+    import torch.distributed as dist
+
+    from ..models.gpt import unwrap  # imports no Megatron-Core
+
+    if dist.get_world_size(cp_group) != cp_size or dist.get_rank(cp_group) != cp_rank:
+        raise ValueError(
+            f"cp_group has {dist.get_world_size(cp_group)} ranks and this process is its rank "
+            f"{dist.get_rank(cp_group)}, but make_forward was given cp_size={cp_size}, cp_rank={cp_rank}; pass the "
+            "context-parallel group (parallel_state.get_context_parallel_group()) and this process's rank in it"
+        )
+    model_group = getattr(getattr(unwrap(model), "pg_collection", None), "cp", None)
+    if model_group is not None and model_group.rank() != cp_rank:
+        raise ValueError(
+            f"cp_rank={cp_rank} but the model's attention runs as CP rank {model_group.rank()}; pass that rank"
+        )
+
+
 def bind_processor(processor, facts: ModelFacts):
     """The processor to call on ``[t, v_local]`` logits: given the model's TP group when it takes one; an error
     when it cannot give full-vocabulary numbers (or when the model has a value head, not logits)."""
@@ -86,10 +109,12 @@ def bind_processor(processor, facts: ModelFacts):
         return functools.partial(processor, tp_group=facts.tp_group)
     import torch.distributed as dist
 
-    if dist.get_world_size(group) != facts.tp_size:
+    mine = facts.tp_group is not None and dist.get_rank(group) != dist.get_rank(facts.tp_group)
+    if dist.get_world_size(group) != facts.tp_size or mine:
         raise ValueError(
-            f"logits_processor is bound to a tp_group of {dist.get_world_size(group)} ranks but the model's output "
-            f"layer is split over {facts.tp_size}; leave tp_group unbound and make_forward passes the model's group"
+            f"logits_processor is bound to a tp_group of {dist.get_world_size(group)} ranks (this rank "
+            f"{dist.get_rank(group)}) that is not the model's output-layer group ({facts.tp_size} ranks); leave "
+            "tp_group unbound and make_forward passes the model's group"
         )
     return processor
 

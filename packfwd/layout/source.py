@@ -55,10 +55,6 @@ class TokenSource:
         """``table [b]`` broadcast to the canvas shape ([b, 1] for padded input, [t] for nested)."""
         return table[:, None] if self.mask is not None else table[self.row_ids]
 
-    def per_row_col(self, table: Tensor, col: Tensor) -> Tensor:
-        """``table[row, col]`` for every canvas row, with ``col`` of the canvas shape."""
-        return table.gather(1, col) if self.mask is not None else table[self.row_ids, col]
-
     def where_real(self, value: Tensor, other: int) -> Tensor:
         """``value`` at real tokens, ``other`` at padding, flattened to the canvas rows."""
         if self.mask is None:

@@ -93,6 +93,9 @@ def run_micro_batches(
     if pp_group is not None:
         from . import pipeline
 
+        if not isinstance(model, (list, tuple)) or not all(isinstance(m, torch.nn.Module) for m in model):
+            raise TypeError("with pp_group, pass this rank's stages as a list of modules (one per virtual stage)")
+
         run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
         return run(forward, model, list(mbs), pp_group, loss_fn)
     total, pieces, order = None, [], []

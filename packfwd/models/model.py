@@ -40,7 +40,8 @@ class PackedGPTModel(GPTModel):
     stage or the whole model), on ``device`` (see the module docstring).
 
     ``config``: :func:`packfwd.models.gpt.transformer_config` of ``args`` for ``device``.  ``attention_backend``:
-    see :mod:`packfwd.models.varlen`.  ``packed_rope=False`` keeps Megatron-Core's own THD RoPE (host syncs; for
+    see :mod:`packfwd.models.varlen`.  ``packed_rope=False`` keeps Megatron-Core's own THD RoPE (host syncs; it
+    takes only each token's own position in its sequence, other THD ``position_ids`` raise; for
     comparison).  ``pre_process``, ``post_process``, ``pg_collection``, ``vp_stage``: Megatron-Core's.
 
     >>> from packfwd.models.gpt import transformer_config
@@ -124,7 +125,10 @@ class PackedGPTModel(GPTModel):
                 )
             return forward_masked_rows(self, input_ids, position_ids, attention_mask, **kwargs)
         if thd and position_ids is not None:
-            packed_seq_params = with_positions(packed_seq_params, position_ids.reshape(-1))
+            if self.rotary_pos_emb.packed:
+                packed_seq_params = with_positions(packed_seq_params, position_ids.reshape(-1))
+            else:  # Megatron-Core's own THD RoPE reads no positions: they must be the ones it computes
+                _assert_per_sequence(position_ids.reshape(-1), packed_seq_params, self.pg_collection.cp)
         kwargs = dict(kwargs, packed_seq_params=packed_seq_params)
         if not self.forward_on_host:
             return super().forward(input_ids, position_ids, None, **kwargs)
@@ -140,6 +144,25 @@ class PackedGPTModel(GPTModel):
             return out
         angles = rotary_angles(self.rotary_pos_emb, positions.transpose(0, 1))  # [s, b, d]
         return (out[0], angles[:, :, None, :], *out[2:])
+
+
+def _assert_per_sequence(positions: torch.Tensor, params, model_cp_group) -> None:
+    """For a model built with ``packed_rope=False``: caller positions other than each token's position in its
+    own sequence would be silently ignored by Megatron-Core's THD RoPE, so they raise (asynchronously on CUDA)."""
+    from packfwd.layout.rules import local_positions
+
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    group = getattr(params, "cp_group", None) or model_cp_group
+    cp = group.size() if group is not None else 1
+    rank = group.rank() if cp > 1 else 0
+    want = local_positions(cu, positions.shape[0], cp, rank).to(positions.device)
+    message = ("this model was built with packed_rope=False: Megatron-Core's THD RoPE uses each token's position "
+               "in its own sequence and cannot take other position_ids; build it with packed_rope=True")
+    if positions.device.type == "cpu":
+        if not torch.equal(positions, want):
+            raise ValueError(message)
+    else:
+        torch._assert_async((positions == want).all(), message)
 
 
 def with_positions(params, positions: torch.Tensor):
@@ -188,8 +211,18 @@ def forward_masked_rows(model, input_ids, position_ids, attention_mask, **kwargs
             "batch takes a [b, s] bool or 0/1 mask, True at real tokens"
         )
     config = model.config
+    if getattr(config, "context_parallel_size", 1) > 1:
+        raise ValueError(
+            "a BSHD padding mask under context parallelism: the rows would be packed for one rank only; pack the "
+            "batch per CP rank with packfwd.to_thd (or make_forward('thd', cp_size=, cp_rank=, cp_group=))"
+        )
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     info = plan_thd(attention_mask, tp_size=tp)
+    if info.source.total == 0:  # no real token: Megatron-Core's attention cannot run an empty batch
+        from packfwd.forward.guards import empty_output, model_facts
+
+        shape = tuple(attention_mask.shape) if model.post_process else (0, 1)
+        return empty_output(model, model_facts(model, tp, 1), shape)
     ids = to_thd(input_ids, info)[0][None] if input_ids is not None and model.pre_process else None  # else unread
     positions = thd_positions(info) if position_ids is None else to_thd(position_ids, info)[0]
     out = model(ids, positions[None], None, packed_seq_params=info.packed_seq_params(), **kwargs)

@@ -147,3 +147,14 @@ def gather_cp(y: Tensor, par: Parallel) -> list[Tensor]:
     torch.distributed.all_gather(parts, y.detach().contiguous(), group=par.cp_group)
     parts[par.cp_rank] = y
     return parts
+
+
+def run_and_unpack(model, kwargs: dict, facts: ModelFacts, unpack, processor, processor_args):
+    """The model on the packed call; on the last stage its output (or the processor's, called with
+    ``processor_args()``) unpacked; a middle pipeline stage's hidden states as they are."""
+    output = model(**kwargs)
+    if not facts.post_process:
+        return output
+    if processor is None:
+        return unpack(output)
+    return {k: unpack(v) for k, v in processor(output, **processor_args()).items()}

@@ -28,7 +28,7 @@ from torch import Tensor
 from packfwd import from_bshd, from_thd, plan_bshd, to_bshd, to_thd
 
 from ._common import (Parallel, check_no_mtp, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd,
-                      read_parallel, verl_packed_seq_params)
+                      read_parallel, run_and_unpack, verl_packed_seq_params)
 
 __all__ = ["gptmodel_forward_model_engine"]
 
@@ -100,14 +100,10 @@ def gptmodel_forward_model_engine(
             raise ValueError("local_cp_size (dynamic CP) needs data_format='thd' (as in verl)")
         par = read_parallel()
         call, pack, unpack = _bshd(input_ids, par, facts, vision_model, pad_token_id, forced_max_seqlen)
-    output = model(**call, **extra)
+    result = run_and_unpack(model, {**call, **extra}, facts, unpack, logits_processor, lambda: {
+        k: _pack_arg(k, v, pack) for k, v in (logits_processor_args or {}).items() if k not in _NOT_PASSED})
     if not facts.post_process:
-        return output  # a middle pipeline stage: hidden states for the next one
-    if logits_processor is None:
-        result = unpack(output)
-    else:
-        args = {k: _pack_arg(k, v, pack) for k, v in (logits_processor_args or {}).items() if k not in _NOT_PASSED}
-        result = {k: unpack(v) for k, v in logits_processor(output, **args).items()}
+        return result  # a middle pipeline stage: hidden states for the next one
     if value_model and isinstance(result, Tensor):
         result = result.squeeze(-1)
     return result

@@ -25,7 +25,7 @@ from torch import Tensor
 from packfwd import from_bshd, from_thd, plan_bshd, to_bshd, to_thd
 
 from ._common import (Parallel, check_no_mtp, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd,
-                      read_parallel, verl_packed_seq_params)
+                      read_parallel, run_and_unpack, verl_packed_seq_params)
 
 __all__ = ["model_forward_gen"]
 
@@ -74,15 +74,10 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
             call, pack, unpack = _thd(input_ids, attention_mask, position_ids, par, facts, vision_model)
         else:
             call, pack, unpack = _bshd(input_ids, attention_mask, position_ids, par, facts, vision_model)
-        output = model(**call, **extra)
+        result = run_and_unpack(model, {**call, **extra}, facts, unpack, logits_processor, lambda: {
+            k: pack(v) if isinstance(v, Tensor) and v.dim() else v for k, v in (logits_processor_args or {}).items()})
         if not facts.post_process:
-            return output  # a middle pipeline stage: hidden states for the next one
-        if logits_processor is None:
-            result = unpack(output)
-        else:
-            args = {k: pack(v) if isinstance(v, Tensor) and v.dim() else v
-                    for k, v in (logits_processor_args or {}).items()}
-            result = {k: unpack(v) for k, v in logits_processor(output, **args).items()}
+            return result  # a middle pipeline stage: hidden states for the next one
         if value_model and isinstance(result, Tensor):
             result = result[..., 0]
         return result
