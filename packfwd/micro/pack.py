@@ -49,10 +49,13 @@ def pack(cost: np.ndarray, size: np.ndarray, *, ranks: int, count: int, step: in
     not the size: a size-tight best-fit packing can be far from balanced in cost, so LPT first gets up to 2% more
     micro-batches (at least two steps), which usually lets it balance.
     """
+    order = None  # LPT's item order, sorted once: later counts scale the cost shares by under 2%
     while True:
         extra = 0 if cost_is_size else max(2, count // 50)
         for c in range(count, count + extra * step + 1, step):
-            got = balanced(cost, size, ranks * c, cap)
+            if order is None:
+                order = lpt_order(cost, size, ranks * c, cap)
+            got = balanced(cost, size, ranks * c, cap, order)
             if got is not None:
                 _polish(got, cost, size, ranks * c, cap)
                 return got, c
@@ -71,10 +74,10 @@ def _polish(bin_of: np.ndarray, cost: np.ndarray, size: np.ndarray, bins: int, c
         refine(bin_of, np.arange(bins), cost, size, cap, partners=POLISH_PARTNERS, rounds=POLISH_ROUNDS)
 
 
-def balanced(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray | None:
+def balanced(cost: np.ndarray, size: np.ndarray, bins: int, cap: int, order=None) -> np.ndarray | None:
     """LPT's packing, or Karmarkar-Karp's where that is cheap to run, within the capacity, leaves no bin empty
     that need not be, and has a lighter costliest bin."""
-    got = lpt(cost, size, bins, cap)
+    got = lpt(cost, size, bins, cap, order)
     n = len(cost)
     if n == 0 or n * bins > KK_MAX_WORK or n > KK_MAX_ITEMS:
         return got
@@ -95,18 +98,29 @@ def _costliest(bin_of: np.ndarray, cost: np.ndarray, bins: int) -> float:
     return float(np.bincount(bin_of, weights=cost, minlength=bins).max())
 
 
-def lpt(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray | None:
-    """``[n]`` bin of each item by capacity-aware LPT, or None when some item finds no bin with room."""
+def lpt(cost: np.ndarray, size: np.ndarray, bins: int, cap: int, order=None) -> np.ndarray | None:
+    """``[n]`` bin of each item by capacity-aware LPT, or None when some item finds no bin with room.  ``order``:
+    the items by decreasing share (``lpt_order``), when the caller has it."""
     if len(cost) == 0:
         return np.zeros(0, dtype=np.int64)
-    # Each bin's load is the larger of its two shares: of the mean cost per bin, and of the capacity.  With
-    # cost="tokens" that is the cost share (plain LPT); with FLOPs it stops cheap-per-token items piling up in one
-    # bin until it is full while another bin has room but is FLOPs-heavy.
+    w, z = _shares(cost, size, bins, cap)
+    walk = _lpt_rounds if bins >= ROUNDS_MIN_BINS else _lpt_heap
+    return walk(w, z, size, lpt_order(cost, size, bins, cap) if order is None else order, bins, cap)
+
+
+def lpt_order(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray:
+    """The items by decreasing share, LPT's order (introsort: deterministic, faster than a stable sort)."""
+    w, z = _shares(cost, size, bins, cap)
+    return np.argsort(-np.maximum(w, z))
+
+
+def _shares(cost: np.ndarray, size: np.ndarray, bins: int, cap: int):
+    """Each item's share of the mean cost per bin and of the capacity.  A bin's load is the larger of its two
+    shares: with cost="tokens" that is the cost share (plain LPT); with FLOPs it stops cheap-per-token items
+    piling up in one bin until it is full while another bin has room but is FLOPs-heavy."""
     w = cost / (cost.sum() / bins or 1.0)
     z = size / max(cap, 1)  # cap is 0 only when every sequence is empty
-    order = np.argsort(-np.maximum(w, z))  # largest share first (introsort: deterministic, faster than stable)
-    walk = _lpt_rounds if bins >= ROUNDS_MIN_BINS else _lpt_heap
-    return walk(w, z, size, order, bins, cap)
+    return w, z
 
 
 def _lpt_heap(w, z, size, order, bins, cap):

@@ -60,11 +60,20 @@ def refine(bin_of: np.ndarray, group_of_bin: np.ndarray, cost: np.ndarray, size:
             members[group_of_bin[to]].append(item)
 
 
-def _members(group_of: np.ndarray, groups: int) -> list[list[int]]:
-    """``[groups]`` lists: the indices ``x`` with ``group_of[x] == g``, ascending."""
-    order = np.argsort(group_of, kind="stable").tolist()
-    ends = np.cumsum(np.bincount(group_of, minlength=groups)).tolist()
-    return [order[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+class _members(dict):
+    """``members[g]``: the list of indices ``x`` with ``group_of[x] == g``, ascending; built for a group when it
+    is first read (a refinement reads a few of many groups), then kept up to date by the caller."""
+
+    def __init__(self, group_of: np.ndarray, groups: int):
+        super().__init__()
+        narrow = group_of.astype(np.int16 if groups < 2**15 else np.int64)  # narrow ints sort by radix
+        self.order = np.argsort(narrow, kind="stable")
+        self.ends = np.cumsum(np.bincount(group_of, minlength=groups))
+
+    def __missing__(self, g: int) -> list[int]:
+        start = int(self.ends[g - 1]) if g else 0
+        self[g] = got = self.order[start : int(self.ends[g])].tolist()
+        return got
 
 
 def _best_exchange(a, b, targets, bin_of, group_of_bin, total, load, fill, count, cost, size, cap, ceiling):
