@@ -36,6 +36,7 @@ BENCHMARKS = {
     "forward": ("bench_forward.py", _file_args("forward")),
     "micro_batches": ("bench_micro_batches.py", _file_args("micro_batches")),
     "composition": ("bench_composition.py", _file_args("composition")),
+    "micro_throughput": ("bench_micro_throughput.py", _file_args("micro_throughput")),
 }
 
 
