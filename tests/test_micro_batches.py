@@ -146,9 +146,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 SEQLENS = [16, 3, 9, 1, 12, 7, 5, 14, 2, 10, 0, 6]
 
 
-def tiny_hf(seed: int = 0) -> LlamaForCausalLM:
+def tiny_hf(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return randomise(LlamaForCausalLM(LlamaConfig(**TINY)), seed)
+    return randomise(LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": layers})), seed)
 
 
 def step_batch():
@@ -181,11 +181,11 @@ def normalised(per_token, loss_mask, normalize):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(normalize: str, dtype=torch.float32):
+def reference(normalize: str, dtype=torch.float32, layers: int = 2):
     """Outputs, loss and gradients of one forward/backward over the whole batch."""
     from packfwd.models import from_hf
 
-    model = from_hf(tiny_hf(), params_dtype=dtype)
+    model = from_hf(tiny_hf(layers=layers), params_dtype=dtype)
     ids, mask, labels, loss_mask, adv = step_batch()
     out = pf.make_forward("thd", logits_processor=log_probs_and_entropy)(model, ids, mask, labels=labels)
     loss = normalised(per_token_loss(out, adv.to(dtype)), loss_mask, normalize)
@@ -288,6 +288,74 @@ def test_pp2_over_gloo_matches_the_single_process_batch():
     for rank in (first, last):
         for name, g in rank["grads"].items():
             torch.testing.assert_close(g, ref_grads[name], **tol, msg=name)
+
+
+def layout_step(rank: int, world_size: int, hf, pp: int, vpp: int, cp: int, device_type: str, schedules) -> dict:
+    """One rank of a PP x VPP or CP world: planned micro-batches through each of ``schedules`` (packfwd's; and
+    Megatron-Core's, CUDA only: interleaved 1F1B with several virtual stages, no pipelining for PP=1); gradients by
+    global parameter name."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.layers import layer_partition
+    from packfwd.models import from_hf
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(pp_size=pp, vpp_size=vpp, cp_size=cp)
+    pp_rank, cp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_context_parallel_rank()
+    chunks = layer_partition(hf.config.num_hidden_layers, pp, vpp)[pp_rank]
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    ids, mask, labels, loss_mask, adv = (x.to(device) for x in step_batch())
+    plan = plan_micro_batches(SEQLENS, max_tokens=20 if cp == 1 else 12, cp_size=cp, micro_batches_multiple_of=pp)
+    cp_group = ps.get_context_parallel_group() if cp > 1 else None
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy, cp_size=cp, cp_rank=cp_rank,
+                              cp_group=cp_group)
+    results = {}
+    for schedule in schedules:
+        stages = [from_hf(hf, pp_rank=pp_rank, pp_size=pp, vpp_rank=v, vpp_size=vpp, device=device,
+                          attention_backend="reference") for v in range(vpp)]
+        for stage in stages:
+            stage.config.variable_seq_lengths = True
+            stage.config.calculate_per_token_loss = True
+        if schedule == "megatron" or pp > 1:
+            out = run_micro_batches(forward, stages, plan, ids, mask, dp_rank=0, schedule=schedule,
+                                    pp_group=ps.get_pipeline_model_parallel_group(), loss_fn=per_token_loss,
+                                    loss_mask=loss_mask, loss_args={"advantages": adv}, labels=labels)
+        else:  # packfwd's own step without a pipeline
+            out = run_micro_batches(forward, stages[0], plan, ids, mask, dp_rank=0, loss_fn=per_token_loss,
+                                    loss_mask=loss_mask, loss_args={"advantages": adv}, labels=labels)
+        grads = {}
+        for v, stage in enumerate(stages):
+            for name, p in stage.named_parameters():
+                if name.startswith("decoder.layers."):
+                    local, rest = name[len("decoder.layers."):].split(".", 1)
+                    name = f"decoder.layers.{int(local) + chunks[v].start}.{rest}"
+                grads[name] = p.grad.detach().cpu()
+        results[schedule] = dict(
+            grads=grads,
+            result=None if out is None else (out.loss.cpu(), {k: v.cpu() for k, v in out.outputs.items()}, out.rows),
+        )
+    results["count"] = plan.num_micro_batches
+    ps.destroy_model_parallel()
+    return results
+
+
+def test_cp2_over_gloo_matches_the_single_process_batch():
+    """CP=2 micro-batches (each planned micro-batch split over two CP ranks, outputs gathered): the loss and outputs
+    on both ranks equal the whole batch's, and the two ranks' gradients add up to its gradients."""
+    from packfwd.testing import run_local
+
+    ref_out, ref_loss, ref_grads = reference("token_mean", layers=4)
+    ranks = run_local(layout_step, 2, tiny_hf(layers=4), 1, 1, 2, "cpu", ("packfwd",), backend="gloo", timeout=300)
+    tol = dict(rtol=1e-4, atol=2e-5)
+    assert ranks[0]["count"] >= 2
+    for name, want in ref_grads.items():
+        torch.testing.assert_close(ranks[0]["packfwd"]["grads"][name] + ranks[1]["packfwd"]["grads"][name], want,
+                                   **tol, msg=name)
+    for rank in ranks:
+        loss, outputs, rows = rank["packfwd"]["result"]
+        torch.testing.assert_close(loss, ref_loss, **tol)
+        for key, value in outputs.items():
+            torch.testing.assert_close(value, ref_out[key][rows], **tol)
 
 
 # ------------------------------------------------------------------------------------- DP=2 over gloo

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from packfwd.testing import run_local
-from tests.test_micro_batches import SEQLENS, per_token_loss, reference, step_batch, tiny_hf
+from tests.test_micro_batches import SEQLENS, layout_step, per_token_loss, reference, step_batch, tiny_hf
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
 
@@ -72,3 +72,38 @@ def test_megatron_schedule_equals_packfwds_and_the_whole_batch():
     torch.testing.assert_close(loss, ref_loss, **ref)
     for key, value in outputs.items():
         torch.testing.assert_close(value, ref_out[key][rows], **ref)
+
+
+# ------------------------------------------------------- interleaved (VPP) and context parallel, Megatron's schedule
+
+
+@pytest.mark.parametrize("pp, vpp, cp", [(2, 2, 1), (1, 1, 2)], ids=["pp2_vpp2", "cp2"])
+def test_megatron_interleaved_and_cp_schedules_equal_the_whole_batch(pp, vpp, cp):
+    """PP=2 x VPP=2 through Megatron-Core's interleaved 1F1B, and CP=2 through its no-pipelining schedule: equal to
+    packfwd's schedule (1e-6) and to one forward/backward of the whole batch on the CPU (5e-5).  Under CP every rank
+    computes the same loss from the gathered outputs and keeps its share of the gradient: the CP ranks' gradients
+    add up to the whole batch's (what Megatron's data-and-context-parallel all-reduce does)."""
+    ref_out, ref_loss, ref_grads = reference("token_mean", layers=4)
+    ranks = run_local(layout_step, 2, tiny_hf(layers=4), pp, vpp, cp, "cuda", ("packfwd", "megatron"),
+                      backend="nccl", timeout=600)
+    same, ref = dict(atol=1e-6, rtol=1e-6), dict(atol=5e-5, rtol=1e-4)
+    assert all(r["count"] >= 2 and r["count"] % pp == 0 for r in ranks)
+    for rank in ranks:
+        assert rank["megatron"]["grads"].keys() == rank["packfwd"]["grads"].keys()
+        for name, g in rank["megatron"]["grads"].items():
+            torch.testing.assert_close(g, rank["packfwd"]["grads"][name], **same, msg=name)
+    if cp > 1:
+        grads = {n: ranks[0]["megatron"]["grads"][n] + ranks[1]["megatron"]["grads"][n] for n in ref_grads}
+    else:
+        grads = {**ranks[0]["megatron"]["grads"], **ranks[1]["megatron"]["grads"]}
+    assert grads.keys() == ref_grads.keys(), set(grads) ^ set(ref_grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], **ref, msg=name)
+    last = [r for r in ranks if r["megatron"]["result"] is not None]
+    assert len(last) == (2 if cp > 1 else 1)
+    for r in last:
+        loss, outputs, rows = r["megatron"]["result"]
+        torch.testing.assert_close(loss, r["packfwd"]["result"][0], **same)
+        torch.testing.assert_close(loss, ref_loss, **ref)
+        for key, value in outputs.items():
+            torch.testing.assert_close(value, ref_out[key][rows], **ref)
