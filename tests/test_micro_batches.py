@@ -358,6 +358,50 @@ def test_cp2_over_gloo_matches_the_single_process_batch():
             torch.testing.assert_close(value, ref_out[key][rows], **tol)
 
 
+def pp2_vpp2_step(rank: int, world_size: int, hf) -> dict:
+    """PP=2 x VPP=2 on the CPU: packfwd's schedule over the planned micro-batches, and Megatron-Core's refused."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models import from_hf
+    from packfwd.models.runtime import ensure_model_parallel
+
+    out = layout_step(rank, world_size, hf, 2, 2, 1, "cpu", ("packfwd",))  # tears its parallel state down
+    ensure_model_parallel(pp_size=2, vpp_size=2)
+    stages = [from_hf(hf, pp_rank=rank, pp_size=2, vpp_rank=v, vpp_size=2) for v in range(2)]
+    ids, mask, *_ = step_batch()
+    plan = plan_micro_batches(SEQLENS, max_tokens=20, micro_batches_multiple_of=2)
+    try:
+        run_micro_batches(pf.make_forward("thd"), stages, plan, ids, mask, dp_rank=0, schedule="megatron",
+                          pp_group=ps.get_pipeline_model_parallel_group(), loss_fn=lambda o: o.sum(-1))
+        out["refusal"] = None
+    except ValueError as exc:
+        out["refusal"] = str(exc)
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_pp2_vpp2_over_gloo_matches_the_whole_batch_and_refuses_megatrons_interleaving():
+    """Two virtual stages per rank through packfwd's schedule equal the whole batch; Megatron-Core's interleaved
+    schedule is refused on two pipeline ranks (it swaps activation and gradient shapes there, module docstring of
+    ``packfwd.micro.pipeline``) before anything runs."""
+    from packfwd.testing import run_local
+
+    ref_out, ref_loss, ref_grads = reference("token_mean", layers=4)
+    ranks = run_local(pp2_vpp2_step, 2, tiny_hf(layers=4), backend="gloo", timeout=300)
+    tol = dict(rtol=1e-4, atol=2e-5)
+    grads = {k: v for r in ranks for k, v in r["packfwd"]["grads"].items()}
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], **tol, msg=name)
+    loss, outputs, rows = ranks[1]["packfwd"]["result"]
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    for key, value in outputs.items():
+        torch.testing.assert_close(value, ref_out[key][rows], **tol)
+    assert ranks[0]["packfwd"]["result"] is None
+    for r in ranks:
+        assert r["refusal"] is not None and "2 pipeline ranks" in r["refusal"] and "schedule='packfwd'" in r["refusal"]
+
+
 # ------------------------------------------------------------------------------------- DP=2 over gloo
 
 

@@ -1,7 +1,14 @@
 """``run_micro_batches`` through a pipeline: one rank's stages, the planned micro-batches, and either packfwd's
 point-to-point schedule (``packfwd.parallel.pipeline_forward_backward``, CPU and GPU) or Megatron-Core's
 ``get_forward_backward_func()`` (CUDA).  Both return the last stage's :class:`~packfwd.micro.step.StepResult`
-(None on the other ranks) and leave the gradients, weighted over the global batch, in every stage's ``.grad``."""
+(None on the other ranks) and leave the gradients, weighted over the global batch, in every stage's ``.grad``.
+
+Megatron-Core's interleaved schedule (several virtual stages) is refused on a pipeline of two ranks: it sends a
+gradient back and an activation on in one batch of point-to-point ops and, with ``variable_seq_lengths``, exchanges
+both shapes first in the order (to previous, from previous, to next, from next).  With two ranks the previous and
+the next rank are one peer, so the peer's first receive (an activation's shape) gets the first send (a gradient's
+shape) -- a shape mismatch on 2 x H200 with megatron-core 0.19.2.  One virtual stage, three or more ranks, and
+packfwd's schedule are not affected."""
 
 from __future__ import annotations
 
@@ -34,6 +41,13 @@ def megatron_schedule(forward, stages, mbs, pp_group, loss_fn) -> StepResult | N
     if pp_group is not parallel_state.get_pipeline_model_parallel_group():
         raise ValueError("schedule='megatron' takes its pipeline group from megatron.core.parallel_state; pass "
                          "pp_group=parallel_state.get_pipeline_model_parallel_group()")
+    if len(stages) > 1 and torch.distributed.get_world_size(pp_group) == 2:
+        raise ValueError(
+            "schedule='megatron' with several virtual stages on 2 pipeline ranks: Megatron-Core's interleaved schedule "
+            "mixes up activation and gradient shapes of variable-length micro-batches when the previous and next "
+            "pipeline rank are the same; use schedule='packfwd' (same result), one virtual stage per rank, or a "
+            "pipeline of 3 or more ranks"
+        )
     for stage in stages:
         config = stage.config
         if not (getattr(config, "variable_seq_lengths", False) and getattr(config, "calculate_per_token_loss", False)):

@@ -74,7 +74,8 @@ def run_micro_batches(
     Pipeline parallelism: with ``pp_group``, ``model`` is the list of this rank's virtual stages and the
     micro-batches go through ``packfwd.parallel.pipeline_forward_backward`` (packfwd's point-to-point schedule;
     ``schedule="megatron"``: Megatron-Core's ``get_forward_backward_func()`` instead (CUDA; 1F1B, or interleaved
-    with several stages), which needs ``pp_group`` to be Megatron's pipeline group and every stage's config to
+    with several stages on 3 or more pipeline ranks: on 2 its shape exchange is refused, see
+    ``packfwd.micro.pipeline``), which needs ``pp_group`` to be Megatron's pipeline group and every stage's config to
     have ``variable_seq_lengths=True`` (micro-batches differ in packed length) and ``calculate_per_token_loss=True``
     (the loss is already normalised over the global batch: Megatron must not divide it by the micro-batch count).
     Every rank of ``pp_group`` passes the same batch and plan; the result comes back on the rank that holds the

@@ -77,14 +77,18 @@ def test_megatron_schedule_equals_packfwds_and_the_whole_batch():
 # ------------------------------------------------------- interleaved (VPP) and context parallel, Megatron's schedule
 
 
-@pytest.mark.parametrize("pp, vpp, cp", [(2, 2, 1), (1, 1, 2)], ids=["pp2_vpp2", "cp2"])
+@pytest.mark.parametrize("pp, vpp, cp", [
+    pytest.param(4, 2, 1, id="pp4_vpp2", marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="4 GPUs")),
+    pytest.param(1, 1, 2, id="cp2"),
+])
 def test_megatron_interleaved_and_cp_schedules_equal_the_whole_batch(pp, vpp, cp):
-    """PP=2 x VPP=2 through Megatron-Core's interleaved 1F1B, and CP=2 through its no-pipelining schedule: equal to
+    """PP=4 x VPP=2 through Megatron-Core's interleaved 1F1B, and CP=2 through its no-pipelining schedule: equal to
     packfwd's schedule (1e-6) and to one forward/backward of the whole batch on the CPU (5e-5).  Under CP every rank
     computes the same loss from the gathered outputs and keeps its share of the gradient: the CP ranks' gradients
     add up to the whole batch's (what Megatron's data-and-context-parallel all-reduce does)."""
-    ref_out, ref_loss, ref_grads = reference("token_mean", layers=4)
-    ranks = run_local(layout_step, 2, tiny_hf(layers=4), pp, vpp, cp, "cuda", ("packfwd", "megatron"),
+    layers, world = 2 * pp * vpp, pp * cp
+    ref_out, ref_loss, ref_grads = reference("token_mean", layers=layers)
+    ranks = run_local(layout_step, world, tiny_hf(layers=layers), pp, vpp, cp, "cuda", ("packfwd", "megatron"),
                       backend="nccl", timeout=600)
     same, ref = dict(atol=1e-6, rtol=1e-6), dict(atol=5e-5, rtol=1e-4)
     assert all(r["count"] >= 2 and r["count"] % pp == 0 for r in ranks)
@@ -93,14 +97,14 @@ def test_megatron_interleaved_and_cp_schedules_equal_the_whole_batch(pp, vpp, cp
         for name, g in rank["megatron"]["grads"].items():
             torch.testing.assert_close(g, rank["packfwd"]["grads"][name], **same, msg=name)
     if cp > 1:
-        grads = {n: ranks[0]["megatron"]["grads"][n] + ranks[1]["megatron"]["grads"][n] for n in ref_grads}
+        grads = {n: sum(r["megatron"]["grads"][n] for r in ranks) for n in ref_grads}
     else:
-        grads = {**ranks[0]["megatron"]["grads"], **ranks[1]["megatron"]["grads"]}
+        grads = {k: v for r in ranks for k, v in r["megatron"]["grads"].items()}
     assert grads.keys() == ref_grads.keys(), set(grads) ^ set(ref_grads)
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], **ref, msg=name)
     last = [r for r in ranks if r["megatron"]["result"] is not None]
-    assert len(last) == (2 if cp > 1 else 1)
+    assert len(last) == (cp if pp == 1 else 1)
     for r in last:
         loss, outputs, rows = r["megatron"]["result"]
         torch.testing.assert_close(loss, r["packfwd"]["result"][0], **same)
