@@ -111,29 +111,49 @@ def test_last_pipeline_stage_applies_the_processor():
 
 
 class VisionStub(torch.nn.Module):
-    """Records what a vision-language model would receive; returns one-hot logits of the packed ids."""
+    """Records what a model receives; returns one-hot logits of its ids (a vision model packs them with the hook,
+    as it would pack its merged embeddings: ``[s, b, v]`` decoder layout -> ``[b, s, v]``)."""
 
-    def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None, **multimodal):
-        self.seen = dict(input_ids=input_ids, position_ids=position_ids, params=packed_seq_params, **multimodal)
-        return torch.nn.functional.one_hot(input_ids, 128).float()
+    def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None, packing=None, **multimodal):
+        self.seen = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         params=packed_seq_params, packing=packing, **multimodal)
+        onehot = torch.nn.functional.one_hot(input_ids, 128).float()
+        return onehot if packing is None else packing.embeddings(onehot).transpose(0, 1)
 
 
-def test_vision_inputs_reach_the_model():
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_vision_models_get_the_batch_and_the_packing_hook(data_format):
+    """vision=True: the model gets the padded batch (THD; BSHD: compacted), the mask, the caller's positions, the
+    images and a hook packing [b, s, ...] with the batch's plan (tests/test_vision_model.py checks it against verl)."""
+    from packfwd import pack_positions, plan_bshd, to_bshd
+
     ids, mask = ragged_batch("mixed")
     mrope = torch.stack([mask.long().cumsum(-1) * k for k in (1, 2, 3)])  # [3, b, s]
     pixels, grid = torch.randn(6, 8), torch.tensor([[1, 2, 3]])
     stub = VisionStub()
-    out = make_forward("thd", vision=True)(stub, ids, mask, position_ids=mrope,
-                                           multi_modal_inputs={"pixel_values": pixels, "image_grid_thw": grid})
-    assert stub.seen["pixel_values"] is pixels and stub.seen["image_grid_thw"] is grid
-    packed, info = to_thd(ids, mask)
-    assert torch.equal(stub.seen["input_ids"], packed[None])
-    assert stub.seen["position_ids"].shape == (3, 1, packed.shape[0])
-    for k in range(3):
-        assert torch.equal(stub.seen["position_ids"][k, 0], to_thd(mrope[k], info)[0])
-    assert torch.equal(out.argmax(-1)[mask], ids[mask])
+    out = make_forward(data_format, vision=True)(stub, ids, mask, position_ids=mrope,
+                                                 multi_modal_inputs={"pixel_values": pixels, "image_grid_thw": grid})
+    seen = stub.seen
+    assert seen["pixel_values"] is pixels and seen["image_grid_thw"] is grid
+    if data_format == "thd":
+        packed, info = to_thd(ids, mask)
+        assert seen["input_ids"] is ids and seen["attention_mask"] is mask and seen["position_ids"] is mrope
+        assert torch.equal(seen["params"].cu_seqlens_q_padded, info.cu_seqlens_padded)
+        assert torch.equal(seen["packing"].positions(mrope), pack_positions(mrope, info)[:, None])  # [3, 1, t]
+    else:
+        info = plan_bshd(mask)
+        assert torch.equal(seen["input_ids"], to_bshd(ids, info)[0]) and seen["params"] is None
+        assert torch.equal(seen["attention_mask"], info.attention_mask)
+        assert torch.equal(seen["position_ids"], pack_positions(mrope, info))  # [3, b, s_c]
+    assert torch.equal(out.argmax(-1)[mask], ids[mask]) and not out[~mask].any()
     with pytest.raises(ValueError, match="vision=True"):
-        make_forward("thd")(stub, ids, mask, multi_modal_inputs={"pixel_values": pixels})
+        make_forward(data_format)(stub, ids, mask, multi_modal_inputs={"pixel_values": pixels})
+
+
+def test_vision_forward_refuses_a_model_without_the_hook(model):
+    ids, mask = ragged_batch("mixed")
+    with pytest.raises(TypeError, match="takes no `packing` parameter"):
+        make_forward("thd", vision=True)(model, ids, mask)
 
 
 def test_bad_calls_are_refused(model):

@@ -1,0 +1,142 @@
+"""The language model of a transformers Qwen2-VL / Qwen2.5-VL as packfwd's Megatron-Core model (multimodal RoPE).
+
+The VL language model is a Qwen2 decoder (QKV bias, SwiGLU, RMSNorm, grouped-query attention) whose RoPE is
+multimodal (``rope_parameters["mrope_section"]``, :mod:`packfwd.models.mrope`); its weights are the Qwen2
+weights under another prefix.  So :func:`vl_args_from_hf_config` reads the text config into :class:`ModelArgs`
+with ``mrope_section``, :func:`language_model_state_dict` renames the language model's tensors to the names
+:func:`packfwd.models.hf_weights.hf_to_megatron` reads (the vision tower's are left out), and
+:func:`language_model_from_hf` builds the model (TP-sharded, any pipeline stage) with them.  The vision tower stays
+transformers' (``hf.model.visual``): :mod:`packfwd.vision.model` merges its output into the embeddings.
+
+Names in transformers 5.x: ``model.language_model.{embed_tokens,layers.i,norm}``, ``model.visual``, ``lm_head``;
+in 4.x: ``model.{embed_tokens,layers.i,norm}``, ``visual``, ``lm_head``.  Both are read.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from .gpt import ModelArgs
+
+__all__ = ["language_model_from_hf", "language_model_state_dict", "vl_args_from_hf_config"]
+
+_SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
+
+
+def vl_args_from_hf_config(hf_config) -> ModelArgs:
+    """:class:`ModelArgs` (with ``mrope_section``) of a transformers ``Qwen2VLConfig`` / ``Qwen2_5_VLConfig`` (or
+    their text configs).
+
+    >>> from transformers import Qwen2VLConfig
+    >>> cfg = Qwen2VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                                      num_attention_heads=2, num_key_value_heads=1,
+    ...                                      rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])))
+    >>> args = vl_args_from_hf_config(cfg)
+    >>> args.mrope_section, args.qkv_bias, args.num_query_groups
+    ((2, 3, 3), True, 1)
+    """
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in _SUPPORTED:
+        raise ValueError(f"model_type={kind!r} is not a Qwen2-VL config; packfwd converts {_SUPPORTED}")
+    text = getattr(hf_config, "text_config", None) or hf_config
+    if getattr(text, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={text.hidden_act!r}: packfwd's MLP is SwiGLU (silu); use 'silu'")
+    if getattr(text, "use_sliding_window", False):
+        raise ValueError("use_sliding_window=True: packfwd's attention is full causal; set it to False")
+    params = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    section = params.get("mrope_section")
+    if section is None:
+        raise ValueError("the config has no rope_parameters['mrope_section']; a Qwen2-VL language model needs one")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(f"rope_type={kind!r}: packfwd's multimodal RoPE takes no frequency scaling ('default')")
+    heads = text.num_attention_heads
+    return ModelArgs(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        ffn_hidden_size=text.intermediate_size,
+        num_layers=text.num_hidden_layers,
+        num_attention_heads=heads,
+        num_query_groups=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        norm_eps=text.rms_norm_eps,
+        rope_theta=float(params.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+        qkv_bias=True,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))),
+        max_position_embeddings=text.max_position_embeddings,
+        mrope_section=tuple(section),
+    )
+
+
+def language_model_state_dict(hf_state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The language model's tensors of a Qwen2-VL state dict under the Qwen2 names (``model.layers.i...``,
+    ``model.embed_tokens``, ``model.norm``, ``lm_head``); the vision tower's are left out.  No copies.
+
+    >>> language_model_state_dict({"model.language_model.norm.weight": 1, "model.visual.x": 2, "lm_head.weight": 3})
+    {'model.norm.weight': 1, 'lm_head.weight': 3}
+    """
+    out = {}
+    for name, value in hf_state_dict.items():
+        if name.startswith(("model.visual.", "visual.")):
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        out[name] = value
+    return out
+
+
+def language_model_from_hf(
+    hf_model: torch.nn.Module,
+    *,
+    device: torch.device | str | None = None,
+    params_dtype: torch.dtype | None = None,
+    attention_backend: str | None = None,
+    tp_size: int | None = None,
+    sequence_parallel: bool = False,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+):
+    """packfwd's Megatron-Core model (multimodal RoPE) with the language model of a transformers
+    ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` (this process's TP shard, pipeline
+    stage ``pp_rank`` of ``pp_size``).  ``device``/``params_dtype`` default to the HF model's.  Like
+    :func:`packfwd.models.from_hf`, it sets up a one-process group when ``torch.distributed`` is not initialised.
+
+    >>> from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    >>> cfg = Qwen2VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                                      num_attention_heads=2, num_key_value_heads=1,
+    ...                                      rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
+    ...                     vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2))
+    >>> hf = Qwen2VLForConditionalGeneration(cfg).eval()
+    >>> model = language_model_from_hf(hf)
+    >>> ids = torch.randint(0, 64, (1, 5))                       # text only: three equal position coordinates
+    >>> torch.allclose(model(ids, None, None), hf(input_ids=ids).logits, atol=1e-5)
+    True
+    """
+    from megatron.core import parallel_state
+
+    from packfwd.layers import layer_partition
+
+    from .gpt import build_model
+    from .hf import load_weights
+    from .hf_weights import hf_to_megatron
+    from .runtime import ensure_model_parallel
+
+    if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
+        raise TypeError(f"language_model_from_hf takes a transformers model, got {type(hf_model).__name__}")
+    if not hasattr(hf_model, "lm_head"):
+        raise ValueError(f"{type(hf_model).__name__} has no lm_head; pass the whole ...ForConditionalGeneration")
+    args = vl_args_from_hf_config(hf_model.config)
+    first = next(hf_model.parameters())
+    device = first.device if device is None else torch.device(device)
+    params_dtype = first.dtype if params_dtype is None else params_dtype
+    ensure_model_parallel(tp_size=tp_size)
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    model = build_model(args, device=device, params_dtype=params_dtype, attention_backend=attention_backend,
+                        sequence_parallel=sequence_parallel, pp_rank=pp_rank, pp_size=pp_size, init=False)
+    layers = layer_partition(args.num_layers, pp_size)[pp_rank][0]
+    weights = hf_to_megatron(language_model_state_dict(hf_model.state_dict()), args, tp_size=tp, tp_rank=rank,
+                             layers=layers, pre_process=model.pre_process, post_process=model.post_process)
+    return load_weights(model, weights)

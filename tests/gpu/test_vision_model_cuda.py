@@ -1,0 +1,95 @@
+"""packfwd's vision-language model on CUDA (the GPU machine's torch, Megatron-Core and transformers versions).
+
+* float32 (reference attention): THD, BSHD and the verl drop-in's vision forward equal transformers' Qwen2-VL and
+  Qwen2.5-VL per sequence on the GPU (``atol=rtol=1e-4``);
+* bfloat16 with the automatic varlen backend: THD and BSHD logits within bf16 rounding of transformers' float32
+  (``atol=0.25``; the largest differences are reported);
+* the multimodal RoPE angles equal Megatron-Core's own ``MultimodalRotaryEmbedding``, built as Megatron-Core builds
+  it on CUDA, bit for bit.
+
+With ``OUT`` set, the largest differences go to ``$OUT/vision_model_cuda.json``.
+
+    PYTHONPATH=. python -m pytest -q tests/gpu/test_vision_model_cuda.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import packfwd as pf
+import packfwd.verl as pv
+from packfwd.vision import from_hf
+
+from ..test_vision_model import hf_logits, hf_model, vl_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+RESULTS: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_process_world():
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel()
+    yield
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "vision_model_cuda.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+def _batch(kind):
+    hf = hf_model(kind).cuda()
+    ids, mask, mm, rows, alone = vl_batch()
+    if kind == "qwen2_vl":
+        mm.pop("second_per_grid_ts", None)
+    with torch.no_grad():
+        refs = hf_logits(hf, rows, alone, kind)
+    return hf, ids.cuda(), mask.cuda(), {k: v.cuda() for k, v in mm.items()}, refs
+
+
+def _largest(out, mask, refs) -> float:
+    assert not out[~mask].any()
+    return max(float((out[i][mask[i]].float() - ref).abs().max()) for i, ref in enumerate(refs))
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_float32_logits_equal_transformers(kind):
+    hf, ids, mask, mm, refs = _batch(kind)
+    model = from_hf(hf, attention_backend="reference")
+    runs = {f: pf.make_forward(f, vision=True) for f in ("thd", "bshd")}
+    with torch.no_grad():
+        outs = {f: run(model, ids, mask, multi_modal_inputs=mm) for f, run in runs.items()}
+        if kind == "qwen2_vl":  # verl hands no second_per_grid_ts: Qwen2-VL only
+            for f in ("thd", "bshd"):
+                outs[f"verl_{f}"] = pv.model_forward_gen(vision_model=True)(model, ids, mask, None, mm, data_format=f)
+    for name, out in outs.items():
+        RESULTS[f"{kind}_float32_{name}"] = _largest(out, mask, refs)
+        for i, ref in enumerate(refs):
+            torch.testing.assert_close(out[i][mask[i]], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_bfloat16_varlen_logits_near_transformers(kind):
+    hf, ids, mask, mm, refs = _batch(kind)
+    model = from_hf(hf, params_dtype=torch.bfloat16)  # the vision tower stays float32 (transformers' module)
+    with torch.no_grad():
+        for f in ("thd", "bshd"):
+            out = pf.make_forward(f, vision=True)(model, ids, mask, multi_modal_inputs=mm)
+            RESULTS[f"{kind}_bfloat16_{f}"] = largest = _largest(out, mask, refs)
+            assert out.dtype == torch.bfloat16 and largest < 0.25
+
+
+def test_mrope_angles_equal_megatron_on_cuda():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+
+    from packfwd.models.mrope import MropeRotaryEmbedding
+
+    theirs = MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0)
+    ours = MropeRotaryEmbedding(kv_channels=16, rotary_percent=1.0, mrope_section=(2, 3, 3)).cuda()
+    positions = torch.randint(0, 4000, (3, 2, 9), device="cuda")
+    assert torch.equal(ours.inv_freq, theirs.inv_freq)
+    assert torch.equal(ours(positions, [2, 3, 3]), theirs(positions, [2, 3, 3]))
