@@ -34,10 +34,17 @@ Results are float32 (float64 for float64 inputs).
 On one GPU (CUDA bf16/fp16/fp32 logits, no ``tp_group``, no gradient w.r.t. the temperature) the logits
 functions run fused Triton kernels instead (``packfwd.ops.logprob``: one read of the logits forward, one
 read and one write backward, same math); ``chunk_size`` is then unused.  Everywhere else, the torch blocks above.
+The fused linear (``fused_log_probs_and_entropy``) runs its vocab blocks through the Triton kernels of
+``packfwd.ops.linear_logprob`` on any CUDA bf16/fp16/fp32 input, vocab-parallel or not, temperature gradient
+included; the matmuls are cuBLAS's either way.
+
+``token_mask`` (``[t]`` bool): only those tokens' numbers are wanted (e.g. the response); the others are 0 and send
+no gradient.  The logits processors compute every row and mask (no host sync); the fused linear computes the
+selected rows only (one host sync to learn their count), which is where the head's work goes.
 
 One module past 300 lines: the row-block and vocab-block autograd functions share their block math
 (``_block_stats``, ``_block_grad``, the group reductions) and their argument checks; split, the math would be
-read in two places.
+read in two places.  The fused linear's sequence-parallel gather and row selection sit beside it, as its inputs.
 """
 
 from __future__ import annotations
@@ -80,13 +87,14 @@ def vocab_parallel(fn):
 
 @vocab_parallel
 
-def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) -> Tensor:
+def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None,
+              token_mask=None) -> Tensor:
     """Log-probability of each token's label: ``log_softmax(logits / temperature)[i, labels[i]]``.
 
     logits: ``[t, v]`` (``[t, v_local]``, this rank's vocab slice, when ``tp_group`` is given), any float dtype;
     labels: ``[t]`` integer, negative = ignored (result 0, no gradient); temperature: a positive float or a
     ``[t]`` tensor (per token, entries <= 0 read as 1); chunk_size: tokens per work block (default: about 2**26
-    entries per block).
+    entries per block); token_mask: ``[t]`` bool or None, the tokens wanted (the others give 0, no gradient).
     Returns ``[t]`` float32, differentiable w.r.t. ``logits`` and a tensor ``temperature``.
 
     >>> import torch
@@ -94,11 +102,11 @@ def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None,
     >>> log_probs(logits, torch.tensor([1, -100]))
     tensor([-1.3863,  0.0000])
     """
-    return _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy=False)["log_probs"]
+    return _chunked(logits, labels, temperature, tp_group, chunk_size, False, token_mask=token_mask)["log_probs"]
 
 
 @vocab_parallel
-def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) -> Tensor:
+def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, token_mask=None) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` per token: ``[t, v] -> [t]`` float32.
 
     Arguments as in :func:`log_probs`.
@@ -107,16 +115,18 @@ def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None) 
     >>> entropy(torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -float("inf"), -float("inf")]]))
     tensor([1.3863, 0.6931])
     """
-    return _chunked(logits, None, temperature, tp_group, chunk_size, want_entropy=True)["entropy"]
+    return _chunked(logits, None, temperature, tp_group, chunk_size, True, token_mask=token_mask)["entropy"]
 
 
 @vocab_parallel
 def log_probs_and_entropy(
-    logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None
+    logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, token_mask=None
 ) -> dict[str, Tensor]:
     """Both :func:`log_probs` and :func:`entropy` in one pass: ``{"log_probs": [t], "entropy": [t]}``.
 
-    A logits processor as is.  Entropy is computed for every token, ignored labels included (mask it yourself).
+    A logits processor as is.  Entropy is computed for every token, ignored labels included (mask it yourself, or
+    pass ``token_mask``).  Its fused form, from the hidden states and the output weight, is
+    :func:`fused_log_probs_and_entropy` (``make_forward(..., head="fused")`` takes it).
 
     >>> import torch
     >>> out = log_probs_and_entropy(torch.zeros(3, 8), torch.tensor([0, 5, -100]),
@@ -124,11 +134,12 @@ def log_probs_and_entropy(
     >>> out["log_probs"], out["entropy"]
     (tensor([-2.0794, -2.0794,  0.0000]), tensor([2.0794, 2.0794, 2.0794]))
     """
-    return _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy=True)
+    return _chunked(logits, labels, temperature, tp_group, chunk_size, True, token_mask=token_mask)
 
 
 def fused_log_probs_and_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None,
+    token_mask=None, sequence_parallel: bool = False,
 ) -> dict[str, Tensor]:
     """:func:`log_probs_and_entropy` of ``logits = hidden @ weight.T`` without materialising ``[t, v]`` logits.
 
@@ -140,8 +151,14 @@ def fused_log_probs_and_entropy(
     ``hidden.dtype`` like a plain ``hidden @ weight.T`` before the float32 math.
 
     Gradients: ``weight`` gets its own rows' gradient; ``hidden`` gets the full gradient (the sum over vocab
-    shards, all-reduced over ``tp_group``), so do not all-reduce it again (with sequence parallel, gather
-    ``hidden`` with an op whose backward only splits).
+    shards, all-reduced over ``tp_group``), so do not all-reduce it again.
+
+    ``sequence_parallel=True``: ``hidden`` is this rank's slice of the tokens, ``[t / tp, hdim]``, as Megatron's
+    sequence parallelism splits them (rank ``r`` holds rows ``r * t / tp ...``); it is all-gathered over
+    ``tp_group`` here and its gradient reduce-scattered back (each rank's part of the sum over vocab shards).
+    ``labels``, ``temperature``, ``token_mask`` and the results then describe all ``t`` tokens, on every rank.
+    ``token_mask``: ``[t]`` bool or None; only the selected rows are computed (one host sync for their count);
+    the others give 0 and no gradient.
 
     >>> import torch
     >>> _ = torch.manual_seed(0)
@@ -162,17 +179,60 @@ def fused_log_probs_and_entropy(
             f"weight has shape {tuple(weight.shape)} but hidden has {tuple(hidden.shape)}; weight must be "
             "[v_local, hdim] with v_local >= 1 and the hidden size of hidden"
         )
+    group, unit = _check_group(tp_group), _is_one(temperature)
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    if sequence_parallel and group is not None:
+        hidden = _GatherRows.apply(hidden, group)  # [t, hdim] on every rank
     t, v_local = hidden.shape[0], weight.shape[0]
     labels = _check_labels(labels, t, hidden.device)
-    group, unit = _check_group(tp_group), _is_one(temperature)
     _check_label_range(labels, v_local * _group_size(group))
     inv_t = _inverse_temperature(temperature, t, _compute_dtype(hidden.dtype), hidden.device)
-    chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // max(t, 1)), align=128)
-    logp, ent = _FusedLinear.apply(hidden, weight, inv_t, labels, group, min(chunk, v_local), unit)
+    rows = _selected_rows(token_mask, t, hidden.device)
+    if rows is not None:  # only the wanted tokens go through the head
+        hidden, labels, inv_t = hidden.index_select(0, rows), labels[rows], inv_t.index_select(0, rows)
+    chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // max(hidden.shape[0], 1)), align=128)
+    logp, ent = _FusedLinear.apply(hidden, weight, inv_t, labels, group, min(chunk, v_local), unit,
+                                   not sequence_parallel, _use_head_kernel(hidden))
+    if rows is not None:
+        logp, ent = (x.new_zeros(t).index_copy(0, rows, x) for x in (logp, ent))
     return {"log_probs": logp, "entropy": ent}
 
 
-def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, kernel=None) -> dict[str, Tensor]:
+# the fused form of the processor: the same numbers from (hidden, weight); make_forward(..., head="fused") calls it
+log_probs_and_entropy.fused = fused_log_probs_and_entropy
+
+
+def _selected_rows(token_mask, t: int, device):
+    """Rows of the tokens ``token_mask`` selects (``[n]`` int64), or None for all; one host sync on CUDA."""
+    if token_mask is None:
+        return None
+    mask = _check_token_mask(token_mask, t, device)
+    return torch.nonzero(mask)[:, 0]
+
+
+def _check_token_mask(token_mask, t: int, device) -> Tensor:
+    if not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool:
+        got = token_mask.dtype if isinstance(token_mask, Tensor) else type(token_mask).__name__
+        raise TypeError(f"token_mask must be a bool tensor [t] (True: compute this token), got {got}")
+    if tuple(token_mask.shape) != (t,):
+        raise ValueError(f"token_mask must have shape [t] = ({t},) like the tokens, got {tuple(token_mask.shape)}")
+    if token_mask.device != device:
+        raise ValueError(f"token_mask is on {token_mask.device} but the tokens on {device}; move it with .to()")
+    return token_mask
+
+
+def _use_head_kernel(hidden: Tensor) -> bool:
+    """The fused linear's Triton block kernels: CUDA bf16/fp16/fp32 (any tensor parallelism, any temperature)."""
+    if not hidden.is_cuda:
+        return False
+    from packfwd.ops.linear_logprob import supported
+
+    return supported(hidden)
+
+
+def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, kernel=None,
+             token_mask=None) -> dict[str, Tensor]:
     """``kernel``: None picks the Triton kernels where they apply (:func:`_use_kernel`); False forces torch."""
     logits = _check_float("logits", logits, 2, "[t, v]")
     t, v = logits.shape
@@ -186,13 +246,17 @@ def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, ke
     inv_t = _inverse_temperature(temperature, t, _compute_dtype(logits.dtype), logits.device)
     chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // v), align=1)
     unit = _is_one(temperature)
+    mask = None if token_mask is None else _check_token_mask(token_mask, t, logits.device)
     if _use_kernel(logits, group, inv_t) if kernel is None else kernel:
         from packfwd.ops.logprob import RowKernel
 
         logp, ent = RowKernel.apply(logits, inv_t, labels, want_entropy)
     else:
         logp, ent = _RowBlocks.apply(logits, inv_t, labels, group, chunk, want_entropy, unit)
-    return {"log_probs": logp, "entropy": ent} if want_entropy else {"log_probs": logp}
+    out = {"log_probs": logp, "entropy": ent} if want_entropy else {"log_probs": logp}
+    if mask is not None:  # every row computed, the others masked: no host sync
+        out = {k: torch.where(mask, v, 0.0) for k, v in out.items()}
+    return out
 
 
 def _use_kernel(logits: Tensor, group, inv_t: Tensor) -> bool:
@@ -247,21 +311,36 @@ class _RowBlocks(torch.autograd.Function):
 
 
 class _FusedLinear(torch.autograd.Function):
-    """(log_probs, entropy) of ``hidden @ weight.T``, blocks of ``chunk`` vocab rows; saves only ``[t]`` vectors."""
+    """(log_probs, entropy) of ``hidden @ weight.T``, blocks of ``chunk`` vocab rows; saves only ``[t]`` vectors.
+
+    ``reduce_hidden``: all-reduce the hidden gradient over ``group`` (False when a sequence-parallel gather's
+    backward reduce-scatters it instead).  ``kernel``: the blocks' math in ``packfwd.ops.linear_logprob``.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, inv_t, labels, group, chunk, unit):
+    def forward(ctx, hidden, weight, inv_t, labels, group, chunk, unit, reduce_hidden, kernel):
         v_local = weight.shape[0]
         start = _vocab_start(group, v_local)
-        stats = None
-        for col in range(0, v_local, chunk):
-            raw = hidden @ weight[col : col + chunk].T  # [t, chunk] logits of this block, in hidden's dtype
-            idx, hit = _label_columns(labels, start + col, raw.shape[1])
-            block = _block_stats(raw, inv_t, idx, hit, True, unit)
-            stats = block if stats is None else _merge(stats, block, inv_t)
+        if kernel:
+            from .ops import linear_logprob as K
+
+            m, s, e, label_raw = K.new_stats(hidden.shape[0], hidden.device, True)
+            inv32 = inv_t.detach().float().contiguous()
+            for col in range(0, v_local, chunk):
+                K.accumulate_stats(hidden @ weight[col : col + chunk].T, inv32, labels, start + col, m, s, e, label_raw)
+            hit = (labels >= start) & (labels < start + v_local)
+            stats = m, s, e, torch.where(hit, (label_raw - m) * inv_t, 0.0), hit
+        else:
+            stats = None
+            for col in range(0, v_local, chunk):
+                raw = hidden @ weight[col : col + chunk].T  # [t, chunk] logits of this block, in hidden's dtype
+                idx, hit = _label_columns(labels, start + col, raw.shape[1])
+                block = _block_stats(raw, inv_t, idx, hit, True, unit)
+                stats = block if stats is None else _merge(stats, block, inv_t)
+                del raw
         m, s, mean_z, logp, ent = _finish(*_reduce_over_group(*stats, inv_t, group), labels >= 0)
         ctx.save_for_backward(hidden, weight, inv_t, labels, m, s, mean_z)
-        ctx.group, ctx.chunk, ctx.unit = group, chunk, unit
+        ctx.group, ctx.chunk, ctx.unit, ctx.reduce_hidden, ctx.kernel = group, chunk, unit, reduce_hidden, kernel
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -270,31 +349,78 @@ class _FusedLinear(torch.autograd.Function):
         hidden, weight, inv_t, labels, m, s, mean_z = ctx.saved_tensors
         g_logp, g_ent = _upstream(g_logp, g_ent, labels)
         if g_logp is None and g_ent is None:
-            return None, None, None, None, None, None, None
+            return (None,) * 9
         need_h, need_w, need_dinv = ctx.needs_input_grad[:3]
         v_local = weight.shape[0]
         start = _vocab_start(ctx.group, v_local)
         # float32 accumulator: the hidden gradient sums one matmul per vocab block
         grad_h = torch.zeros(hidden.shape, dtype=inv_t.dtype, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
-        dinv = torch.zeros_like(inv_t) if need_dinv else None
+        dinv = torch.zeros(inv_t.shape, dtype=inv_t.dtype, device=inv_t.device) if need_dinv else None
+        if ctx.kernel:
+            from .ops import linear_logprob as K
+
+            f32 = [None if x is None else x.detach().float().contiguous() for x in (inv_t, g_logp, g_ent)]
         for col in range(0, v_local, ctx.chunk):
             w_block = weight[col : col + ctx.chunk]
             raw = hidden @ w_block.T  # recomputed [t, chunk] logits: the same matmul as in the forward
-            idx, hit = _label_columns(labels, start + col, raw.shape[1])
             g_raw = torch.empty_like(raw)
-            d = _block_grad(raw, inv_t, m, s, mean_z, g_logp, g_ent, idx, hit, g_raw, need_dinv, ctx.unit)
+            if ctx.kernel:
+                K.block_grad(raw, f32[0], labels, start + col, m, s, mean_z, f32[1], f32[2], g_raw, dinv)
+            else:
+                idx, hit = _label_columns(labels, start + col, raw.shape[1])
+                d = _block_grad(raw, inv_t, m, s, mean_z, g_logp, g_ent, idx, hit, g_raw, need_dinv, ctx.unit)
+                if need_dinv:
+                    dinv += d
+            del raw
             if need_w:
                 torch.mm(g_raw.T, hidden, out=grad_w[col : col + ctx.chunk])
             if need_h:
-                grad_h += g_raw @ w_block
-            if need_dinv:
-                dinv += d
+                _add_mm_(grad_h, g_raw, w_block)
+            del g_raw
         if need_h:  # each shard holds part of the sum over the vocab
-            grad_h = _all_reduce_sum(grad_h, ctx.group).to(hidden.dtype)
+            grad_h = (_all_reduce_sum(grad_h, ctx.group) if ctx.reduce_hidden else grad_h).to(hidden.dtype)
         if need_dinv:
             dinv = _all_reduce_sum(dinv, ctx.group)
-        return grad_h, grad_w, dinv, None, None, None, None
+        return grad_h, grad_w, dinv, None, None, None, None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather ``x [t_local, *]`` over ``group`` along the rows, in rank order (Megatron's sequence-parallel
+    split); the backward reduce-scatters: sums every rank's partial gradient and keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+_ADDMM_OUT_DTYPE = [True]  # cleared if this torch / device has no addmm(out_dtype=)
+
+
+def _add_mm_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` float32: on CUDA with half-precision ``a``, ``b`` cuBLAS accumulates into
+    ``acc`` itself (no ``[t, hdim]`` temporary, no rounding of the block's product to half precision)."""
+    half = a.dtype in (torch.bfloat16, torch.float16)
+    if acc.is_cuda and half and acc.dtype == torch.float32 and _ADDMM_OUT_DTYPE[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            _ADDMM_OUT_DTYPE[0] = False
+    acc += (a @ b).to(acc.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ block math
