@@ -37,6 +37,7 @@ BENCHMARKS = {
     "micro_batches": ("bench_micro_batches.py", _file_args("micro_batches")),
     "composition": ("bench_composition.py", _file_args("composition")),
     "micro_throughput": ("bench_micro_throughput.py", _file_args("micro_throughput")),
+    "fused_head": ("bench_fused_head.py", _file_args("fused_head")),
 }
 
 

@@ -9,6 +9,10 @@ from .layout import plan_bshd as plan_bshd
 from .layout import to_bshd as to_bshd
 from .forward import make_forward as make_forward
 from .layout import next_token_labels as next_token_labels
+from .layout import mtp_labels as mtp_labels
+from .layout import mtp_loss_mask as mtp_loss_mask
+from .layout import pack_positions as pack_positions
+from .layout import unpack_positions as unpack_positions
 from .layers import LayerOwner as LayerOwner
 from .layers import layer_owner as layer_owner
 from .layers import layer_partition as layer_partition

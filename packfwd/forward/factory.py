@@ -20,9 +20,11 @@ Pipeline parallelism: a stage without the output layer (``post_process=False``) 
 the model produced them (``[t, 1, h]`` for THD, ``[s_c, b, h]`` for BSHD), for the next stage's
 ``set_input_tensor``; only the last stage applies the processor and unpacks.
 
-Vision models: with ``vision=True`` the entries of ``multi_modal_inputs`` (``pixel_values``,
-``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``, ...) go to the model as keyword arguments and
-the model embeds the (packed) tokens and images itself; packfwd packs ids and positions only.
+Vision models (``vision=True``) embed first and pack afterwards: the model gets what verl's vision branch gives
+it (the padded ids and mask, ``PackedSeqParams``; BSHD: the compacted ones), the entries of ``multi_modal_inputs``
+(``pixel_values``, ``image_grid_thw``, ...) as keyword arguments, and a ``packing`` hook that packs its merged
+``[b, s, h]`` embeddings and ``[3, b, s]`` positions with the batch's plan (:mod:`packfwd.forward.vision`); a
+model without a ``packing`` parameter is refused.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from typing import Callable, Mapping
 from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
-from .guards import bind_processor, check_cp, check_ids, check_results, empty_output, model_facts
+from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
+                     model_facts)
+from .head import fused_head
 from .layouts import Bshd, Thd
+from .vision import vision_call
 
 __all__ = ["make_forward"]
 
@@ -51,6 +56,8 @@ def make_forward(
     cp_group=None,
     seq_align: int | None = None,
     check_group=None,
+    mtp: bool = False,
+    head: str = "logits",
 ) -> Callable:
     """A pure ``forward(model, input_ids, attention_mask, position_ids=None, multi_modal_inputs=None, *,
     seqlens=None, **processor_args)`` (see the module docstring).
@@ -64,6 +71,14 @@ def make_forward(
     and the outputs of all CP ranks are all-gathered over ``cp_group`` to unpack them (the gather's backward keeps
     this rank's share of the gradient: every rank must compute the same loss from the unpacked outputs).
     ``seq_align``: per-sequence alignment of ``plan_thd``.
+
+    ``mtp=True``: for a model with multi-token prediction layers; the forward also takes ``mtp_loss_mask [b, s]``
+    (the main loss mask, default every token) and adds ``"mtp_log_probs" [b, s, D]`` and ``"mtp_loss" [D]`` to
+    its outputs (a dict; without a processor the logits are ``"logits"``): see :mod:`packfwd.forward.mtp`.
+
+    ``head="fused"``: the last stage returns hidden states and the processor's fused form computes its numbers
+    from them and the output weight, without ``[t, v]`` logits (``logits_processor=log_probs_and_entropy``; its
+    ``token_mask`` argument limits the work to those tokens): see :mod:`packfwd.forward.head`.
 
     ``check_group``: a process group whose ranks must all get the same batch (e.g. Megatron-Core's
     tensor-and-context-parallel group).  With it, each call validates its inputs and plans the packing on every
@@ -100,38 +115,47 @@ def make_forward(
     if cp_size > 1 and cp_group is None:
         raise ValueError("cp_size > 1 needs cp_group (to gather every CP rank's outputs); pass the CP process group")
     layout = Thd(tp_size, cp_size, cp_rank, cp_group, seq_align) if data_format == "thd" else Bshd(tp_size)
+    fused = fused_head(head, logits_processor)
+    if fused is not None and mtp:
+        raise ValueError("head='fused' does not compute MTP outputs yet; use head='logits' with mtp=True")
+    if mtp:  # multi-token prediction: every depth's ids, labels and loss mask packed with the batch (mtp.py)
+        from .mtp import make_mtp_forward
+
+        return make_mtp_forward(layout, vision=vision, logits_processor=logits_processor, tp_size=tp_size,
+                                cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, check_group=check_group)
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
                 seqlens=None, **processor_args):
-        if processor_args and logits_processor is None:
-            raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
-        if multi_modal_inputs and not vision:
-            raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
-        error = None
-        try:
+        check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
+
+        def prepare():
             facts = model_facts(model, tp_size, cp_size)
             check_cp(model, cp_size, cp_rank, cp_group)
             processor = bind_processor(logits_processor, facts)
+            if fused is not None:
+                fused.check_model(model, facts)
             check_ids(input_ids)
             plan, ids = layout.pack(input_ids, attention_mask, seqlens)
-            positions = layout.positions(plan, ids, position_ids, input_ids)
+            if vision:  # the model embeds first and packs with the `packing` hook (vision.py)
+                call = vision_call(model, layout, plan, ids, input_ids, attention_mask, position_ids)
+            else:
+                call = dict(input_ids=ids, position_ids=layout.positions(plan, ids, position_ids, input_ids),
+                            attention_mask=None, **layout.model_kwargs(plan))
             args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}
-        except (ValueError, TypeError) as exc:
-            if check_group is None:
-                raise
-            error = exc
-        if check_group is not None:
-            from ..parallel import check_across_ranks
+            return dict(facts=facts, processor=processor, plan=plan, call=call, args=args)
 
-            fingerprint = () if error is not None else layout.fingerprint(plan)
-            check_across_ranks(check_group, error=error, values=fingerprint, what="batches")
+        got = checked_call(check_group, layout, prepare)
+        facts, processor, plan, call, args = (got[k] for k in ("facts", "processor", "plan", "call", "args"))
+        head_kwargs = fused.model_kwargs if fused is not None else {}
         if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
-            out = empty_output(model, facts, layout.empty_shape(plan, facts.post_process))
+            out, head_kwargs = empty_output(model, facts, layout.empty_shape(plan, facts.post_process)), {}
         else:
-            out = model(input_ids=ids, position_ids=positions, attention_mask=None,
-                        **layout.model_kwargs(plan), **dict(multi_modal_inputs or {}))
+            out = model(**call, **head_kwargs, **dict(multi_modal_inputs or {}))
         if not facts.post_process:
             return out  # a middle pipeline stage: hidden states for the next one
+        if head_kwargs:  # the fused head: out holds the last stage's hidden states [s, b, h]
+            results, t = fused.run(processor, model, facts, out, args)
+            return {k: layout.unpack(v, plan) for k, v in check_results(results, t).items()}
         logits = layout.tokens(out, plan)  # [t, v]
         if processor is None:
             full = layout.unpack(logits, plan)

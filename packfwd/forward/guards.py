@@ -119,6 +119,32 @@ def bind_processor(processor, facts: ModelFacts):
     return processor
 
 
+def check_call_args(processor_args, logits_processor, multi_modal_inputs, vision: bool) -> None:
+    if processor_args and logits_processor is None:
+        raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
+    if multi_modal_inputs and not vision:
+        raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
+
+
+def checked_call(check_group, layout, prepare):
+    """``prepare()``: a forward's validation and planning, returning a dict with its ``"plan"``.  Without
+    ``check_group`` an error is raised at once; with it every rank of the group first compares the outcome
+    (``packfwd.parallel.check_across_ranks``: the same error on every rank, or the same plan everywhere)."""
+    error = got = None
+    try:
+        got = prepare()
+    except (ValueError, TypeError) as exc:
+        if check_group is None:
+            raise
+        error = exc
+    if check_group is not None:
+        from ..parallel import check_across_ranks
+
+        fingerprint = () if error is not None else layout.fingerprint(got["plan"])
+        check_across_ranks(check_group, error=error, values=fingerprint, what="batches")
+    return got
+
+
 def check_ids(input_ids) -> None:
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor of token ids [b, s], got {type(input_ids).__name__}")

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..layout.bshd import from_bshd, to_bshd
 from ..layout.thd import from_thd, plan_thd, position_ids as thd_position_ids, to_thd
+from ..layout.positions import pack_positions
 from .guards import check_positions
 
 
@@ -33,10 +34,7 @@ class Thd:
         if position_ids is None:
             return thd_position_ids(info)[None]
         check_positions(position_ids, input_ids)
-        if position_ids.dim() == 3:  # [k, b, s] (multimodal RoPE) -> [k, 1, t]
-            packed, _ = to_thd(position_ids.permute(1, 2, 0), info)
-            return packed.permute(1, 0)[:, None]
-        return to_thd(position_ids, info)[0][None]
+        return _coords_first(pack_positions(position_ids, info), position_ids)[..., None, :]  # [1, t] or [k, 1, t]
 
     def model_kwargs(self, info):
         return {"packed_seq_params": info.packed_seq_params()}
@@ -77,9 +75,7 @@ class Bshd:
         if position_ids is None:
             return torch.arange(info.width, device=ids.device).expand(ids.shape[0], info.width)
         check_positions(position_ids, input_ids)
-        if position_ids.dim() == 3:  # [k, b, s] -> [k, b, s_c]
-            return to_bshd(position_ids.permute(1, 2, 0), info)[0].permute(2, 0, 1)
-        return to_bshd(position_ids, info)[0]
+        return _coords_first(pack_positions(position_ids, info), position_ids)  # [b, s_c] or [k, b, s_c]
 
     def model_kwargs(self, info):
         return {}
@@ -100,6 +96,11 @@ class Bshd:
     def unpack(self, y, info):
         b = info.source.batch_size
         return from_bshd(y.reshape(b, info.width, *y.shape[1:]), info)
+
+
+def _coords_first(packed, position_ids):
+    """Nested ``[b, j, k]`` positions pack coordinates last; the model takes them first (``[k, ...]``)."""
+    return packed.movedim(-1, 0) if position_ids.is_nested and position_ids.dim() == 3 else packed
 
 
 def _pack_arg(value, input_ids, pack, source):

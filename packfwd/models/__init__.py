@@ -1,10 +1,10 @@
 """Megatron-Core-backed Llama/Qwen2 models: build them, load HF transformers weights into them, and back.
 
 The public names are re-exported here.  The rest stays in the submodules: ``gpt`` (``transformer_config``,
-``model_args``, ``unwrap``, ``ValueHead``), ``model`` (``PackedGPTModel``, the model class), ``spec``
-(``layer_spec``), ``attention`` (``CoreAttention``), ``varlen`` (the attention backends), ``rope``, ``hf``
-(``args_from_hf_config``, ``load_weights``), ``hf_weights`` (``hf_to_megatron``), ``runtime``
-(``ensure_model_parallel``) and ``cpu``.  Importing this package does not import Megatron-Core; building a model
+``model_args``, ``unwrap``, ``ValueHead``), ``model`` (``PackedGPTModel``, the model class), ``mtp`` (its
+multi-token prediction block), ``spec`` (``layer_spec``), ``attention`` (``CoreAttention``), ``varlen`` (the
+attention backends), ``rope``, ``hf`` (``args_from_hf_config``, ``load_weights``), ``hf_weights``
+(``hf_to_megatron``), ``runtime`` (``ensure_model_parallel``) and ``cpu``.  Importing this package does not import Megatron-Core; building a model
 does.
 """
 

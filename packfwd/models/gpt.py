@@ -51,6 +51,9 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     value_head: bool = False  # output layer of width 1 (a critic / reward model)
     value_head_bias: bool = False
+    mtp_num_layers: int = 0  # multi-token prediction depths (DeepSeek-V3's MTP), built on the last stage
+    mtp_loss_scaling_factor: float = 0.1  # Megatron-Core's weight of the MTP loss (Megatron's default)
+    mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
@@ -63,6 +66,16 @@ class ModelArgs:
                              f"num_attention_heads={self.num_attention_heads}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads, or pass head_dim")
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise ValueError(f"ModelArgs.mtp_num_layers must be an int >= 0 (0: no MTP), got {self.mtp_num_layers!r}")
+        if self.mtp_num_layers and self.value_head:
+            raise ValueError("a value model (value_head=True) has no vocabulary head to predict tokens with; "
+                             "use mtp_num_layers=0")
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", check_mrope_section(self.mrope_section, self.kv_channels))
+            if self.rope_scaling_factor is not None or self.mtp_num_layers:
+                raise ValueError("mrope_section with rope_scaling_factor or mtp_num_layers: multimodal RoPE is built "
+                                 "without Llama-3 scaling and without MTP layers; drop one of them")
 
     @property
     def kv_channels(self) -> int:
@@ -71,6 +84,22 @@ class ModelArgs:
     @property
     def query_groups(self) -> int:
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+
+def check_mrope_section(section, kv_channels: int) -> tuple[int, int, int]:
+    """``section`` as three positive ints summing to ``kv_channels // 2`` (:mod:`packfwd.models.mrope`).
+
+    >>> check_mrope_section([16, 24, 24], 128)
+    (16, 24, 24)
+    """
+    values = tuple(section) if isinstance(section, (list, tuple)) else ()
+    if (len(values) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
+            or sum(values) * 2 != kv_channels):
+        raise ValueError(
+            f"mrope_section={section!r}: pass three positive ints (temporal, height, width frequencies) that sum to "
+            f"head_dim // 2 = {kv_channels // 2}, as in the HF config's rope_parameters['mrope_section']"
+        )
+    return values
 
 
 def transformer_config(
@@ -135,6 +164,9 @@ def transformer_config(
         num_layers_in_first_pipeline_stage=first_stage_layers,
         num_layers_in_last_pipeline_stage=last_stage_layers,
         perform_initialization=init,
+        mtp_num_layers=args.mtp_num_layers or None,
+        mrope_section=list(args.mrope_section) if args.mrope_section is not None else None,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         **config_overrides(device),
     )
 
@@ -318,4 +350,7 @@ def model_args(model: torch.nn.Module) -> ModelArgs:
         max_position_embeddings=gpt.max_sequence_length,
         value_head=value,
         value_head_bias=value and head.bias is not None,
+        mtp_num_layers=cfg.mtp_num_layers or 0,
+        mrope_section=tuple(cfg.mrope_section) if cfg.mrope_section is not None else None,
+        mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
     )

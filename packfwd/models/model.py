@@ -7,15 +7,20 @@ Beyond what Megatron-Core's ``GPTModel`` constructor builds, it chooses, once, a
   (:class:`~packfwd.models.attention.CoreAttention`) gets the attention backend and the model's THD RoPE
   (:class:`~packfwd.models.rope.PackedRope`) as spec params;
 * the rotary module: :class:`~packfwd.models.rope.PackedRotaryEmbedding`, the one ``PackedRope`` reads its
-  angles from (it stands where Megatron-Core's constructor puts a plain ``RotaryEmbedding``);
+  angles from (it stands where Megatron-Core's constructor puts a plain ``RotaryEmbedding``); with
+  ``args.mrope_section``, multimodal RoPE (``position_embedding_type="mrope"``, positions ``[3, b, s]`` /
+  ``[3, 1, t]``): :class:`~packfwd.models.mrope.MropeRotaryEmbedding` and ``MropeRope`` (:mod:`packfwd.models.mrope`);
 * a value model's output layer: :class:`~packfwd.models.gpt.ValueHead` (width 1), where Megatron-Core's
   constructor puts the vocab-wide ``ColumnParallelLinear``.  That one is built first and dropped, so random
   initialisation draws the same numbers as Megatron-Core's model would;
 * a model built for the CPU with sequence parallelism runs its forward inside
-  :func:`packfwd.models.cpu.host_collectives` (:mod:`packfwd.models.cpu`, point 5).
+  :func:`packfwd.models.cpu.host_collectives` (:mod:`packfwd.models.cpu`, point 5);
+* with ``args.mtp_num_layers``, on the last stage: Megatron-Core's MTP block from packfwd's MTP spec, whose
+  layers take each depth's ids from the caller (``forward(..., mtp_input_ids=)``; :mod:`packfwd.models.mtp`).
 
 The state dict is Megatron-Core's ``GPTModel``'s: neither the rotary module nor ``PackedRope`` holds parameters or
 buffers.  This module imports Megatron-Core; ``packfwd.models`` imports it only when a model is built.
+(A little over 300 lines: the constructor and the forward's layouts, MTP and RoPE variants are one class.)
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from .cpu import host_collectives, is_host
+from . import mtp
 from .gpt import ModelArgs, ValueHead
-from .rope import PackedRope, PackedRotaryEmbedding, rotary_angles
+from .mrope import mrope_positions, rotary_modules
+from .rope import rotary_angles
 from .spec import block_spec
 
 __all__ = ["PackedGPTModel"]
@@ -76,25 +83,30 @@ class PackedGPTModel(GPTModel):
             rope_scaling=args.rope_scaling_factor is not None,
             rope_scaling_factor=args.rope_scaling_factor or 8.0,
         )
-        rotary = PackedRotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_interleaved=config.rotary_interleaved,
-            use_cpu_initialization=config.use_cpu_initialization, cp_group=getattr(pg_collection, "cp", None),
-            packed=packed_rope, **rotary_kwargs,
-        )
-        spec = block_spec(len(layers), attention_backend=attention_backend,
-                          rope=PackedRope(rotary) if packed_rope else None)
+        # plain RoPE, or with args.mrope_section multimodal RoPE (mrope.py)
+        rotary, rope = rotary_modules(config, args, packed=packed_rope, cp_group=getattr(pg_collection, "cp", None),
+                                      **rotary_kwargs)
+        spec = block_spec(len(layers), attention_backend=attention_backend, rope=rope)
+        mtp_spec = None
+        if args.mtp_num_layers and post_process:  # Megatron-Core's rule: the MTP block on the last stage
+            mtp_spec = mtp.mtp_block_spec(args.mtp_num_layers, attention_backend=attention_backend, rope=rope)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             super().__init__(
                 config, spec, vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
                 pre_process=pre_process, post_process=post_process,
                 share_embeddings_and_output_weights=args.tie_embeddings and not args.value_head,
-                position_embedding_type="rope", pg_collection=pg_collection, vp_stage=vp_stage, **rotary_kwargs,
+                position_embedding_type="rope", pg_collection=pg_collection, vp_stage=vp_stage,
+                mtp_block_spec=mtp_spec, **rotary_kwargs,
             )
         self.rotary_pos_emb = rotary
+        if args.mrope_section is not None:  # what the constructor's "mrope" branch sets (mrope.py says why not it)
+            self.position_embedding_type, self.mrope_section = "mrope", list(args.mrope_section)
         numbers = [layer.layer_number - 1 for layer in self.decoder.layers]
         if numbers != list(layers):
             raise RuntimeError(f"Megatron-Core numbered this stage's layers {numbers}, but packfwd assigns it "
                                f"{list(layers)}; please report this configuration")
+        if mtp_spec is not None:
+            mtp.check_mtp_layers(self, args.num_layers)
         if args.value_head and post_process:
             self.output_layer = ValueHead(args.hidden_size, bias=args.value_head_bias, dtype=config.params_dtype,
                                           sequence_parallel=config.sequence_parallel, tp_group=self.pg_collection.tp)
@@ -102,7 +114,8 @@ class PackedGPTModel(GPTModel):
         self.forward_on_host = is_host(device) and config.sequence_parallel
         self.to(device)
 
-    def forward(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None, **kwargs):
+    def forward(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None, mtp_input_ids=None,
+                mtp_detach_head=False, return_hidden=False, **kwargs):
         """Megatron-Core's ``GPTModel.forward``, honouring the caller's ``position_ids`` (RoPE from them) and a
         ``[b, s]`` padding mask.
 
@@ -112,38 +125,96 @@ class PackedGPTModel(GPTModel):
           ``attention_mask [b, s]`` (True or 1 at real tokens, any padding pattern: left, right, holes) makes
           each row's real tokens attend causally to the real tokens before them, computed packed (see
           :func:`packfwd.models.model.forward_masked_rows`); padded positions give zeros.
+        * ``mtp_input_ids [D, *input_ids.shape]`` (a model with ``mtp_num_layers=D``): the ids each MTP depth
+          embeds, ``[k - 1]`` holding the token ``k`` places later in the same sequence (0 where none;
+          ``packfwd.layout.labels.shift_in_sequence``, packed like the ids).  The last stage then returns
+          ``(logits, mtp_logits [D, *logits.shape])``; other stages ignore them.  Without them an MTP model
+          returns the main logits alone (its MTP layers skipped).  ``mtp_detach_head=True`` (or the config's
+          ``mtp_detach_heads``): the MTP logits see the output layer's weight detached (no MTP gradient to it).
+        * ``return_hidden=True``: the last stage returns its final-normed hidden states ``[s, b, h]`` (this rank's
+          tokens under sequence parallelism) for a fused head (``packfwd.forward.head``), output and MTP layers skipped.
         """
         if args:
             raise TypeError("pass PackedGPTModel's arguments after attention_mask by keyword")
+        if return_hidden:
+            return self._hidden_states(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params,
+                                       mtp_input_ids=mtp_input_ids, **kwargs)
+        if mtp_input_ids is not None:
+            mtp_input_ids = self._check_mtp_ids(mtp_input_ids, input_ids)
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        if position_ids is not None:  # a later pipeline stage does not read input_ids: compare with them only here
+        if self.position_embedding_type == "mrope":  # [3, b, s]; [b, s] or none: three equal coordinates
+            position_ids = mrope_positions(position_ids, input_ids if self.pre_process else None,
+                                           fill=not thd and attention_mask is None)
+        elif position_ids is not None:  # a later pipeline stage does not read input_ids: compare with them only here
             position_ids = _check_positions(position_ids, input_ids if self.pre_process else None)
         if attention_mask is not None:
             if thd:
                 raise ValueError(
                     "a THD batch takes attention_mask=None: its sequences are given by packed_seq_params"
                 )
-            return forward_masked_rows(self, input_ids, position_ids, attention_mask, **kwargs)
+            return forward_masked_rows(self, input_ids, position_ids, attention_mask, mtp_input_ids=mtp_input_ids,
+                                       mtp_detach_head=mtp_detach_head, **kwargs)
         if thd and position_ids is not None:
-            if self.rotary_pos_emb.packed:
-                packed_seq_params = with_positions(packed_seq_params, position_ids.reshape(-1))
+            if self.rotary_pos_emb.packed:  # [1, t] -> [t]; multimodal [3, 1, t] -> [3, t]
+                packed_seq_params = with_positions(packed_seq_params, position_ids.flatten(-2))
+                position_ids = None if self.position_embedding_type == "mrope" else position_ids  # read there
             else:  # Megatron-Core's own THD RoPE reads no positions: they must be the ones it computes
                 _assert_per_sequence(position_ids.reshape(-1), packed_seq_params, self.pg_collection.cp)
         kwargs = dict(kwargs, packed_seq_params=packed_seq_params)
-        if not self.forward_on_host:
-            return super().forward(input_ids, position_ids, None, **kwargs)
-        with host_collectives():
-            return super().forward(input_ids, position_ids, None, **kwargs)
+        if mtp_input_ids is not None:  # stacked under the main ids: how they reach the MTP block (mtp.py)
+            main = input_ids if input_ids is not None else torch.zeros_like(mtp_input_ids[0])
+            input_ids = torch.cat([main[None], mtp_input_ids])
+        with host_collectives() if self.forward_on_host else contextlib.nullcontext():
+            out = super().forward(input_ids, position_ids, None, **kwargs)
+            return out if mtp_input_ids is None else mtp.with_logits(self, out, detach_head=mtp_detach_head)
+
+    def _hidden_states(self, input_ids, position_ids, attention_mask, **kwargs):
+        """``forward(return_hidden=True)``: the output layer skipped (``_postprocess``), packed batches only."""
+        if attention_mask is not None or kwargs.get("mtp_input_ids") is not None:
+            raise ValueError("return_hidden=True takes a packed batch, without attention_mask or mtp_input_ids")
+        self._skip_output_layer = True
+        try:
+            return self.forward(input_ids, position_ids, None, **kwargs)
+        finally:
+            self._skip_output_layer = False
+
+    def _check_mtp_ids(self, mtp_input_ids, input_ids):
+        """``mtp_input_ids`` for this stage: None where ignored (stages without the output layer)."""
+        if not self.post_process:
+            return None
+        depth = self.config.mtp_num_layers or 0
+        if not getattr(self, "mtp_process", False):
+            raise ValueError("mtp_input_ids given to a model without MTP layers; build it with "
+                             "ModelArgs(mtp_num_layers=...), or leave mtp_input_ids out")
+        want = (depth, *input_ids.shape) if input_ids is not None else (depth, *mtp_input_ids.shape[1:])
+        if tuple(mtp_input_ids.shape) != want or mtp_input_ids.dtype.is_floating_point:
+            raise ValueError(f"mtp_input_ids has shape {tuple(mtp_input_ids.shape)} and dtype {mtp_input_ids.dtype}; "
+                             f"pass integer ids [mtp_num_layers, *input_ids.shape] = {list(want)}")
+        return mtp_input_ids
 
     def _preprocess(self, *args, **kwargs):
         """Megatron-Core's preprocessing, with a BSHD batch's RoPE angles taken from ``position_ids`` per token
-        (Megatron-Core's own are ``0..s-1`` whatever the positions)."""
+        (Megatron-Core's own are ``0..s-1`` whatever the positions); stacked MTP ids embed their main row."""
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.dim() == 3:
+            kwargs["input_ids"] = ids[0]
         out = super()._preprocess(*args, **kwargs)
         positions, params = kwargs.get("position_ids"), kwargs.get("packed_seq_params")
-        if positions is None or params is not None or out[1] is None:
-            return out
+        if positions is None or params is not None or out[1] is None or self.position_embedding_type == "mrope":
+            return out  # (multimodal RoPE: Megatron-Core's "mrope" branch computed them per token already)
         angles = rotary_angles(self.rotary_pos_emb, positions.transpose(0, 1))  # [s, b, d]
         return (out[0], angles[:, :, None, :], *out[2:])
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        """Megatron-Core's postprocessing; on a stage with MTP layers, unless Megatron-Core's own MTP loss is
+        asked for (``labels=`` with 2-D ids), :func:`packfwd.models.mtp.postprocess`: the main logits alone,
+        or with stacked MTP ids ``(logits, each depth's hidden states)``.  Under ``forward(return_hidden=True)``:
+        the hidden states."""
+        if getattr(self, "_skip_output_layer", False):
+            return hidden_states
+        if getattr(self, "mtp_process", False) and (labels is None or input_ids.dim() == 3):
+            return mtp.postprocess(self, hidden_states, input_ids, position_ids=position_ids, **kwargs)
+        return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
 
 
 def _assert_per_sequence(positions: torch.Tensor, params, model_cp_group) -> None:
@@ -197,13 +268,13 @@ def _check_positions(position_ids, input_ids) -> torch.Tensor:
     return position_ids
 
 
-def forward_masked_rows(model, input_ids, position_ids, attention_mask, **kwargs):
+def forward_masked_rows(model, input_ids, position_ids, attention_mask, mtp_input_ids=None, **kwargs):
     """``model`` on a BSHD batch with a ``[b, s]`` padding mask (True at real tokens), computed packed: the rows'
     real tokens go to the THD layout (``packfwd.to_thd``), run with causal attention per row, and come back to
     ``[b, s, ...]`` with zeros at padding.  Positions: the caller's, else each token's index in its row's real
     tokens.  One host sync (planning).  A pipeline stage without the output layer returns THD hidden states
     ``[t, 1, h]``; the next stage takes them through ``set_input_tensor`` and the same call."""
-    from packfwd import from_thd, plan_thd, position_ids as thd_positions, to_thd
+    from packfwd import from_thd, pack_positions, plan_thd, position_ids as thd_positions, to_thd
 
     if attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point:
         raise ValueError(
@@ -222,10 +293,19 @@ def forward_masked_rows(model, input_ids, position_ids, attention_mask, **kwargs
         from packfwd.forward.guards import empty_output, model_facts
 
         shape = tuple(attention_mask.shape) if model.post_process else (0, 1)
-        return empty_output(model, model_facts(model, tp, 1), shape)
+        out = empty_output(model, model_facts(model, tp, 1), shape)
+        return out if mtp_input_ids is None else (out, out.expand(len(mtp_input_ids), *out.shape))
     ids = to_thd(input_ids, info)[0][None] if input_ids is not None and model.pre_process else None  # else unread
-    positions = thd_positions(info) if position_ids is None else to_thd(position_ids, info)[0]
-    out = model(ids, positions[None], None, packed_seq_params=info.packed_seq_params(), **kwargs)
+    if kwargs.get("decoder_input") is not None:
+        raise ValueError("decoder_input with a BSHD attention_mask: pack the embeddings with the plan "
+                         "(packfwd.to_thd, or make_forward(vision=True)'s packing) and pass packed_seq_params")
+    positions = thd_positions(info)[None] if position_ids is None else pack_positions(position_ids, info)[..., None, :]
+    if mtp_input_ids is not None:  # [D, b, s] -> [D, 1, t]
+        kwargs["mtp_input_ids"] = to_thd(mtp_input_ids.permute(1, 2, 0), info)[0].T[:, None]
+    out = model(ids, positions, None, packed_seq_params=info.packed_seq_params(), **kwargs)  # [1, t] or [3, 1, t]
     if not model.post_process:
         return out
-    return from_thd(out[0], info)
+    if mtp_input_ids is None:
+        return from_thd(out[0], info)
+    logits, depths = out  # [1, t, v], [D, 1, t, v]
+    return from_thd(logits[0], info), from_thd(depths[:, 0].transpose(0, 1), info).permute(2, 0, 1, 3)

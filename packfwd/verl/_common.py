@@ -1,5 +1,5 @@
 """What both verl forwards share: Megatron's parallel state read once, verl's alignment, the THD plan that
-reproduces verl's layout, verl's ``PackedSeqParams``, the CP gather verl's unpacking does, and the MTP gate.
+reproduces verl's layout, verl's ``PackedSeqParams``, the CP gather verl's unpacking does, and the model call.
 
 Megatron-Core is imported inside the functions only.
 """
@@ -70,6 +70,7 @@ class ModelFacts:
     post_process: bool
     sequence_parallel: bool
     fp8: Any
+    takes_packing: bool = False  # declares packfwd's vision hook (packfwd.forward.vision): it gets one
 
     @property
     def fp8_padding(self) -> bool:
@@ -77,6 +78,7 @@ class ModelFacts:
 
 
 def model_facts(model: torch.nn.Module) -> ModelFacts:
+    from packfwd.forward.vision import takes_packing
     from packfwd.models.gpt import unwrap  # imports no Megatron-Core
 
     inner = unwrap(model)
@@ -86,6 +88,7 @@ def model_facts(model: torch.nn.Module) -> ModelFacts:
         post_process=bool(getattr(inner, "post_process", True)),
         sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
         fp8=getattr(config, "fp8", None),
+        takes_packing=takes_packing(model),
     )
 
 
@@ -93,14 +96,6 @@ def multimodal_kwargs(multi_modal_inputs: Mapping[str, Tensor] | None, device: t
     """verl's four image/video inputs, on ``device``; other keys are not passed (as in verl)."""
     inputs = multi_modal_inputs or {}
     return {k: inputs[k].to(device) for k in MULTIMODAL_KEYS if k in inputs}
-
-
-def check_no_mtp(enabled: bool) -> None:
-    if enabled:
-        raise NotImplementedError(
-            "multi-token prediction (MTP) in packfwd's forward is not built yet (a later feature); run with MTP "
-            "training off (mtp_config=None or mtp_config.enable_train=False; mtp_enable_train=False)"
-        )
 
 
 def plan_verl_thd(mask: Tensor | None, par: Parallel, *, fp8_padding: bool = False, bucket: int | None = None,
@@ -149,12 +144,15 @@ def gather_cp(y: Tensor, par: Parallel) -> list[Tensor]:
     return parts
 
 
-def run_and_unpack(model, kwargs: dict, facts: ModelFacts, unpack, processor, processor_args):
-    """The model on the packed call; on the last stage its output (or the processor's, called with
-    ``processor_args()``) unpacked; a middle pipeline stage's hidden states as they are."""
+def run_and_unpack(model, kwargs: dict, facts: ModelFacts, unpack, processor, processor_args, finish=None):
+    """The model on the packed call; on the last stage its output (through ``finish`` first, when given: the MTP
+    loss, ``packfwd.verl.mtp``) or the processor's, called with ``processor_args()``, unpacked; a middle pipeline
+    stage's hidden states as they are."""
     output = model(**kwargs)
     if not facts.post_process:
         return output
+    if finish is not None:
+        output = finish(output)
     if processor is None:
         return unpack(output)
     return {k: unpack(v) for k, v in processor(output, **processor_args()).items()}

@@ -27,8 +27,9 @@ from torch import Tensor
 
 from packfwd import from_bshd, from_thd, plan_bshd, to_bshd, to_thd
 
-from ._common import (Parallel, check_no_mtp, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd,
-                      read_parallel, run_and_unpack, verl_packed_seq_params)
+from ._common import (Parallel, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd, read_parallel,
+                      run_and_unpack, verl_packed_seq_params)
+from .mtp import check_mtp_model, engine_loss_mask, mtp_call, mtp_targets
 
 __all__ = ["gptmodel_forward_model_engine"]
 
@@ -60,7 +61,9 @@ def gptmodel_forward_model_engine(
     (BSHD): the width before alignment, at least the longest sequence.  ``local_cp_size``: dynamic CP (needs a
     Megatron-Core that has it).  ``cp_layout``: ``"zigzag"`` (``"contiguous"`` only without CP).
     ``vision_model``: the model gets the ids padded with ``pad_token_id`` and their mask.  ``router_padding_mask``
-    is passed to the model as ``padding_mask`` (THD).  ``mtp_enable_train=True`` raises ``NotImplementedError``.
+    is passed to the model as ``padding_mask`` (THD).  ``mtp_enable_train=True`` (a packfwd model with MTP layers):
+    the MTP loss of ``label`` and ``loss_mask`` (verl's), each depth read within its own sequence, hung on the
+    backward as verl's model does (``packfwd.verl.mtp``).
 
     >>> import torch
     >>> from packfwd.models.runtime import ensure_model_parallel
@@ -80,11 +83,12 @@ def gptmodel_forward_model_engine(
         raise ValueError(f"data_format={data_format!r}; pass one of {_FORMATS}")
     if cp_layout not in ("zigzag", "contiguous"):
         raise ValueError(f"Unsupported context parallel layout cp_layout={cp_layout!r}; pass 'zigzag' or 'contiguous'")
-    check_no_mtp(bool(mtp_enable_train))
     if not (isinstance(input_ids, Tensor) and input_ids.is_nested):
         raise TypeError("input_ids must be a jagged nested tensor [b, j] (torch.nested.nested_tensor(..., "
                         "layout=torch.jagged)); for padded [b, s] batches use packfwd.verl.model_forward_gen")
     facts = model_facts(model)
+    mtp = bool(mtp_enable_train) and facts.post_process
+    targets = _mtp_targets(model, input_ids, logits_processor_args or {}) if mtp else None
     extra = multimodal_kwargs(multi_modal_inputs, input_ids.device)
     if data_format == "thd":
         par = read_parallel(local_cp_size)
@@ -94,14 +98,19 @@ def gptmodel_forward_model_engine(
         if router_padding_mask is not None:
             extra["padding_mask"] = router_padding_mask
         call, pack, unpack = _thd(input_ids, par, facts, vision_model, pad_token_id, pad_to_length_bucket,
-                                  local_cp_size, mtp_loss_normalization_factor)
+                                  local_cp_size, mtp_loss_normalization_factor, mtp)
     else:
         if local_cp_size is not None:
             raise ValueError("local_cp_size (dynamic CP) needs data_format='thd' (as in verl)")
         par = read_parallel()
-        call, pack, unpack = _bshd(input_ids, par, facts, vision_model, pad_token_id, forced_max_seqlen)
+        call, pack, unpack = _bshd(input_ids, par, facts, vision_model, pad_token_id, forced_max_seqlen, mtp)
+    finish = None
+    if mtp:  # verl reads the normalization factor from the THD PackedSeqParams only
+        factor = mtp_loss_normalization_factor if data_format == "thd" else None
+        mtp_kwargs, finish = mtp_call(model, targets, pack, factor)
+        call.update(mtp_kwargs)
     result = run_and_unpack(model, {**call, **extra}, facts, unpack, logits_processor, lambda: {
-        k: _pack_arg(k, v, pack) for k, v in (logits_processor_args or {}).items() if k not in _NOT_PASSED})
+        k: _pack_arg(k, v, pack) for k, v in (logits_processor_args or {}).items() if k not in _NOT_PASSED}, finish)
     if not facts.post_process:
         return result  # a middle pipeline stage: hidden states for the next one
     if value_model and isinstance(result, Tensor):
@@ -134,12 +143,32 @@ def next_in_sequence(label: Tensor) -> Tensor:
     return torch.nested.nested_tensor_from_jagged(nxt, offsets)
 
 
-def _thd(input_ids, par: Parallel, facts, vision, pad_token_id, bucket, local_cp_size, mtp_norm):
+def _mtp_targets(model, input_ids, args):
+    """verl's engine MTP inputs: ``label`` (the tokens themselves, jagged or padded ``[b, s]`` cut to each
+    length) and the loss mask built from ``loss_mask``/``response_attention_mask``; each depth's read within its
+    own sequence (``packfwd.verl.mtp``)."""
+    depth = check_mtp_model(model)
+    if "label" not in args or "loss_mask" not in args:
+        raise ValueError("MTP training (mtp_enable_train) reads logits_processor_args['label'] and ['loss_mask'], "
+                         "as verl does; pass both")
+    label = args["label"]
+    if not label.is_nested:
+        lengths = input_ids.offsets().diff()
+        if label.shape[1] < int(lengths.max()):
+            raise ValueError(f"label has {label.shape[1]} columns but a sequence has {int(lengths.max())} tokens; "
+                             "pass the labels jagged like input_ids or padded to the longest sequence")
+        keep = torch.arange(label.shape[1], device=label.device) < lengths.to(label.device)[:, None]
+        label = torch.nested.nested_tensor_from_jagged(label[keep], input_ids.offsets())
+    mask = engine_loss_mask(input_ids, args["loss_mask"], args.get("response_attention_mask"))
+    return mtp_targets(input_ids, None, label, mask, depth, offset=1)
+
+
+def _thd(input_ids, par: Parallel, facts, vision, pad_token_id, bucket, local_cp_size, mtp_norm, mtp=False):
     info = plan_verl_thd(None, par, fp8_padding=facts.fp8_padding, bucket=bucket, x=input_ids)
     params = verl_packed_seq_params(info, par, local_cp_size)
     if mtp_norm is not None:
         params._verl_mtp_loss_normalization_factor = mtp_norm  # where verl puts it (read by its MTP patches)
-    call = dict(input_ids=to_thd(input_ids, info)[0][None] if facts.pre_process else input_ids,
+    call = dict(input_ids=to_thd(input_ids, info)[0][None] if facts.pre_process or mtp else input_ids,
                 attention_mask=None, position_ids=None, packed_seq_params=params)
     if vision:  # verl's vision input: the ids padded to the longest sequence rounded up to align, and the mask
         width = -(-info.seq_len // par.align) * par.align
@@ -156,13 +185,13 @@ def _thd(input_ids, par: Parallel, facts, vision, pad_token_id, bucket, local_cp
     return call, pack, unpack
 
 
-def _bshd(input_ids, par: Parallel, facts, vision, pad_token_id, forced_max_seqlen):
+def _bshd(input_ids, par: Parallel, facts, vision, pad_token_id, forced_max_seqlen, mtp=False):
     info = plan_bshd(None, x=input_ids, tp_size=par.align)  # width: the longest sequence rounded up to align
     width = _bshd_width(info.width, forced_max_seqlen, par, facts.fp8_padding, input_ids.shape[0])
     ids = to_bshd(input_ids, info)[0]
     mask = _zigzag(_widen(info.attention_mask, width), par)  # [b, w_local] bool
     positions = _zigzag(torch.arange(width, device=mask.device), par, dim=0).expand_as(mask)
-    call = dict(input_ids=_zigzag(_widen(ids, width), par) if facts.pre_process else input_ids,
+    call = dict(input_ids=_zigzag(_widen(ids, width), par) if facts.pre_process or mtp else input_ids,
                 attention_mask=mask, position_ids=positions)
     if vision:  # verl's vision input: the whole rows, padded to the forced or longest length rounded up to align
         vision_width = _bshd_width(info.width, forced_max_seqlen, par, False, input_ids.shape[0])

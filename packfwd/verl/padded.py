@@ -23,9 +23,11 @@ import torch
 from torch import Tensor
 
 from packfwd import from_bshd, from_thd, plan_bshd, to_bshd, to_thd
+from packfwd.forward.vision import VisionPacking
 
-from ._common import (Parallel, check_no_mtp, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd,
-                      read_parallel, run_and_unpack, verl_packed_seq_params)
+from ._common import (Parallel, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd, read_parallel,
+                      run_and_unpack, verl_packed_seq_params)
+from .mtp import check_mtp_model, mtp_call, mtp_targets
 
 __all__ = ["model_forward_gen"]
 
@@ -40,8 +42,12 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     ``input_ids``, ``attention_mask`` (bool or 0/1), ``position_ids``: ``[b, s]``.  Parallel sizes, ranks and
     groups come from ``megatron.core.parallel_state``; sequence parallelism and FP8 from the model's config.
     ``vision_model=True``: the model gets the padded ids and mask with ``PackedSeqParams`` (THD) and packs after
-    embedding the images itself, as verl's vision models do.  ``mtp_config`` with ``enable_train`` set raises
-    ``NotImplementedError`` (multi-token prediction is not built yet).
+    embedding the images itself, as verl's vision models do; a model that declares packfwd's ``packing`` hook
+    (``packfwd.vision.VisionLanguageModel``; :mod:`packfwd.forward.vision`) also gets it, with verl's plan.
+    ``mtp_config`` with ``enable_train`` set (a packfwd model with MTP layers): the MTP loss of
+    ``logits_processor_args``' ``label``/``label_mask``, each depth's labels shifted within its own sequence, hung
+    on the backward as verl's model does (``packfwd.verl.mtp``), in THD and BSHD (verl's BSHD forward passes no
+    labels, so trains no MTP).
 
     >>> import torch
     >>> from packfwd.models.runtime import ensure_model_parallel
@@ -66,16 +72,28 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     ):
         if data_format not in _FORMATS:
             raise ValueError(f"data_format={data_format!r}; pass one of {_FORMATS}")
-        check_no_mtp(bool(mtp_config is not None and getattr(mtp_config, "enable_train", False)))
         facts = model_facts(model)
+        mtp = bool(mtp_config is not None and getattr(mtp_config, "enable_train", False)) and facts.post_process
+        if mtp:
+            depth = check_mtp_model(model, mtp_config)
+            args = logits_processor_args or {}
+            if "label" not in args or "label_mask" not in args:
+                raise ValueError("MTP training (mtp_config.enable_train) reads logits_processor_args['label'] and "
+                                 "['label_mask'] ([b, s], the next token and its mask), as verl does; pass both")
+            targets = mtp_targets(input_ids, attention_mask, args["label"], args["label_mask"], depth)
         par = read_parallel()
         extra = multimodal_kwargs(multi_modal_inputs, input_ids.device)
         if data_format == "thd":
-            call, pack, unpack = _thd(input_ids, attention_mask, position_ids, par, facts, vision_model)
+            call, pack, unpack = _thd(input_ids, attention_mask, position_ids, par, facts, vision_model, mtp)
         else:
-            call, pack, unpack = _bshd(input_ids, attention_mask, position_ids, par, facts, vision_model)
+            call, pack, unpack = _bshd(input_ids, attention_mask, position_ids, par, facts, vision_model, mtp)
+        finish = None
+        if mtp:
+            mtp_kwargs, finish = mtp_call(model, targets, pack)
+            call.update(mtp_kwargs)
         result = run_and_unpack(model, {**call, **extra}, facts, unpack, logits_processor, lambda: {
-            k: pack(v) if isinstance(v, Tensor) and v.dim() else v for k, v in (logits_processor_args or {}).items()})
+            k: pack(v) if isinstance(v, Tensor) and v.dim() else v for k, v in (logits_processor_args or {}).items()},
+            finish)
         if not facts.post_process:
             return result  # a middle pipeline stage: hidden states for the next one
         if value_model and isinstance(result, Tensor):
@@ -85,16 +103,19 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     return model_forward
 
 
-def _thd(input_ids, attention_mask, position_ids, par: Parallel, facts, vision: bool):
-    """The model's arguments and the pack/unpack of one THD forward (verl's layout)."""
+def _thd(input_ids, attention_mask, position_ids, par: Parallel, facts, vision: bool, mtp: bool = False):
+    """The model's arguments and the pack/unpack of one THD forward (verl's layout).  With MTP the last stage
+    gets the packed ids too (as in verl)."""
     info = plan_verl_thd(attention_mask, par, fp8_padding=facts.fp8_padding)
     call = dict(
-        input_ids=to_thd(input_ids, info)[0][None] if facts.pre_process and not vision else input_ids,
+        input_ids=to_thd(input_ids, info)[0][None] if (facts.pre_process or mtp) and not vision else input_ids,
         attention_mask=attention_mask if vision else None,
         # packed like the ids (verl passes the padded [b, s] positions, which Megatron's RoPE never reads)
         position_ids=None if vision else _packed_positions(position_ids, info),
         packed_seq_params=verl_packed_seq_params(info, par),
     )
+    if vision and facts.takes_packing:  # packfwd's vision models pack their embeddings with verl's plan
+        call["packing"] = VisionPacking(info)
 
     def pack(v: Tensor) -> Tensor:  # [b, s, *] -> [1, t_local, *]
         return to_thd(v, info)[0][None]
@@ -111,7 +132,7 @@ def _packed_positions(position_ids, info):
     return to_thd(position_ids, info)[0][None]
 
 
-def _bshd(input_ids, attention_mask, position_ids, par: Parallel, facts, vision: bool):
+def _bshd(input_ids, attention_mask, position_ids, par: Parallel, facts, vision: bool, mtp: bool = False):
     """The model's arguments and the pack/unpack of one BSHD forward (verl's compacted layout)."""
     if par.cp > 1:
         raise ValueError("data_format='bshd' has no context parallelism (neither has verl's); use data_format='thd'")
@@ -120,10 +141,12 @@ def _bshd(input_ids, attention_mask, position_ids, par: Parallel, facts, vision:
     info = plan_bshd(attention_mask, tp_size=par.tp if facts.sequence_parallel else 1)
     positions = None if vision or position_ids is None else to_bshd(position_ids, info)[0]
     call = dict(
-        input_ids=to_bshd(input_ids, info)[0] if facts.pre_process or vision else input_ids,
+        input_ids=to_bshd(input_ids, info)[0] if facts.pre_process or vision or mtp else input_ids,
         position_ids=positions,
         attention_mask=info.attention_mask.to(attention_mask.dtype),  # [b, w], real tokens first
     )
+    if vision and facts.takes_packing:  # packfwd's vision models: the hook of the compacted layout
+        call["packing"] = VisionPacking(info)
 
     def pack(v: Tensor) -> Tensor:  # [b, s, *] -> [b, w, *]
         return to_bshd(v, info)[0]

@@ -20,3 +20,6 @@ from .text import thd_plans as thd_plans
 from .text import token_codes as token_codes
 from .text import token_names as token_names
 from .text import verl_seq_align as verl_seq_align
+from .vision import draw_mrope_cp_split as draw_mrope_cp_split
+from .vision import draw_mrope_positions as draw_mrope_positions
+from .vision import vision_items as vision_items
