@@ -1,5 +1,6 @@
 """Micro-batch planning: packfwd's ``plan_micro_batches`` against verl 0.9.1's ``get_seqlen_balanced_partitions``
-/ ``rearrange_micro_batches`` on the same global batches: balance, budget violations and planning time.
+/ ``rearrange_micro_batches`` and NeMo-RL's sequence packing on the same global batches: balance, budget
+violations and planning time.
 
 Batches: the five length distributions of ``tests/micro_lengths.py`` (uniform, long-tailed, RL prompt+response,
 many of length 1, some at the budget), 1,000 and 10,000 sequences, lengths up to ``max_len`` = 8192, DP over
@@ -15,13 +16,21 @@ parallelism (``tp = cp = 1``: padded = real lengths) and ``tp = 4, cp = 2`` with
   cost=("flops", 24576, 1))``: the same workload, so both balance the same numbers.  ``packfwd@verl count``: the
   same with ``min_micro_batches=`` verl's count, to compare balance at an equal number of micro-batches (packfwd
   usually needs fewer, and fewer, fuller micro-batches are harder to balance).
+* NeMo-RL, as its policy runs it with ``sequence_packing`` (``tests/nemo_rl_packing_ref.py``, re-implemented from
+  its source, which says what it does and at which commit: the ``nemo-rl`` package on PyPI is an empty
+  placeholder): every length rounded up to ``sequence_length_pad_multiple`` (here the layout's alignment, 1 or
+  16, what ``make_sequence_length_divisible_by`` must be for it), modified first-fit decreasing into bins of
+  ``max_tokens_per_microbatch = max_tokens * cp`` padded tokens (its budget counts the micro-batch before the CP
+  split), the bin count raised to a multiple of ``dp``, bins dealt to ranks round robin; no cost model.
+  ``packfwd@nemo-rl count``: packfwd at NeMo-RL's count.
 
 Reported per planner: micro-batches per rank, ``mb max/mean`` (costliest micro-batch over the mean, all ranks),
 ``rank max/mean`` (costliest rank's total over the mean), ``violations`` (micro-batches whose real footprint,
 ``plan_thd(...).local_tokens`` computed with ``packfwd.layout.rules``, exceeds ``max_tokens``), the largest
-footprint over the budget, and planning milliseconds (packfwd: median of 7 calls; verl: one call, it is slow).
+footprint over the budget, and planning milliseconds (packfwd and NeMo-RL: median of 7 calls, NeMo-RL's being
+the re-implementation's; verl: one call, it is slow).
 
-    python benchmarks/bench_micro_batches.py [--smoke] [--out benchmarks/results/micro_batches.json]
+    python benchmarks/bench_micro_batches.py [--smoke] [--no-verl] [--out benchmarks/results/micro_batches.json]
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from common import environment, table, write_json  # noqa: E402
 from packfwd.layout import rules  # noqa: E402
 from packfwd.micro import plan_micro_batches  # noqa: E402
 from tests.micro_lengths import KINDS, lengths  # noqa: E402
+from tests.nemo_rl_packing_ref import nemo_rl_plan  # noqa: E402
 from tests.verl_balance_ref import load_verl_balancing, verl_plan  # noqa: E402
 
 A, B = 24576, 1  # verl's calculate_workload: 24576 L + L^2
@@ -72,18 +82,30 @@ def metrics(plan: list, seqlens: list[int], tp: int, cp: int, align: int | None)
     }
 
 
+def timed(plan_fn, calls: int = 7):
+    """``(result, median milliseconds)`` of ``calls`` calls of ``plan_fn()``."""
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        result = plan_fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return result, statistics.median(times)
+
+
 def run_case(verl, n: int, dp: int, layout: str, kind: str, seed: int, *, with_verl: bool) -> list[dict]:
     tp, cp, align = LAYOUTS[layout]
     seqlens = lengths(kind, n, MAX_LEN, seed)
     kw = dict(max_tokens=MAX_TOKENS, dp_size=dp, tp_size=tp, cp_size=cp, seq_align=align, cost=("flops", A, B))
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        plan = plan_micro_batches(seqlens, **kw)
-        times.append((time.perf_counter() - t0) * 1e3)
+    plan, ms = timed(lambda: plan_micro_batches(seqlens, **kw))
     case = dict(n=n, dp=dp, layout=layout, kind=kind)
-    rows = [dict(case, planner="packfwd", ms=statistics.median(times),
-                 **metrics(plan.micro_batches, seqlens, tp, cp, align))]
+    rows = [dict(case, planner="packfwd", ms=ms, **metrics(plan.micro_batches, seqlens, tp, cp, align))]
+    # NeMo-RL: the same alignment as its pad multiple, its budget on the micro-batch before the CP split.
+    pad = rules.check_seq_align(align, cp, tp)
+    nemo, ms = timed(lambda: nemo_rl_plan(seqlens, max_tokens=MAX_TOKENS * cp, dp_size=dp, pad_multiple=pad))
+    rows.append(dict(case, planner="nemo-rl", ms=ms, **metrics(nemo, seqlens, tp, cp, align)))
+    same = plan_micro_batches(seqlens, **kw, min_micro_batches=len(nemo[0]))  # balance at NeMo-RL's count
+    rows.append(dict(case, planner="packfwd@nemo-rl count", ms=None,
+                     **metrics(same.micro_batches, seqlens, tp, cp, align)))
     if with_verl and verl is not None:
         t0 = time.perf_counter()
         theirs = verl_plan(verl, seqlens, max_token_len=MAX_TOKENS * cp, dp_size=dp)
@@ -100,24 +122,29 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="small sizes, seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "micro_batches.json")
     ap.add_argument("--no-verl-10k", action="store_true", help="skip verl at 10,000 sequences (minutes)")
+    ap.add_argument("--no-verl", action="store_true", help="skip verl everywhere (quick runs)")
     args = ap.parse_args(argv)
-    verl = load_verl_balancing()
+    verl = None if args.no_verl else load_verl_balancing()
     if verl is None:
-        print("verl is not installed: packfwd only")
+        print("verl skipped or not installed: packfwd and NeMo-RL only")
     sizes = [(200, 4)] if args.smoke else [(1000, 1), (1000, 8), (10000, 8)]
     rows = []
     for n, dp in sizes:
         for layout in LAYOUTS:
             for kind in KINDS:
                 with_verl = not (n >= 10000 and args.no_verl_10k)
-                rows += run_case(verl, n, dp, layout, kind, seed=0, with_verl=with_verl)
-                print(table(rows[-3:], COLUMNS), flush=True)
+                case_rows = run_case(verl, n, dp, layout, kind, seed=0, with_verl=with_verl)
+                rows += case_rows
+                print(table(case_rows, COLUMNS), flush=True)
     ours = [r for r in rows if r["planner"].startswith("packfwd")]
     failed = [r for r in ours if r["violations"] or not r["same_count_on_every_rank"]]
     summary = {
         "packfwd_max_ms_10k": max((r["ms"] for r in ours if r["n"] >= 10000 and r["ms"]), default=None),
         "packfwd_violations": sum(r["violations"] for r in ours),
         "verl_violations": sum(r["violations"] for r in rows if r["planner"] == "verl"),
+        "nemo_rl_violations": sum(r["violations"] for r in rows if r["planner"] == "nemo-rl"),
+        "nemo_rl_max_ms_10k": max((r["ms"] for r in rows if r["planner"] == "nemo-rl" and r["n"] >= 10000),
+                                  default=None),
     }
     print("\n" + table(rows, COLUMNS) + f"\n\n{summary}")
     write_json(args.out, {"env": environment(), "max_tokens": MAX_TOKENS, "max_len": MAX_LEN, "rows": rows,
