@@ -12,7 +12,8 @@ g2 * entropy)``, random ``g``, every label valid), gradients w.r.t. the hidden s
   CuTe-DSL kernels where liger can load them, else its torch fallback, named ``liger_scaled_fallback``);
 * ``fused``: ``packfwd.logits.fused_log_probs_and_entropy`` (what ``make_forward(..., head="fused")`` runs);
 * ``fused_tgrad``: the same with a per-token temperature that requires grad (the others use T = 1.0);
-* ``fused_half``: the same with ``token_mask`` selecting half the tokens (response-only work).
+* ``fused_half``: the same with ``token_mask`` selecting half the tokens (response-only work);
+* ``fused_small_blocks``: ``fused`` with ``chunk_size`` half its default (2**25 / t vocab rows per block).
 
 liger-kernel is a benchmark-only dependency: its methods run when ``import liger_kernel`` works (on the GPU
 machine: ``pip install --no-deps --target /tmp/site .whl19/liger_kernel-*.whl`` and ``PYTHONPATH=.:/tmp/site``)
@@ -80,6 +81,13 @@ def fused(hidden, weight, labels, temperature, token_mask=None):
     return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, token_mask=token_mask)
 
 
+def fused_small_blocks(hidden, weight, labels, temperature, token_mask=None):
+    """The fused head with half its default block of vocab rows: less memory, more, smaller matmuls."""
+    chunk = max(128, (1 << 25) // hidden.shape[0] // 128 * 128)
+    return fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, token_mask=token_mask,
+                                       chunk_size=chunk)
+
+
 def liger_flce(hidden, weight, labels, temperature, token_mask=None):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -106,6 +114,7 @@ METHODS = {
     "naive": (naive, "one", False), "chunked": (chunked, "one", False), "liger_flce": (liger_flce, "one", False),
     "liger_scaled": (liger_scaled, "one", False), "fused": (fused, "one", False),
     "fused_tgrad": (fused, "grad", False), "fused_half": (fused, "one", True),
+    "fused_small_blocks": (fused_small_blocks, "one", False),
 }
 
 
