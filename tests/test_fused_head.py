@@ -120,6 +120,21 @@ def test_fused_head_without_a_token_mask():
     assert_same(run(model, "fused", token_mask=False), run(model, "logits", token_mask=False), "no mask")
 
 
+def test_call_time_chunk_size_sets_the_fused_blocks():
+    """``chunk_size=`` given to the forward reaches the fused function (vocab rows per block: less memory, more and
+    smaller matmuls); the numbers do not change, and a bad value is refused there."""
+    model = from_hf(hf(False))
+    ids, mask, labels, _, _ = batch()
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy, head="fused")
+    with torch.no_grad():
+        want = forward(model, ids, mask, labels=labels)
+        got = forward(model, ids, mask, labels=labels, chunk_size=16)
+    for k in ("log_probs", "entropy"):
+        torch.testing.assert_close(got[k], want[k], **OUT_TOL)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        forward(model, ids, mask, labels=labels, chunk_size=0)
+
+
 def test_function_against_float64():
     """``fused_log_probs_and_entropy`` alone: several vocab blocks (the last one short), selected rows, ignored
     labels, a per-token temperature; values and gradients of hidden, weight and temperature against float64
