@@ -91,6 +91,7 @@ def _block(k: int) -> int:
 # ---------------------------------------------------------------------------------------------------- the kernels
 
 if triton is not None:
+    from .logprob import label_grad, online_block
 
     @triton.jit
     def _stats_kernel(
@@ -109,18 +110,7 @@ if triton is not None:
         for start in range(0, K, BLOCK):
             c = start + cols
             raw = tl.load(base + c, mask=c < K, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(raw, 0))
-            same = m_new == m  # also both -inf: nothing finite so far
-            d = tl.where(same, 0.0, (m - m_new) * inv)  # <= 0; -inf when m was -inf (then s = e = 0)
-            w = tl.exp(d)
-            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-            z = (raw - m_use) * inv
-            p = tl.exp(z)
-            if WANT_ENT:
-                pz = tl.where(p > 0, p * z, 0.0)
-                e = tl.where(s > 0, w * (e + d * s), 0.0) + tl.sum(pz, 0)
-            s = s * w + tl.sum(p, 0)
-            m = m_new
+            m, s, e = online_block(m, s, e, raw, inv, WANT_ENT)
         tl.store(m_io + row, m)
         tl.store(s_io + row, s)
         if WANT_ENT:
@@ -153,16 +143,8 @@ if triton is not None:
         if HAS_ENT:
             gent = tl.load(g_ent + row)
             mz = tl.load(mz_in + row)
-        # the label's entry: g_logp (1 - p) - g_ent p (z - mean_z), with 1 - p = -expm1(log p)
         z_l = (tl.load(base + tl.where(hit, lab, 0)).to(tl.float32) - m) * inv
-        log_pl = z_l - log_s
-        p_l = tl.exp(log_pl)
-        # expm1 without cancellation: (u - 1) * y / log u is exact to rounding for u = exp(y) near 1
-        em1 = tl.where(p_l == 1.0, log_pl, (p_l - 1.0) * log_pl / tl.log(p_l))
-        em1 = tl.where(p_l == 0.0, -1.0, em1)
-        label_dx = -glp * em1
-        if HAS_ENT:
-            label_dx -= tl.where(p_l > 0, gent * p_l * (z_l - mz), 0.0)
+        label_dx = label_grad(z_l, log_s, glp, gent, mz, HAS_ENT)
         label_col = tl.where(hit, lab, -1)
         acc = tl.zeros([], dtype=tl.float32)
         cols = tl.arange(0, BLOCK)

@@ -124,6 +124,37 @@ def _rows_contiguous(x: Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def online_block(m, s, e, raw, inv, WANT_ENT: tl.constexpr):
+        """One block of a row's raw logits folded into its running max ``m``, sum ``s`` of exp((x - m) inv) and
+        entropy term ``e`` (the sum of p z, rescaled with ``s``); shared by the row kernels here and the fused
+        linear kernels (``linear_logprob.py``)."""
+        m_new = tl.maximum(m, tl.max(raw, 0))
+        same = m_new == m  # also both -inf: nothing finite so far
+        d = tl.where(same, 0.0, (m - m_new) * inv)  # <= 0; -inf when m was -inf (then s = e = 0)
+        w = tl.exp(d)
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        z = (raw - m_use) * inv
+        p = tl.exp(z)
+        if WANT_ENT:
+            pz = tl.where(p > 0, p * z, 0.0)
+            e = tl.where(s > 0, w * (e + d * s), 0.0) + tl.sum(pz, 0)
+        s = s * w + tl.sum(p, 0)
+        return m_new, s, e
+
+    @triton.jit
+    def label_grad(z_l, log_s, glp, gent, mz, HAS_ENT: tl.constexpr):
+        """dL/dz at the label's entry: g_logp (1 - p) - g_ent p (z - mean_z), with 1 - p = -expm1(log p)."""
+        log_pl = z_l - log_s
+        p_l = tl.exp(log_pl)
+        # expm1 without cancellation: (u - 1) * y / log u is exact to rounding for u = exp(y) near 1
+        em1 = tl.where(p_l == 1.0, log_pl, (p_l - 1.0) * log_pl / tl.log(p_l))
+        em1 = tl.where(p_l == 0.0, -1.0, em1)
+        label_dx = -glp * em1
+        if HAS_ENT:
+            label_dx -= tl.where(p_l > 0, gent * p_l * (z_l - mz), 0.0)
+        return label_dx
+
+    @triton.jit
     def _logprob_fwd_kernel(
         x, stride, inv_t, labels, m_out, s_out, mz_out, logp_out, ent_out, V,
         WANT_ENT: tl.constexpr, BLOCK: tl.constexpr,
@@ -138,18 +169,7 @@ if triton is not None:
         for start in range(0, V, BLOCK):
             c = start + cols
             raw = tl.load(base + c, mask=c < V, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(raw, 0))
-            same = m_new == m  # also both -inf: nothing finite so far
-            d = tl.where(same, 0.0, (m - m_new) * inv)  # <= 0; -inf when m was -inf (then s = e = 0)
-            w = tl.exp(d)
-            m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-            z = (raw - m_use) * inv
-            p = tl.exp(z)
-            if WANT_ENT:
-                pz = tl.where(p > 0, p * z, 0.0)
-                e = tl.where(s > 0, w * (e + d * s), 0.0) + tl.sum(pz, 0)
-            s = s * w + tl.sum(p, 0)
-            m = m_new
+            m, s, e = online_block(m, s, e, raw, inv, WANT_ENT)
         lab = tl.load(labels + row)
         valid = (lab >= 0) & (lab < V)
         raw_l = tl.load(base + tl.where(valid, lab, 0)).to(tl.float32)
@@ -186,17 +206,8 @@ if triton is not None:
         if HAS_ENT:
             gent = tl.load(g_ent + row)
             mz = tl.load(mz_in + row)
-        # the label's entry, per row: g_logp (1 - p) - g_ent p (z - mean_z), with 1 - p = -expm1(log p)
         z_l = (tl.load(base + tl.where(valid, lab, 0)).to(tl.float32) - m) * inv
-        log_pl = z_l - log_s
-        p_l = tl.exp(log_pl)
-        # expm1 without cancellation: (u - 1) * y / log u is exact to rounding for u = exp(y) near 1
-        em1 = tl.where(p_l == 1.0, log_pl, (p_l - 1.0) * log_pl / tl.log(p_l))
-        em1 = tl.where(p_l == 0.0, -1.0, em1)
-        label_dx = -glp * em1
-        if HAS_ENT:
-            label_dx -= tl.where(p_l > 0, gent * p_l * (z_l - mz), 0.0)
-        label_dx = label_dx * inv
+        label_dx = label_grad(z_l, log_s, glp, gent, mz, HAS_ENT) * inv
         label_col = tl.where(valid, lab, -1)
         cols = tl.arange(0, BLOCK)
         for start in range(0, V, BLOCK):
