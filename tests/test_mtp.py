@@ -181,6 +181,8 @@ def test_forward_with_a_processor_and_without_mtp():
         pf.make_forward("thd", mtp=True)(build(type(ARGS)(**{**ARGS.__dict__, "mtp_num_layers": 0})), ids, mask)
     with pytest.raises(ValueError, match="mtp_input_ids has shape"):
         model(ids, None, mask, mtp_input_ids=ids[None])
+    with pytest.raises(ValueError, match="mtp=True with vision=True"):
+        pf.make_forward("thd", mtp=True, vision=True)
 
 
 def test_pipeline_stages_with_mtp_on_the_last():

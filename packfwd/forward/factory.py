@@ -118,10 +118,13 @@ def make_forward(
     fused = fused_head(head, logits_processor)
     if fused is not None and mtp:
         raise ValueError("head='fused' does not compute MTP outputs yet; use head='logits' with mtp=True")
+    if vision and mtp:  # the MTP forward packs ids before the model; a vision model embeds first (the hook)
+        raise ValueError("mtp=True with vision=True is not built: the MTP forward has no packing hook for a model "
+                         "that embeds first; use one of them")
     if mtp:  # multi-token prediction: every depth's ids, labels and loss mask packed with the batch (mtp.py)
         from .mtp import make_mtp_forward
 
-        return make_mtp_forward(layout, vision=vision, logits_processor=logits_processor, tp_size=tp_size,
+        return make_mtp_forward(layout, logits_processor=logits_processor, tp_size=tp_size,
                                 cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, check_group=check_group)
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,

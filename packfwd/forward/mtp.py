@@ -62,13 +62,13 @@ def mtp_targets(input_ids: Tensor, attention_mask, loss_mask, depth: int) -> dic
             "mask": mtp_loss_mask(loss_mask, attention_mask, depth)}
 
 
-def make_mtp_forward(layout, *, vision: bool, logits_processor, tp_size: int, cp_size: int, cp_rank: int,
+def make_mtp_forward(layout, *, logits_processor, tp_size: int, cp_size: int, cp_rank: int,
                      cp_group, check_group):
     """``make_forward``'s forward in MTP mode (see the module docstring); ``layout`` is its THD or BSHD adapter."""
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
                 seqlens=None, mtp_loss_mask=None, **processor_args):
-        check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
+        check_call_args(processor_args, logits_processor, multi_modal_inputs, vision=False)
 
         def prepare():
             facts = model_facts(model, tp_size, cp_size)
