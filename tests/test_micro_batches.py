@@ -6,7 +6,9 @@ Strategy:
   plan is a permutation of the batch; each micro-batch, packed for real by ``plan_thd``, holds at most
   ``max_tokens`` tokens per CP rank (the oracle is the layout itself, not the planner's own arithmetic); every
   rank has the same count, a multiple of the one asked for; empty micro-batches only when there are fewer
-  sequences than micro-batches; planning is deterministic and ``restore`` inverts it.
+  sequences than micro-batches; planning is deterministic and ``restore`` inverts it.  The packing's parts against
+  brute force on small instances: ``costliest_bounds`` bounds the costliest bin of every packing (all assignments
+  enumerated); ``best_fit_rounds`` returns packings within the capacity, and packs where LPT cannot.
 * **Step**: a tiny random Llama (``from_hf``), fp32 and fp64.  The reference is one forward and backward of the
   whole batch with the loss normalised directly (token mean, sequence mean, sum); ``run_micro_batches`` over the
   plan's micro-batches, for every DP rank in turn in one process, then over DP=2 with gloo (gradients summed by an
@@ -19,6 +21,7 @@ Strategy:
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -29,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import packfwd as pf
 from packfwd.logits import log_probs_and_entropy
-from packfwd.micro import agree_micro_batch_count, plan_micro_batches, run_micro_batches
+from packfwd.micro import agree_micro_batch_count, pack, plan_micro_batches, run_micro_batches
 
 from .micro_lengths import KINDS, lengths
 from .test_hf_interop import randomise
@@ -137,6 +140,79 @@ def test_flops_cost_balances_attention_not_tokens():
     assert sorted(flops.tokens[0]) == [64, 64]  # 64 + 64*64 vs 8 * (8 + 64): the long one stays alone either way
     lopsided = plan_micro_batches([64, 64, 8, 8, 8, 8], max_tokens=1000, cost=("flops", 0, 1), min_micro_batches=2)
     assert sorted(lopsided.costs[0]) == [4096 + 128, 4096 + 128]
+
+
+@st.composite
+def packings(draw):
+    """Small bin-packing instances: sizes, costs growing with them (FLOPs-like) or not, bins, a capacity."""
+    sizes = draw(st.lists(st.integers(0, 12), min_size=1, max_size=7))
+    cap = draw(st.integers(max(max(sizes), 1), 30))
+    bins = draw(st.integers(1, 3))
+    a, b = draw(st.integers(0, 3)), draw(st.integers(0, 2))
+    grows = draw(st.booleans())
+    costs = [a * x + b * x * x for x in sizes] if grows else draw(
+        st.lists(st.integers(0, 50), min_size=len(sizes), max_size=len(sizes)))
+    return np.asarray(sizes, dtype=np.int64), np.asarray(costs, dtype=np.float64), bins, cap
+
+
+def every_packing(sizes, costs, bins, cap):
+    """The costliest bin of every assignment of the items to the bins within the capacity (brute force)."""
+    out = []
+    for assign in itertools.product(range(bins), repeat=len(sizes)):
+        assign = np.asarray(assign)
+        if np.bincount(assign, weights=sizes, minlength=bins).max() <= cap:
+            out.append(np.bincount(assign, weights=costs, minlength=bins).max())
+    return out
+
+
+@given(packings())
+def test_costliest_bounds_bound_every_packing(case):
+    sizes, costs, bins, cap = case
+    lower, upper = pack.costliest_bounds(costs, sizes, bins, cap)
+    feasible = every_packing(sizes, costs, bins, cap)
+    assume(feasible)
+    assert min(feasible) >= lower - 1e-9  # no packing beats the lower bound
+    assert max(feasible) <= upper + 1e-9  # none exceeds the upper one
+
+
+@given(packings())
+def test_best_fit_rounds_is_a_packing_within_the_capacity(case):
+    sizes, costs, bins, cap = case
+    got = pack.best_fit_rounds(costs, sizes, bins, cap)
+    if got is None:  # it may fail only where a packing is hard; never where every item fits in its own bin
+        assert len(sizes) > bins
+        return
+    assert got.shape == sizes.shape and got.min() >= 0 and got.max() < bins
+    assert np.bincount(got, weights=sizes, minlength=bins).max() <= cap
+    assert (np.bincount(got, minlength=bins) > 0).sum() == min(len(sizes), bins)  # no bin empty that need not be
+
+
+def test_best_fit_rounds_packs_where_lpt_spreads_the_room():
+    # 2 bins of 16 for 31 tokens: LPT puts 9 | 8, then 6 on the 8 and 5 on the 9 (14 | 14), and the 3 fits in
+    # neither; best fit keeps one bin's room whole: 9 + 6 | 8 + 5 + 3.
+    sizes = np.array([9, 8, 6, 5, 3])
+    costs = sizes.astype(float)
+    assert pack.lpt(costs, sizes, 2, 16) is None
+    got = pack.best_fit_rounds(costs, sizes, 2, 16)
+    assert sorted(np.bincount(got, weights=sizes, minlength=2).tolist()) == [15, 16]
+    plan = plan_micro_batches(sizes.tolist(), max_tokens=16)  # so the planner needs no third micro-batch
+    assert plan.num_micro_batches == 2
+
+
+def test_a_forced_costliest_micro_batch_takes_the_fewest_micro_batches():
+    # RL-like: a fifth of the responses cut at the generation limit, each sequence then exactly half the budget.
+    # More sequences at that length than micro-batches: some micro-batch holds two, and nothing is costlier than
+    # that, so every plan at the fewest micro-batches is as balanced as any plan with more can be.
+    seqlens = lengths("rl", 1000, 8192, 0)
+    cost = ("flops", 24576, 1)
+    plan = plan_micro_batches(seqlens, max_tokens=16384, cost=cost)
+    fewest = -(-sum(seqlens) // 16384)
+    assert plan.num_micro_batches == fewest
+    full = 2 * (24576 * 8192 + 8192 ** 2)
+    assert max(plan.costs[0]) == full
+    p = np.asarray(seqlens, dtype=np.int64)
+    lower, upper = pack.costliest_bounds(24576.0 * p + p.astype(float) ** 2, p, fewest, 16384)
+    assert lower == upper == full
 
 
 # ---------------------------------------------------------------------------------------------------- step

@@ -11,16 +11,23 @@ budget limits); ``bins`` bins (micro-batches) of one capacity ``cap`` on the siz
    ones -- means micro-batches within a few tokens of each other; and the capacity is part of every placement,
    so a count that LPT fills is a feasible plan at once (verl's Karmarkar-Karp knows no capacity: it is re-run
    with more and more parts until every part happens to fit, on raw lengths).  Exact LPT is a heap walk, ~0.5 us
-   per item in Python, so: with many bins it runs in numpy *rounds* (the bins within one item of the lightest take
-   the next items, largest to lightest, one each); with few bins the heap walks *units*, runs of sorted items
-   each ~1/(4 bins) of the load still to place, single items again at the end, where LPT's balance is decided.
+   per item in Python, so: with many bins it runs in numpy *rounds* (of the bins with room for the round's
+   largest item, those within one item of the lightest take the next items, largest to lightest, one each); with
+   few bins the heap walks *units*, runs of sorted items each ~1/(4 bins) of the load still to place, single
+   items again at the end, where LPT's balance is decided.
 2. **Karmarkar-Karp** as a second opinion on small batches (at most ``KK_MAX_ITEMS`` items, ``kk.py``): with few
    items per bin it balances better than LPT; kept when within the capacity and lighter in its costliest bin.
-   Then pairwise moves and swaps between the costliest bin and the others (``refine.py``; on large batches only
-   with the ``POLISH_PARTNERS`` lightest bins, ``POLISH_ROUNDS`` times, to stay within a few milliseconds).
-3. **Best-fit decreasing** when LPT cannot place an item although the count might suffice (a tight budget: LPT
-   spreads, best fit fills).  With a cost other than tokens LPT first gets up to 2% more micro-batches: a
-   size-tight packing can be far from balanced in FLOPs.
+   Then pairwise moves and swaps between the costliest bin and the others (``refine.py``; above
+   ``REFINE_ALL_MAX_ITEMS`` items only with the ``POLISH_PARTNERS`` lightest bins, ``POLISH_ROUNDS`` times, to
+   stay within a few milliseconds).
+3. **Best fit** when LPT cannot place an item although the count might suffice (a tight budget: LPT spreads the
+   free room over every bin, best fit fills bins one by one).  It runs in numpy *rounds* (``best_fit_rounds``):
+   the next items, largest first, each to the fullest bin it fits, at most one per bin and round; exact
+   best-fit decreasing (a Python walk, ~1 us per item) only where the rounds cannot place everything.  Best fit
+   knows no cost, so with a cost other than tokens LPT first gets up to 2% more micro-batches (none below 50),
+   which usually lets it balance -- unless a bound shows that more micro-batches cannot lower the costliest one
+   (``costliest_bounds``: the batch has more sequences of the largest cost per token than the bins can hold
+   apart, e.g. many RL responses cut at a generation limit of half the budget), when the fewest are taken.
 4. **Ranks** (``ranks.py``): the bins dealt to DP ranks, each rank the same number, then polished.
 """
 
@@ -32,9 +39,10 @@ import heapq
 import numpy as np
 
 from .kk import KK_MAX_ITEMS, KK_MAX_WORK, karmarkar_karp
-from .refine import refine
+from .refine import REFINE_ALL_MAX_ITEMS, refine
 
-__all__ = ["pack", "balanced", "lpt", "best_fit"]
+__all__ = ["pack", "balanced", "lpt", "lpt_order", "best_fit", "best_fit_rounds", "by_decreasing_size",
+           "costliest_bounds"]
 
 POLISH_PARTNERS, POLISH_ROUNDS = 16, 16  # exchanges after LPT on large batches: lightest bins tried, at most
 ROUNDS_MIN_BINS = 64  # below this many bins the exact heap walk is faster than numpy rounds
@@ -47,28 +55,65 @@ def pack(cost: np.ndarray, size: np.ndarray, *, ranks: int, count: int, step: in
 
     At each count: LPT (or KK); when it cannot place everything, best fit at the same count -- unless the cost is
     not the size: a size-tight best-fit packing can be far from balanced in cost, so LPT first gets up to 2% more
-    micro-batches (at least two steps), which usually lets it balance.
+    micro-batches (none below 50), which usually lets it balance.  That detour is skipped when
+    ``costliest_bounds`` shows every packing at this count has the same costliest bin.
     """
     order = None  # LPT's item order, sorted once: later counts scale the cost shares by under 2%
     while True:
-        extra = 0 if cost_is_size else max(2, count // 50)
-        for c in range(count, count + extra * step + 1, step):
-            if order is None:
-                order = lpt_order(cost, size, ranks * c, cap)
-            got = balanced(cost, size, ranks * c, cap, order)
-            if got is not None:
-                _polish(got, cost, size, ranks * c, cap)
-                return got, c
-        got = best_fit(cost, size, ranks * count, cap)
+        if order is None:
+            order = lpt_order(cost, size, ranks * count, cap)
+        got = balanced(cost, size, ranks * count, cap, order)
+        if got is not None:
+            _polish(got, cost, size, ranks * count, cap)
+            return got, count
+        extra = 0 if cost_is_size else count // 50
+        lower, upper = costliest_bounds(cost, size, ranks * count, cap) if extra else (0.0, 0.0)
+        if lower < upper * (1 - 1e-12):
+            for c in range(count + step, count + extra * step + 1, step):
+                got = balanced(cost, size, ranks * c, cap, order)
+                if got is not None:
+                    _polish(got, cost, size, ranks * c, cap)
+                    return got, c
+        got = best_fit_rounds(cost, size, ranks * count, cap)
+        if got is None:
+            got = best_fit(cost, size, ranks * count, cap)
         if got is not None:
             _polish(got, cost, size, ranks * count, cap)
             return got, count
         count += step  # terminates: with a bin per item LPT always packs
 
 
+def costliest_bounds(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> tuple[float, float]:
+    """``(lower, upper)``: bounds on the costliest bin of *any* packing of the items into ``bins`` bins of
+    capacity ``cap`` (the upper one for packings within the capacity).
+
+    Lower: the costliest item; the mean; and, as in LPT's analysis, for every ``j >= 1`` with more than ``j * bins``
+    items, some bin holds ``j + 1`` of the ``j * bins + 1`` costliest, so at least the ``j + 1`` cheapest of them.
+    Upper: a bin's cost is at most its size times the largest cost per unit of size, so ``cap`` times that (or
+    ``inf`` when an item of size 0 has a cost).  When the two meet, every packing at this count is as good as any
+    at more bins can be -- as costly in its costliest bin -- and the fewest bins are the right choice.
+    """
+    n = len(cost)
+    if n == 0:
+        return 0.0, 0.0
+    desc = cost[by_decreasing_size(size)]
+    if (np.diff(desc) > 0).any():  # a cost that does not grow with the size
+        desc = np.sort(cost)[::-1]
+    lower = max(float(desc[0]), float(desc.sum()) / bins)
+    if n > bins:
+        j = np.arange(1, (n - 1) // bins + 1)  # j * bins + 1 <= n
+        run = np.concatenate([[0.0], np.cumsum(desc)])
+        lower = max(lower, float((run[j * bins + 1] - run[j * bins - j]).max()))
+    zero = size == 0
+    if (cost[zero] > 0).any():
+        return lower, float("inf")
+    ratio = cost[~zero] / size[~zero]
+    return lower, float(ratio.max(initial=0.0)) * cap
+
+
 def _polish(bin_of: np.ndarray, cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> None:
     """Exchanges between the costliest bin and the others (small batches), or the few lightest (large ones)."""
-    if len(cost) <= KK_MAX_ITEMS:
+    if len(cost) <= REFINE_ALL_MAX_ITEMS:
         refine(bin_of, np.arange(bins), cost, size, cap)
     else:
         refine(bin_of, np.arange(bins), cost, size, cap, partners=POLISH_PARTNERS, rounds=POLISH_ROUNDS)
@@ -109,9 +154,21 @@ def lpt(cost: np.ndarray, size: np.ndarray, bins: int, cap: int, order=None) -> 
 
 
 def lpt_order(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray:
-    """The items by decreasing share, LPT's order (introsort: deterministic, faster than a stable sort)."""
+    """The items by decreasing share, LPT's order, ties in index order.  With the planner's costs (tokens,
+    FLOPs) the share grows with the size, so this is the sizes' order: a radix sort of narrow ints, ~10x faster
+    than sorting the float shares (which a cost function that does not grow with the size gets)."""
     w, z = _shares(cost, size, bins, cap)
-    return np.argsort(-np.maximum(w, z))
+    share = np.maximum(w, z)
+    order = by_decreasing_size(size)
+    if len(order) > 1 and (np.diff(share[order]) > 0).any():
+        order = np.argsort(-share, kind="stable")
+    return order
+
+
+def by_decreasing_size(size: np.ndarray) -> np.ndarray:
+    """``argsort(-size)``, stable, as a radix sort where the sizes fit in 16 bits."""
+    top = int(size.max(initial=0))
+    return np.argsort(-size.astype(np.int16 if top < 2**15 else np.int64), kind="stable")
 
 
 def _shares(cost: np.ndarray, size: np.ndarray, bins: int, cap: int):
@@ -190,8 +247,11 @@ class _Heap:
 
 
 def _lpt_rounds(w, z, size, order, bins, cap):
-    """LPT in rounds (see the module docstring); items a round cannot place go one by one to the lightest bin
-    with room.  Ties between equally loaded bins go to the lower bin id, so zero-cost items spread too."""
+    """LPT in rounds (see the module docstring): each round, the bins that have room for its largest item, by
+    load; those within one item of the lightest take the next items, largest to lightest, one each.  Every item
+    of a round fits (it is no larger than the first), so a round fails only when no bin has room for its largest
+    item: then LPT cannot place it.  Ties between equally loaded bins go to the lower bin id, so zero-cost items
+    spread too."""
     wb, zb = np.zeros(bins), np.zeros(bins)
     fill = np.zeros(bins, dtype=np.int64)
     out = np.empty(len(w), dtype=np.int64)
@@ -199,50 +259,60 @@ def _lpt_rounds(w, z, size, order, bins, cap):
     step = np.maximum(w_sorted, z_sorted)
     pos, n = 0, len(order)
     while pos < n:
-        load = np.maximum(wb, zb)
-        by_load = np.argsort(load)
+        fits = np.flatnonzero(fill <= cap - s_sorted[pos])
+        if len(fits) == 0:
+            return None
+        load = np.maximum(wb[fits], zb[fits])
+        by_load = np.argsort(load, kind="stable")
         ranked = load[by_load]
         m = min(int(np.searchsorted(ranked, ranked[0] + step[pos], side="right")), n - pos)
-        near, end = by_load[:m], pos + m
-        items = (w_sorted[pos:end], z_sorted[pos:end], s_sorted[pos:end])
-        ok = fill[near] + items[2] <= cap
-        if ok.all():
-            wb[near] += items[0]
-            zb[near] += items[1]
-            fill[near] += items[2]
-            out[order[pos:end]] = near
-        elif not _place_one_by_one(near, ok, items, order[pos:end], (wb, zb, fill), out, cap):
-            return None
+        near, end = fits[by_load[:m]], pos + m
+        wb[near] += w_sorted[pos:end]
+        zb[near] += z_sorted[pos:end]
+        fill[near] += s_sorted[pos:end]
+        out[order[pos:end]] = near
         pos = end
     return out
 
 
-def _place_one_by_one(near, ok, items, ids, state, out, cap) -> bool:
-    """The round's items whose paired bin has room go there; the others, largest first, to the bins with the
-    most room left (one each, where they fit), and what still has no bin one by one to the lightest bin with
-    room."""
-    s, (wb, zb, fill) = items[2], state
-    _add(near[ok], np.flatnonzero(ok), items, ids, state, out)
-    bad = np.flatnonzero(~ok)
-    bad = bad[np.argsort(-s[bad], kind="stable")]
-    roomiest = np.argsort(fill, kind="stable")[: len(bad)]
-    fits = s[bad[: len(roomiest)]] <= cap - fill[roomiest]
-    _add(roomiest[fits], bad[: len(roomiest)][fits], items, ids, state, out)
-    for j in bad[: len(roomiest)][~fits].tolist() + bad[len(roomiest) :].tolist():
-        room = np.flatnonzero(fill + s[j] <= cap)
-        if len(room) == 0:
-            return False
-        _add(room[np.argmin(np.maximum(wb[room], zb[room]))], j, items, ids, state, out)
-    return True
+def best_fit_rounds(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray | None:
+    """``[n]`` bin of each item by best fit in rounds, or None when an item finds no bin with room.
 
-
-def _add(b, j, items, ids, state, out) -> None:
-    """Items ``j`` of the round into bins ``b`` (distinct)."""
-    (w, z, s), (wb, zb, fill) = items, state
-    wb[b] += w[j]
-    zb[b] += z[j]
-    fill[b] += s[j]
-    out[ids[j]] = b
+    Items by decreasing size; each round takes the next ``bins`` of them and gives each the fullest bin it fits
+    (the first fitting room in ascending order), at most one item per bin: items whose first fitting bin was
+    already claimed in the round by a larger item of another size wait for the next round, when the rooms are
+    sorted again.  Each round places at least its largest item, so a packing needs at most one round per item;
+    on LLM length distributions a few dozen.  Then no bin is left empty while another holds two items.
+    """
+    n = len(size)
+    order = by_decreasing_size(size)
+    s_sorted = size[order]
+    fill = np.zeros(bins, dtype=np.int16 if cap < 2**15 else np.int64)  # narrow: the rooms sort by radix
+    out = np.empty(n, dtype=np.int64)
+    pending = np.arange(n)  # positions in the sorted order still to place, largest first
+    idx = np.arange(min(n, bins))
+    while len(pending):
+        room = cap - fill
+        by_room = np.argsort(room, kind="stable")
+        take = pending[:bins]
+        s = s_sorted[take]
+        first = np.searchsorted(room[by_room], s, side="left")  # non-increasing: s is
+        if first[0] >= bins:
+            return None
+        # Items of equal `first` (a run) claim consecutive bins from it, up to where the previous run starts.
+        k = len(first)
+        new_run = np.empty(k, dtype=bool)
+        new_run[0], new_run[1:] = True, first[1:] != first[:-1]
+        run_start = np.maximum.accumulate(np.where(new_run, idx[:k], 0))
+        before = np.empty(k, dtype=np.int64)
+        before[0], before[1:] = bins, first[:-1]
+        target = first + idx[:k] - run_start
+        won = target < before[run_start]
+        b = by_room[target[won]]
+        fill[b] += s[won]
+        out[order[take[won]]] = b
+        pending = np.concatenate([take[~won], pending[bins:]])
+    return _fill_empty(out, cost, bins)
 
 
 def best_fit(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray | None:

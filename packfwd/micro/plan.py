@@ -11,7 +11,8 @@ by ``last_extra(P)`` to divide by the rule's period ``lcm(seq_align, tp * cp)``;
 The packing (:mod:`packfwd.micro.pack`, which says why): count = the smallest number of micro-batches per rank
 the lower bounds allow (total over capacity; sequences above half the capacity need a micro-batch each), raised to
 ``min_micro_batches`` and to a multiple of ``micro_batches_multiple_of``; capacity-aware LPT (or Karmarkar-Karp
-on small batches) into ``dp_size * count`` bins, best fit when LPT cannot place everything, one more multiple
+on small batches) into ``dp_size * count`` bins; when LPT cannot place everything, LPT with up to 2% more
+micro-batches (which balances better than filling bins tightly), else best fit at the count, one more multiple
 when neither can; bins dealt to ranks and refined.  Each rank's micro-batches are ordered cheapest at both ends
 (pipeline warm-up and cool-down); within a micro-batch sequences keep their global order.  Pure and
 deterministic: host numbers in, host numbers out, no collectives (``agree_micro_batch_count`` is apart).
@@ -27,9 +28,8 @@ import numpy as np
 from .._validate import check_positive_int
 from ..layout import rules
 from . import pack
-from .kk import KK_MAX_ITEMS
 from .ranks import deal_to_ranks, pipeline_order, repartition_ranks
-from .refine import refine
+from .refine import REFINE_ALL_MAX_ITEMS, refine
 
 __all__ = ["MicroBatchPlan", "plan_micro_batches", "FLOPS_PER_TOKEN", "FLOPS_PER_TOKEN_PAIR"]
 
@@ -155,8 +155,8 @@ def _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout) -
     rank_of_bin = np.empty(bins, dtype=np.int64)
     rank_of_bin[dealt] = np.arange(dp)[:, None]
     cap = _capacity(max_tokens, **layout)
-    if len(bin_of) <= KK_MAX_ITEMS:  # small batches: polish each rank's micro-batches (KK, then exchanges)
-        repartition_ranks(bin_of, dealt, weights, padded, cap)
+    repartition_ranks(bin_of, dealt, weights, padded, cap)  # small batches: each rank's micro-batches by KK
+    if len(bin_of) <= REFINE_ALL_MAX_ITEMS:  # and exchanges
         refine(bin_of, np.arange(bins), weights, padded, cap)
     ceiling = np.bincount(bin_of, weights=weights, minlength=bins).max(initial=0.0)
     refine(bin_of, rank_of_bin, weights, padded, cap, ceiling, partners=1, rounds=16)

@@ -2,17 +2,20 @@
 rank's micro-batches) and any other while that lowers the larger of the two, never making a micro-batch costlier
 than ``ceiling``, breaking the capacity, or emptying a micro-batch.  LPT and Karmarkar-Karp leave their largest
 errors in their last placements; a few exchanges with the best-matched partner remove most of them.  Runs where
-groups hold few items (``REFINE_MAX_WORK``), for a bounded number of exchanges.
+a round weighs at most ``REFINE_MAX_WORK`` candidate exchanges, for at most ``REFINE_ROUNDS`` rounds and
+``REFINE_BUDGET`` candidates in all: a bounded, deterministic amount of work.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["refine", "REFINE_MAX_WORK", "REFINE_ROUNDS"]
+__all__ = ["refine", "REFINE_MAX_WORK", "REFINE_ROUNDS", "REFINE_ALL_MAX_ITEMS"]
 
-REFINE_MAX_WORK = 25_000  # candidate exchanges per round above which refinement is skipped (its cost)
+REFINE_MAX_WORK = 100_000  # candidate exchanges per round above which refinement is skipped (its cost)
 REFINE_ROUNDS = 32  # exchanges at most
+REFINE_BUDGET = 400_000  # candidate exchanges over all rounds (fewer rounds where each weighs more)
+REFINE_ALL_MAX_ITEMS = 1024  # batches up to this size are refined against every bin, larger ones against a few
 
 
 def refine(bin_of: np.ndarray, group_of_bin: np.ndarray, cost: np.ndarray, size: np.ndarray, cap: int,
@@ -20,25 +23,30 @@ def refine(bin_of: np.ndarray, group_of_bin: np.ndarray, cost: np.ndarray, size:
     """Lower the costliest group by at most ``rounds`` exchanges, in place (``bin_of`` changes; bins keep their
     group).  The partner is any other group, or one of the ``partners`` lightest."""
     bins, groups = len(group_of_bin), int(group_of_bin.max()) + 1
-    per_group = len(cost) // max(groups, 1)
-    reach = len(cost) + bins if partners is None else partners * (per_group + bins // groups)
-    if groups < 2 or per_group * reach > REFINE_MAX_WORK:
+    if groups < 2:
         return
+    per_group = len(cost) // groups
+    reach = len(cost) + bins if partners is None else partners * (per_group + bins // groups)
+    work = per_group * reach  # candidate exchanges per round
+    if work > REFINE_MAX_WORK:
+        return
+    rounds = min(rounds, max(1, REFINE_BUDGET // max(work, 1)))
     load = np.bincount(bin_of, weights=cost, minlength=bins)
     fill = np.bincount(bin_of, weights=size, minlength=bins).astype(np.int64)
     count = np.bincount(bin_of, minlength=bins)
-    members = _members(group_of_bin[bin_of], groups)  # items of each group, kept up to date
-    bins_of = _members(group_of_bin, groups)
+    item_group = group_of_bin[bin_of]  # kept up to date
     for _ in range(rounds):
         total = np.bincount(group_of_bin, weights=load, minlength=groups)
         heavy = int(np.argmax(total))
+        partner = np.zeros(groups, dtype=bool)
         if partners is None or partners + 1 >= groups:
-            light = [g for g in range(groups) if g != heavy]
+            partner[:] = True
         else:
-            light = [g for g in np.argpartition(total, partners)[: partners + 1].tolist() if g != heavy][:partners]
-        a = np.asarray(members[heavy], dtype=np.int64)
-        b = np.asarray([i for g in light for i in members[g]], dtype=np.int64)
-        targets = np.asarray([x for g in light for x in bins_of[g]], dtype=np.int64)  # where a move can go
+            partner[np.argpartition(total, partners)[: partners + 1]] = True
+        partner[heavy] = False
+        a = np.flatnonzero(item_group == heavy)
+        b = np.flatnonzero(partner[item_group])
+        targets = np.flatnonzero(partner[group_of_bin])  # where a move can go
         if len(a) == 0:
             return
         pick = _best_exchange(a, b, targets, bin_of, group_of_bin, total, load, fill, count, cost, size, cap, ceiling)
@@ -50,30 +58,13 @@ def refine(bin_of: np.ndarray, group_of_bin: np.ndarray, cost: np.ndarray, size:
         moved = [(int(a[i]), src, dst)] + ([(int(b[j]), dst, src)] if j < len(b) else [])
         for item, frm, to in moved:
             bin_of[item] = to
+            item_group[item] = group_of_bin[to]
             load[frm] -= cost[item]
             load[to] += cost[item]
             fill[frm] -= size[item]
             fill[to] += size[item]
             count[frm] -= 1
             count[to] += 1
-            members[group_of_bin[frm]].remove(item)
-            members[group_of_bin[to]].append(item)
-
-
-class _members(dict):
-    """``members[g]``: the list of indices ``x`` with ``group_of[x] == g``, ascending; built for a group when it
-    is first read (a refinement reads a few of many groups), then kept up to date by the caller."""
-
-    def __init__(self, group_of: np.ndarray, groups: int):
-        super().__init__()
-        narrow = group_of.astype(np.int16 if groups < 2**15 else np.int64)  # narrow ints sort by radix
-        self.order = np.argsort(narrow, kind="stable")
-        self.ends = np.cumsum(np.bincount(group_of, minlength=groups))
-
-    def __missing__(self, g: int) -> list[int]:
-        start = int(self.ends[g - 1]) if g else 0
-        self[g] = got = self.order[start : int(self.ends[g])].tolist()
-        return got
 
 
 def _best_exchange(a, b, targets, bin_of, group_of_bin, total, load, fill, count, cost, size, cap, ceiling):
