@@ -24,6 +24,7 @@ Megatron-Core language model (``position_embedding_type="mrope"``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -362,3 +363,43 @@ def test_bad_inputs_name_the_fix():
                   mrope_section=(1, 1, 1))
     with pytest.raises(ValueError, match=r"takes \[3, 2, 5\]"):
         model.language_model(ids[:2, :5], torch.zeros(2, 2, 5, dtype=torch.long), None)
+
+
+# ----------------------------------------------------------------------------------------------- micro-batches
+
+
+def test_micro_batches_cut_the_multimodal_inputs_per_sequence():
+    """``run_micro_batches`` with one multimodal dict per sequence: every micro-batch gets its rows' images and
+    videos; logits equal transformers' per sequence, gradients the whole batch's."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    hf, model, ids, mask, mm, refs = setup("qwen2_vl")
+    _, _, _, _, alone = vl_batch()
+    alone = [{k: v for k, v in a.items() if k != "second_per_grid_ts"} or None for a in alone]  # Qwen2-VL: none
+    seqlens = mask.sum(-1).tolist()
+    plan = plan_micro_batches(seqlens, max_tokens=29)  # 14, 15, 6, 14 tokens: two micro-batches
+    # Rows 0 and 1 (one image, two images) together, so the cut must keep their images in row order; 2 and 3
+    # (text, a video) in the other.
+    plan = dataclasses.replace(plan, micro_batches=[[[0, 1], [2, 3]]], tokens=[[29, 20]])
+    forward = pf.make_forward("thd", vision=True)
+    with torch.no_grad():
+        got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, multi_modal_inputs=alone)
+    assert got.rows == list(range(len(seqlens)))
+    assert_equal_on_real_tokens(got.outputs, mask, refs)
+
+    weight = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5))
+    model.zero_grad()
+    forward(model, ids, mask, multi_modal_inputs=mm).mul(weight).mul(mask[..., None]).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, multi_modal_inputs=alone, normalize="sum",
+                      loss_fn=lambda out, w: out.mul(w).sum(-1), loss_args={"w": weight})
+    got_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got_grads.keys() == want.keys() and any(n.startswith("visual.") for n in want)
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, want[name], atol=1e-5 * float(want[name].abs().max()), rtol=1e-4)
+
+    with pytest.raises(TypeError, match="one dict per sequence"):
+        run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, multi_modal_inputs=mm)
+    with pytest.raises(ValueError, match="one per sequence"):
+        run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, multi_modal_inputs=alone[:-1])

@@ -62,6 +62,7 @@ def run_micro_batches(
     loss_args: Mapping[str, Any] | None = None,
     loss_tokens: Sequence[int] | None = None,
     normalize: str = "token_mean",
+    multi_modal_inputs: Sequence[Mapping[str, Tensor] | None] | None = None,
     **processor_args,
 ) -> StepResult | None:
     """Run rank ``dp_rank``'s micro-batches of ``plan`` (see the module docstring).
@@ -70,6 +71,12 @@ def run_micro_batches(
     ``position_ids`` ``[b, s]`` or ``[k, b, s]``; ``processor_args`` go to the forward's logits processor and
     ``loss_args`` to ``loss_fn``, tensors whose first dimension is ``b`` cut to the micro-batch's rows.  Without
     ``loss_fn`` the forwards run under ``torch.no_grad()``.  Empty micro-batches are skipped.
+
+    ``multi_modal_inputs`` (a vision forward, ``make_forward(..., vision=True)``): one dict per sequence (or None
+    for a text-only one), as verl keeps them (``non_tensor_batch["multi_modal_inputs"]``); each micro-batch gets
+    its sequences' entries concatenated in its row order (``pixel_values``, ``image_grid_thw``, ...), the order in
+    which their vision tokens appear.  One dict for the whole batch is refused: its concatenated pixel values
+    cannot be cut per micro-batch without each sequence's share.
 
     Pipeline parallelism: with ``pp_group``, ``model`` is the list of this rank's virtual stages and the
     micro-batches go through ``packfwd.parallel.pipeline_forward_backward`` (packfwd's point-to-point schedule;
@@ -86,11 +93,13 @@ def run_micro_batches(
     if schedule == "megatron" and pp_group is None:
         raise ValueError("schedule='megatron' runs a pipeline: pass pp_group (Megatron's pipeline group)")
     _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask)
+    _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
     weights = None
     if loss_fn is not None:
         weights = sequence_weights(_loss_counts(plan, loss_mask, loss_tokens), normalize)
     mbs = micro_batch_inputs(plan, input_ids, attention_mask, dp_rank=dp_rank, position_ids=position_ids,
-                             loss_mask=loss_mask, loss_args=loss_args, weights=weights, **processor_args)
+                             loss_mask=loss_mask, loss_args=loss_args, weights=weights,
+                             multi_modal_inputs=multi_modal_inputs, **processor_args)
     if pp_group is not None:
         from . import pipeline
 
@@ -132,9 +141,9 @@ class MicroBatchInputs:
 
 
 def micro_batch_inputs(plan, input_ids, attention_mask, *, dp_rank, position_ids=None, loss_mask=None,
-                       loss_args=None, weights=None, **processor_args):
+                       loss_args=None, weights=None, multi_modal_inputs=None, **processor_args):
     """Each non-empty micro-batch of ``dp_rank`` as :class:`MicroBatchInputs` (rows cut from every ``[b, ...]``
-    tensor; positions ``[b, s]`` or ``[k, b, s]``)."""
+    tensor; positions ``[b, s]`` or ``[k, b, s]``; the rows' multimodal inputs concatenated)."""
     for indices in plan.micro_batches[dp_rank]:
         if not indices:
             continue
@@ -142,10 +151,12 @@ def micro_batch_inputs(plan, input_ids, attention_mask, *, dp_rank, position_ids
         take = _taker(rows, input_ids.shape[0])
         positions = None if position_ids is None else _take_positions(position_ids, rows)
         w = None if weights is None else torch.tensor([weights[i] for i in indices], dtype=torch.float64)
+        vision = {} if multi_modal_inputs is None else {"multi_modal_inputs": _concat_rows(multi_modal_inputs, indices)}
         yield MicroBatchInputs(
             indices=list(indices),
             args=(take(input_ids), take(attention_mask), positions),
-            kwargs={"seqlens": [plan.seqlens[i] for i in indices], **{k: take(v) for k, v in processor_args.items()}},
+            kwargs={"seqlens": [plan.seqlens[i] for i in indices], **vision,
+                    **{k: take(v) for k, v in processor_args.items()}},
             loss_kwargs={k: take(v) for k, v in (loss_args or {}).items()},
             loss_mask=take(attention_mask if loss_mask is None else loss_mask),
             weights=w,
@@ -206,6 +217,30 @@ def _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask) -> None
         raise TypeError("loss_fn must be callable: loss_fn(outputs, **loss_args) -> per-token losses [b, s]")
     if loss_mask is not None and tuple(loss_mask.shape) != tuple(input_ids.shape[:2]):
         raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}; pass [b, s] = {list(input_ids.shape[:2])}")
+
+
+def _check_multi_modal(multi_modal_inputs, b: int) -> None:
+    if multi_modal_inputs is None:
+        return
+    if isinstance(multi_modal_inputs, Mapping):
+        raise TypeError(
+            "multi_modal_inputs is one dict for the whole batch; for micro-batches pass one dict per sequence (None "
+            "for text-only ones), as verl's non_tensor_batch['multi_modal_inputs'] holds them: the batch's "
+            "concatenated pixel values cannot be cut per micro-batch without each sequence's share"
+        )
+    if len(multi_modal_inputs) != b:
+        raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries; pass one per sequence ({b})")
+    for i, entry in enumerate(multi_modal_inputs):
+        tensors = isinstance(entry, Mapping) and all(isinstance(v, Tensor) for v in entry.values())
+        if entry is not None and not tensors:
+            raise TypeError(f"multi_modal_inputs[{i}] must be a dict of tensors or None, got {type(entry).__name__}")
+
+
+def _concat_rows(multi_modal_inputs, indices) -> dict | None:
+    """The micro-batch's multimodal inputs: each key's tensors of its rows, concatenated in row order."""
+    rows = [multi_modal_inputs[i] for i in indices if multi_modal_inputs[i]]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return {k: torch.cat([row[k] for row in rows if k in row]) for k in keys} or None
 
 
 def _loss_counts(plan, loss_mask, loss_tokens) -> list[int]:
