@@ -3,12 +3,11 @@
 Items (sequences) carry a *cost* (what is balanced: tokens or FLOPs) and a *size* (their padded length, what the
 budget limits); ``bins`` bins (micro-batches) of one capacity ``cap`` on the size.  Why these steps:
 
-1. **LPT, capacity-aware** (longest processing time first): items by decreasing load go one by one to the
-   least-loaded bin that still has room.  A bin's load is the larger of its shares of the mean cost and of the
-   capacity (plain LPT when cost is tokens; with FLOPs it keeps cheap-per-token short sequences from filling a
-   bin's tokens while it looks light).  LPT is within 4/3 of the optimal makespan and its final spread is about
-   its last (smallest) items', which on LLM length distributions -- many short sequences after a few long
-   ones -- means micro-batches within a few tokens of each other; and the capacity is part of every placement,
+1. **LPT, capacity-aware** (longest processing time first): items by decreasing cost go one by one to the
+   least-loaded bin (in cost) that still has room for them.  LPT is within 4/3 of the optimal makespan and its
+   final spread is about its last (smallest) items', which on LLM length distributions -- many short sequences
+   after a few long ones -- means micro-batches within a few tokens of each other; the capacity is part of every
+   placement,
    so a count that LPT fills is a feasible plan at once (verl's Karmarkar-Karp knows no capacity: it is re-run
    with more and more parts until every part happens to fit, on raw lengths).  Exact LPT is a heap walk, ~0.5 us
    per item in Python, so: with many bins it runs in numpy *rounds* (of the bins with room for the round's
@@ -148,17 +147,15 @@ def lpt(cost: np.ndarray, size: np.ndarray, bins: int, cap: int, order=None) -> 
     the items by decreasing share (``lpt_order``), when the caller has it."""
     if len(cost) == 0:
         return np.zeros(0, dtype=np.int64)
-    w, z = _shares(cost, size, bins, cap)
     walk = _lpt_rounds if bins >= ROUNDS_MIN_BINS else _lpt_heap
-    return walk(w, z, size, lpt_order(cost, size, bins, cap) if order is None else order, bins, cap)
+    return walk(_share(cost, bins), size, lpt_order(cost, size, bins, cap) if order is None else order, bins, cap)
 
 
 def lpt_order(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> np.ndarray:
     """The items by decreasing share, LPT's order, ties in index order.  With the planner's costs (tokens,
     FLOPs) the share grows with the size, so this is the sizes' order: a radix sort of narrow ints, ~10x faster
     than sorting the float shares (which a cost function that does not grow with the size gets)."""
-    w, z = _shares(cost, size, bins, cap)
-    share = np.maximum(w, z)
+    share = _share(cost, bins)
     order = by_decreasing_size(size)
     if len(order) > 1 and (np.diff(share[order]) > 0).any():
         order = np.argsort(-share, kind="stable")
@@ -171,33 +168,30 @@ def by_decreasing_size(size: np.ndarray) -> np.ndarray:
     return np.argsort(-size.astype(np.int16 if top < 2**15 else np.int64), kind="stable")
 
 
-def _shares(cost: np.ndarray, size: np.ndarray, bins: int, cap: int):
-    """Each item's share of the mean cost per bin and of the capacity.  A bin's load is the larger of its two
-    shares: with cost="tokens" that is the cost share (plain LPT); with FLOPs it stops cheap-per-token items
-    piling up in one bin until it is full while another bin has room but is FLOPs-heavy."""
-    w = cost / (cost.sum() / bins or 1.0)
-    z = size / max(cap, 1)  # cap is 0 only when every sequence is empty
-    return w, z
+def _share(cost: np.ndarray, bins: int) -> np.ndarray:
+    """Each item's share of the mean cost per bin: a bin's load is the sum of its items' (the capacity is not a
+    load but a constraint, checked at every placement)."""
+    return cost / (cost.sum() / bins or 1.0)
 
 
-def _lpt_heap(w, z, size, order, bins, cap):
+def _lpt_heap(w, size, order, bins, cap):
     """LPT with a heap, over *units*: runs of consecutive sorted items, each about ``1 / (UNITS_PER_BIN * bins)``
     of the load still to place.  The long tail of short items then costs a few thousand heap steps, not one per
     item, and the last units (the smallest items) are single items again, which is what sets LPT's final balance.
     A unit that fits no bin whole is placed item by item."""
-    ws, zs, ss = w[order], z[order], size[order]
-    starts = np.union1d(np.arange(min(bins, len(order))), _unit_starts(np.maximum(ws, zs), bins))  # a bin each first
+    ws, ss = w[order], size[order]
+    starts = np.union1d(np.arange(min(bins, len(order))), _unit_starts(ws, bins))  # a bin each first
     ends = np.append(starts[1:], len(order))
-    unit_w, unit_z, unit_s = (np.add.reduceat(a, starts) for a in (ws, zs, ss))
+    unit_w, unit_s = (np.add.reduceat(a, starts) for a in (ws, ss))
     heap = _Heap(bins, cap)
     placed = np.empty(len(order), dtype=np.int64)  # bin of each item, in sorted order
-    for u, (uw, uz, us) in enumerate(zip(unit_w.tolist(), unit_z.tolist(), unit_s.tolist())):
-        b = heap.place(uw, uz, us, int(ends[u] - starts[u]))
+    for u, (uw, us) in enumerate(zip(unit_w.tolist(), unit_s.tolist())):
+        b = heap.place(uw, us, int(ends[u] - starts[u]))
         if b >= 0:
             placed[starts[u] : ends[u]] = b
             continue
         for j in range(int(starts[u]), int(ends[u])):
-            placed[j] = heap.place(float(ws[j]), float(zs[j]), int(ss[j]))
+            placed[j] = heap.place(float(ws[j]), int(ss[j]))
             if placed[j] < 0:
                 return None
     out = np.empty(len(order), dtype=np.int64)
@@ -220,15 +214,15 @@ def _unit_starts(share: np.ndarray, bins: int) -> np.ndarray:
 
 
 class _Heap:
-    """Bins in a heap of (load, items, bin), the load the larger of a bin's cost and size shares (ties: the bin
-    with fewer items, so that items of no cost spread too)."""
+    """Bins in a heap of (load, items, bin) (ties: the bin with fewer items, so that items of no cost spread
+    too)."""
 
     def __init__(self, bins: int, cap: int):
         self.heap = [(0.0, 0, b) for b in range(bins)]
-        self.w, self.z, self.fill = [0.0] * bins, [0.0] * bins, [0] * bins
+        self.fill = [0] * bins
         self.cap = cap
 
-    def place(self, w: float, z: float, s: int, items: int = 1) -> int:
+    def place(self, w: float, s: int, items: int = 1) -> int:
         """Put an item (or a unit of ``items``) in the least-loaded bin with room for it; its bin, or -1 when none
         has room."""
         heap, fill, cap = self.heap, self.fill, self.cap
@@ -237,38 +231,33 @@ class _Heap:
             held.append(heapq.heappop(heap))
         b = heap[0][2] if heap else -1
         if b >= 0:
-            x, y = self.w[b] + w, self.z[b] + z
-            self.w[b], self.z[b] = x, y
             fill[b] += s
-            heapq.heapreplace(heap, (x if x > y else y, heap[0][1] + items, b))
+            heapq.heapreplace(heap, (heap[0][0] + w, heap[0][1] + items, b))
         for entry in held:
             heapq.heappush(heap, entry)
         return b
 
 
-def _lpt_rounds(w, z, size, order, bins, cap):
+def _lpt_rounds(w, size, order, bins, cap):
     """LPT in rounds (see the module docstring): each round, the bins that have room for its largest item, by
     load; those within one item of the lightest take the next items, largest to lightest, one each.  Every item
     of a round fits (it is no larger than the first), so a round fails only when no bin has room for its largest
     item: then LPT cannot place it.  Ties between equally loaded bins go to the lower bin id, so zero-cost items
     spread too."""
-    wb, zb = np.zeros(bins), np.zeros(bins)
+    load = np.zeros(bins)
     fill = np.zeros(bins, dtype=np.int64)
     out = np.empty(len(w), dtype=np.int64)
-    w_sorted, z_sorted, s_sorted = w[order], z[order], size[order]
-    step = np.maximum(w_sorted, z_sorted)
+    w_sorted, s_sorted = w[order], size[order]
     pos, n = 0, len(order)
     while pos < n:
         fits = np.flatnonzero(fill <= cap - s_sorted[pos])
         if len(fits) == 0:
             return None
-        load = np.maximum(wb[fits], zb[fits])
-        by_load = np.argsort(load, kind="stable")
-        ranked = load[by_load]
-        m = min(int(np.searchsorted(ranked, ranked[0] + step[pos], side="right")), n - pos)
+        by_load = np.argsort(load[fits], kind="stable")
+        ranked = load[fits][by_load]
+        m = min(int(np.searchsorted(ranked, ranked[0] + w_sorted[pos], side="right")), n - pos)
         near, end = fits[by_load[:m]], pos + m
-        wb[near] += w_sorted[pos:end]
-        zb[near] += z_sorted[pos:end]
+        load[near] += w_sorted[pos:end]
         fill[near] += s_sorted[pos:end]
         out[order[pos:end]] = near
         pos = end
