@@ -31,6 +31,11 @@ footprint over the budget, and planning milliseconds (packfwd and NeMo-RL: media
 the re-implementation's; verl: one call, it is slow).
 
     python benchmarks/bench_micro_batches.py [--smoke] [--no-verl] [--out benchmarks/results/micro_batches.json]
+
+``--sweep``: instead, 180 smaller seeded batches (320 and 640 sequences, lengths up to 2048 / 4096, budgets 4096 /
+8192, dp 1, 4, 8, both layouts, the five distributions, three seeds each) against verl at verl's count: how often
+packfwd's costliest micro-batch is above verl's there, and how often packfwd needs more micro-batches
+(``benchmarks/results/micro_batches_sweep.json``).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ MAX_TOKENS, MAX_LEN = 16384, 8192
 LAYOUTS = {"tp1 cp1": (1, 1, None), "tp4 cp2 align16": (4, 2, 16)}
 
 
-def metrics(plan: list, seqlens: list[int], tp: int, cp: int, align: int | None) -> dict:
+def metrics(plan: list, seqlens: list[int], tp: int, cp: int, align: int | None, max_tokens: int = MAX_TOKENS) -> dict:
     """Balance and budget of ``plan[dp_rank][mb] -> indices`` in one currency for every planner."""
     align = rules.check_seq_align(align, cp, tp)
     padded = rules.round_up(np.asarray(seqlens, dtype=np.int64), align)
@@ -77,8 +82,8 @@ def metrics(plan: list, seqlens: list[int], tp: int, cp: int, align: int | None)
         "same_count_on_every_rank": len({len(mbs) for mbs in plan}) == 1,
         "mb_max_over_mean": max(mb_cost) / statistics.mean(mb_cost),
         "rank_max_over_mean": max(rank_cost) / statistics.mean(rank_cost),
-        "violations": sum(f > MAX_TOKENS for f in footprint),
-        "max_footprint_over_budget": max(footprint) / MAX_TOKENS,
+        "violations": sum(f > max_tokens for f in footprint),
+        "max_footprint_over_budget": max(footprint) / max_tokens,
     }
 
 
@@ -117,13 +122,57 @@ def run_case(verl, n: int, dp: int, layout: str, kind: str, seed: int, *, with_v
     return rows
 
 
+def sweep(verl, out: Path) -> int:
+    """``--sweep`` (module docstring)."""
+    rows = []
+    for n, max_len, budget in [(320, 2048, 4096), (640, 4096, 8192)]:
+        for dp in (1, 4, 8):
+            for layout, (tp, cp, align) in {"tp1 cp1": (1, 1, None), "tp2 cp2 align8": (2, 2, 8)}.items():
+                for kind in KINDS:
+                    for seed in range(3):
+                        seqlens = lengths(kind, n, max_len, seed)
+                        theirs = verl_plan(verl, seqlens, max_token_len=budget * cp, dp_size=dp)
+                        kw = dict(max_tokens=budget, dp_size=dp, tp_size=tp, cp_size=cp, seq_align=align, cost=(
+                            "flops", A, B))
+                        ours = plan_micro_batches(seqlens, **kw)
+                        same = plan_micro_batches(seqlens, **kw, min_micro_batches=len(theirs[0]))
+                        mine, their = (metrics(x, seqlens, tp, cp, align, budget) for x in (same.micro_batches, theirs))
+                        rows.append(dict(n=n, dp=dp, layout=layout, kind=kind, seed=seed,
+                                         packfwd_micro_batches=ours.num_micro_batches,
+                                         verl_micro_batches=len(theirs[0]),
+                                         packfwd_at_verl_count=mine["micro_batches_per_rank"],
+                                         packfwd_mb_max_over_mean=mine["mb_max_over_mean"],
+                                         verl_mb_max_over_mean=their["mb_max_over_mean"],
+                                         packfwd_violations=mine["violations"], verl_violations=their["violations"]))
+    equal = [r for r in rows if r["packfwd_at_verl_count"] == r["verl_micro_batches"]]
+    summary = {
+        "cases": len(rows),
+        "packfwd_more_micro_batches_than_verl": sum(r["packfwd_micro_batches"] > r["verl_micro_batches"] for r in rows),
+        "cases_at_equal_count": len(equal),
+        "packfwd_costlier_at_equal_count": sum(
+            r["packfwd_mb_max_over_mean"] > r["verl_mb_max_over_mean"] * (1 + 1e-12) for r in equal),
+        "packfwd_violations": sum(r["packfwd_violations"] for r in rows),
+        "verl_violations": sum(r["verl_violations"] for r in rows),
+    }
+    print(summary)
+    write_json(out, {"env": environment(), "rows": rows, "summary": summary})
+    return 1 if summary["packfwd_violations"] else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="small sizes, seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "micro_batches.json")
     ap.add_argument("--no-verl-10k", action="store_true", help="skip verl at 10,000 sequences (minutes)")
     ap.add_argument("--no-verl", action="store_true", help="skip verl everywhere (quick runs)")
+    ap.add_argument("--sweep", action="store_true", help="180 smaller batches against verl at verl's count")
     args = ap.parse_args(argv)
+    if args.sweep:
+        verl = load_verl_balancing()
+        if verl is None:
+            print("--sweep needs verl installed")
+            return 1
+        return sweep(verl, ROOT / "benchmarks" / "results" / "micro_batches_sweep.json")
     verl = None if args.no_verl else load_verl_balancing()
     if verl is None:
         print("verl skipped or not installed: packfwd and NeMo-RL only")
