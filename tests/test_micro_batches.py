@@ -71,7 +71,8 @@ def planning_cases(draw):
     zeros_every = draw(st.integers(0, 4))
     if zeros_every:
         seqlens[::zeros_every] = [0] * len(seqlens[::zeros_every])
-    cost = draw(st.sampled_from(["tokens", "flops", ("flops", 3, 2), lambda p: np.sqrt(p) + 1]))
+    cost = draw(st.sampled_from(["tokens", "flops", ("flops", 3, 2), lambda p: np.sqrt(p) + 1,
+                                 lambda p: (p * 7919 % 13).astype(float)]))  # the last does not grow with p
     kw = dict(max_tokens=max_tokens, dp_size=dp, tp_size=tp, cp_size=cp, seq_align=align, cost=cost,
               min_micro_batches=draw(st.integers(1, 4)), micro_batches_multiple_of=draw(st.integers(1, 3)))
     return seqlens, kw
@@ -197,6 +198,18 @@ def test_best_fit_rounds_packs_where_lpt_spreads_the_room():
     assert sorted(np.bincount(got, weights=sizes, minlength=2).tolist()) == [15, 16]
     plan = plan_micro_batches(sizes.tolist(), max_tokens=16)  # so the planner needs no third micro-batch
     assert plan.num_micro_batches == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cost_that_does_not_grow_with_length_keeps_the_budget_with_many_micro_batches(kind):
+    # LPT's numpy rounds (64+ micro-batches) order by cost; when cost does not grow with length a round's later
+    # sequences can be longer than its first, which the room check is made for.
+    seqlens = lengths(kind, 6000, 512, 3)
+    budget = max(512, sum(seqlens) // 80)  # 64 micro-batches or more
+    plan = plan_micro_batches(seqlens, max_tokens=budget, dp_size=2, cost=lambda p: (p * 7919 % 13).astype(float))
+    assert plan.num_micro_batches * 2 >= 64
+    assert max(max(t) for t in plan.tokens) <= budget
+    assert all(sum(seqlens[i] for i in mb) <= budget for mbs in plan.micro_batches for mb in mbs)
 
 
 def test_a_forced_costliest_micro_batch_takes_the_fewest_micro_batches():

@@ -239,10 +239,10 @@ class _Heap:
 
 
 def _lpt_rounds(w, size, order, bins, cap):
-    """LPT in rounds (see the module docstring): each round, the bins that have room for its largest item, by
-    load; those within one item of the lightest take the next items, largest to lightest, one each.  Every item
-    of a round fits (it is no larger than the first), so a round fails only when no bin has room for its largest
-    item: then LPT cannot place it.  Ties between equally loaded bins go to the lower bin id, so zero-cost items
+    """LPT in rounds (see the module docstring): each round, the bins that have room for its first item, by
+    load; those within one item of the lightest take the next items, costliest to lightest, one each.  Every item
+    of a round fits (a round ends before an item larger than its first), so a round fails only when no bin has
+    room for its first item: then LPT cannot place it.  Ties between equally loaded bins go to the lower bin id, so zero-cost items
     spread too."""
     load = np.zeros(bins)
     fill = np.zeros(bins, dtype=np.int64)
@@ -256,6 +256,8 @@ def _lpt_rounds(w, size, order, bins, cap):
         by_load = np.argsort(load[fits], kind="stable")
         ranked = load[fits][by_load]
         m = min(int(np.searchsorted(ranked, ranked[0] + w_sorted[pos], side="right")), n - pos)
+        larger = np.flatnonzero(s_sorted[pos + 1 : pos + m] > s_sorted[pos])  # a cost that does not grow with size
+        m = 1 + int(larger[0]) if len(larger) else m  # a round's items all fit where its first does
         near, end = fits[by_load[:m]], pos + m
         load[near] += w_sorted[pos:end]
         fill[near] += s_sorted[pos:end]
