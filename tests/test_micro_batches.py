@@ -32,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import packfwd as pf
 from packfwd.logits import log_probs_and_entropy
-from packfwd.micro import agree_micro_batch_count, pack, plan_micro_batches, run_micro_batches
+from packfwd.micro import agree_micro_batch_count, bestfit, pack, plan_micro_batches, run_micro_batches
 
 from .micro_lengths import KINDS, lengths
 from .test_hf_interop import randomise
@@ -169,7 +169,7 @@ def every_packing(sizes, costs, bins, cap):
 @given(packings())
 def test_costliest_bounds_bound_every_packing(case):
     sizes, costs, bins, cap = case
-    lower, upper = pack.costliest_bounds(costs, sizes, bins, cap)
+    lower, upper = bestfit.costliest_bounds(costs, sizes, bins, cap)
     feasible = every_packing(sizes, costs, bins, cap)
     assume(feasible)
     assert min(feasible) >= lower - 1e-9  # no packing beats the lower bound
@@ -179,7 +179,7 @@ def test_costliest_bounds_bound_every_packing(case):
 @given(packings())
 def test_best_fit_rounds_is_a_packing_within_the_capacity(case):
     sizes, costs, bins, cap = case
-    got = pack.best_fit_rounds(costs, sizes, bins, cap)
+    got = bestfit.best_fit_rounds(costs, sizes, bins, cap)
     if got is None:  # it may fail only where a packing is hard; never where every item fits in its own bin
         assert len(sizes) > bins
         return
@@ -194,7 +194,7 @@ def test_best_fit_rounds_packs_where_lpt_spreads_the_room():
     sizes = np.array([9, 8, 6, 5, 3])
     costs = sizes.astype(float)
     assert pack.lpt(costs, sizes, 2, 16) is None
-    got = pack.best_fit_rounds(costs, sizes, 2, 16)
+    got = bestfit.best_fit_rounds(costs, sizes, 2, 16)
     assert sorted(np.bincount(got, weights=sizes, minlength=2).tolist()) == [15, 16]
     plan = plan_micro_batches(sizes.tolist(), max_tokens=16)  # so the planner needs no third micro-batch
     assert plan.num_micro_batches == 2
@@ -224,7 +224,7 @@ def test_a_forced_costliest_micro_batch_takes_the_fewest_micro_batches():
     full = 2 * (24576 * 8192 + 8192 ** 2)
     assert max(plan.costs[0]) == full
     p = np.asarray(seqlens, dtype=np.int64)
-    lower, upper = pack.costliest_bounds(24576.0 * p + p.astype(float) ** 2, p, fewest, 16384)
+    lower, upper = bestfit.costliest_bounds(24576.0 * p + p.astype(float) ** 2, p, fewest, 16384)
     assert lower == upper == full
 
 

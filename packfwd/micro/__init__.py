@@ -3,10 +3,11 @@
 * ``plan``  ``plan_micro_batches``: which sequences each DP rank runs in each micro-batch, within a token budget
   on the real padded footprint, balanced in tokens or FLOPs (``MicroBatchPlan``, with ``restore``)
 * ``pack``  the packing algorithm and why (capacity-aware LPT, Karmarkar-Karp on small batches, best fit)
-* ``kk``, ``refine``, ``ranks``  Karmarkar-Karp, pairwise exchanges, micro-batches to DP ranks
-* ``step``, ``pipeline``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses normalised over the
-  whole global batch, also through a pipeline schedule (``pp_group=``); ``agree_micro_batch_count`` for
-  ranks that plan their own lengths
+* ``bestfit``, ``kk``, ``refine``, ``ranks``  best fit and bounds on the costliest micro-batch, Karmarkar-Karp,
+  pairwise exchanges, micro-batches to DP ranks
+* ``step``, ``pipeline``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses
+  normalised over the whole global batch, also through a pipeline schedule (``pp_group=``);
+  ``agree_micro_batch_count`` for ranks that plan their own lengths
 """
 
 from .plan import MicroBatchPlan as MicroBatchPlan
