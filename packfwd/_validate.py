@@ -10,11 +10,13 @@ from torch import Tensor
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def check_positive_int(name: str, value: object) -> int:
+def check_positive_int(name: str, value: object, hint: str | None = None) -> int:
+    """``value`` if it is an int >= 1; else an error naming ``name`` and the fix (``hint``, or: 1 turns that
+    parallelism off)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}; pass e.g. {name}=2")
     if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}; use {name}=1 when that parallelism is off")
+        raise ValueError(f"{name} must be >= 1, got {value}; {hint or f'use {name}=1 when that parallelism is off'}")
     return value
 
 

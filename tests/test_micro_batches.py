@@ -124,6 +124,8 @@ def test_a_sequence_that_cannot_fit_names_itself_and_the_budget_it_needs():
     (dict(cost=lambda p: p[:1]), ValueError, "finite non-negative costs"),
     (dict(dp_size=0), ValueError, "dp_size must be >= 1"),
     (dict(max_tokens=2.5), TypeError, "max_tokens must be a Python int"),
+    (dict(max_tokens=0), ValueError, "max_tokens must be >= 1, got 0; pass the padded tokens"),
+    (dict(min_micro_batches=0), ValueError, "pass 1 for no minimum"),
     (dict(seq_align=6, cp_size=4), ValueError, "multiple of 8"),
 ])
 def test_bad_arguments_are_named(kw, error, match):
