@@ -226,8 +226,10 @@ def test_a_forced_costliest_micro_batch_takes_the_fewest_micro_batches():
     full = 2 * (24576 * 8192 + 8192 ** 2)
     assert max(plan.costs[0]) == full
     p = np.asarray(seqlens, dtype=np.int64)
-    lower, upper = bestfit.costliest_bounds(24576.0 * p + p.astype(float) ** 2, p, fewest, 16384)
-    assert lower == upper == full
+    c = 24576.0 * p + p.astype(float) ** 2
+    far = fewest + fewest // 50  # the most the planner would try for balance
+    assert bestfit.costliest_bounds(c, p, far, 16384) == (full, full)
+    assert bestfit.costliest_bounds(c, p, int((p == 8192).sum()), 16384)[0] < full  # a bin each: no longer forced
 
 
 # ---------------------------------------------------------------------------------------------------- step

@@ -22,8 +22,9 @@ def costliest_bounds(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) ->
     Lower: the costliest item; the mean; and, as in LPT's analysis, for every ``j >= 1`` with more than ``j * bins``
     items, some bin holds ``j + 1`` of the ``j * bins + 1`` costliest, so at least the ``j + 1`` cheapest of them.
     Upper: a bin's cost is at most its size times the largest cost per unit of size, so ``cap`` times that (or
-    ``inf`` when an item of size 0 has a cost).  When the two meet, every packing at this count is as good as any
-    at more bins can be -- as costly in its costliest bin -- and the fewest bins are the right choice.
+    ``inf`` when an item of size 0 has a cost); it does not depend on ``bins``, and the lower bound only falls as
+    bins are added.  So when the lower bound at ``bins + k`` reaches the upper one, no packing into ``bins + k``
+    bins or fewer has a cheaper costliest bin than any packing into ``bins``: the fewest bins are the right choice.
     """
     n = len(cost)
     if n == 0:

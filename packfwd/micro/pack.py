@@ -54,7 +54,8 @@ def pack(cost: np.ndarray, size: np.ndarray, *, ranks: int, count: int, step: in
     At each count: LPT (or KK); when it cannot place everything, best fit at the same count -- unless the cost is
     not the size: a size-tight best-fit packing can be far from balanced in cost, so LPT first gets up to 2% more
     micro-batches (none below 50), which usually lets it balance.  That detour is skipped when
-    ``costliest_bounds`` shows every packing at this count has the same costliest bin.
+    ``costliest_bounds`` shows that no packing with up to that many more bins has a cheaper costliest bin than
+    every packing at this count.
     """
     order = None  # LPT's item order, sorted once: later counts scale the cost shares by under 2%
     while True:
@@ -65,7 +66,9 @@ def pack(cost: np.ndarray, size: np.ndarray, *, ranks: int, count: int, step: in
             _polish(got, cost, size, ranks * count, cap)
             return got, count
         extra = 0 if cost_is_size else count // 50
-        lower, upper = costliest_bounds(cost, size, ranks * count, cap) if extra else (0.0, 0.0)
+        # Skip the detour when even its largest count has a lower bound on the costliest bin that every packing
+        # at this count meets (the bound only falls as bins are added, the upper one does not depend on them).
+        lower, upper = costliest_bounds(cost, size, ranks * (count + extra * step), cap) if extra else (0.0, 0.0)
         if lower < upper * (1 - 1e-12):
             for c in range(count + step, count + extra * step + 1, step):
                 got = balanced(cost, size, ranks * c, cap, order)
