@@ -8,7 +8,8 @@ Strategy:
   rank has the same count, a multiple of the one asked for; empty micro-batches only when there are fewer
   sequences than micro-batches; planning is deterministic and ``restore`` inverts it.  The packing's parts against
   brute force on small instances: ``costliest_bounds`` bounds the costliest bin of every packing (all assignments
-  enumerated); ``best_fit_rounds`` returns packings within the capacity, and packs where LPT cannot.
+  enumerated); ``best_fit_rounds`` returns packings within the capacity, and packs where LPT cannot.  Large
+  batches (hundreds of micro-batches: the numpy rounds) keep the budget too, each micro-batch packed by ``plan_thd``.
 * **Step**: a tiny random Llama (``from_hf``), fp32 and fp64.  The reference is one forward and backward of the
   whole batch with the loss normalised directly (token mean, sequence mean, sum); ``run_micro_batches`` over the
   plan's micro-batches, for every DP rank in turn in one process, then over DP=2 with gloo (gradients summed by an
@@ -26,7 +27,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -96,6 +97,23 @@ def test_plan_is_a_balanced_permutation_within_the_budget(case):
     assert plan_micro_batches(seqlens, **kw) == plan  # deterministic
     assert plan_micro_batches(torch.tensor(seqlens, dtype=torch.long), **kw).micro_batches == plan.micro_batches
     assert plan.restore(plan.micro_batches) == list(range(n))  # each sequence's "result" is its own index
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(KINDS), st.integers(500, 3000), st.integers(1, 4), st.integers(1, 2),
+       st.sampled_from(["tokens", "flops", lambda p: (p * 7919 % 13).astype(float)]), st.integers(0, 2**16))
+def test_large_batches_keep_the_budget_in_numpy_rounds(kind, n, dp, cp, cost, seed):
+    """Hundreds of micro-batches (the planner's numpy rounds, best fit in rounds, the bounded refinement): still a
+    permutation within the budget, checked by packing every micro-batch with ``plan_thd``."""
+    seqlens = lengths(kind, n, 256, seed)
+    max_tokens = 256 if cp == 1 else 160
+    plan = plan_micro_batches(seqlens, max_tokens=max_tokens, dp_size=dp, cp_size=cp, cost=cost)
+    assert sorted(i for mbs in plan.micro_batches for mb in mbs for i in mb) == list(range(n))
+    assert [len(mbs) for mbs in plan.micro_batches] == [plan.num_micro_batches] * dp
+    for r, mbs in enumerate(plan.micro_batches):
+        for m, mb in enumerate(mbs):
+            real = footprint([seqlens[i] for i in mb], tp=1, cp=cp, align=None)
+            assert real == plan.tokens[r][m] <= max_tokens
 
 
 def test_restore_takes_tensors_and_checks_shapes():
