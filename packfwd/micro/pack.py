@@ -221,8 +221,9 @@ def _lpt_rounds(w, size, order, bins, cap):
         fits = np.flatnonzero(fill <= cap - s_sorted[pos])
         if len(fits) == 0:
             return None
-        by_load = np.argsort(load[fits], kind="stable")
-        ranked = load[fits][by_load]
+        fit_load = load[fits]
+        by_load = np.argsort(fit_load, kind="stable")
+        ranked = fit_load[by_load]
         m = min(int(np.searchsorted(ranked, ranked[0] + w_sorted[pos], side="right")), n - pos)
         larger = np.flatnonzero(s_sorted[pos + 1 : pos + m] > s_sorted[pos])  # a cost that does not grow with size
         m = 1 + int(larger[0]) if len(larger) else m  # a round's items all fit where its first does
