@@ -17,6 +17,9 @@ class ModelFacts:
     """What the forward must know about the model (defaults for a plain module without a Megatron config)."""
 
     post_process: bool = True
+    pre_process: bool = True  # this pipeline stage embeds the ids
+    sequence_parallel: bool = False
+    fp8: object = None  # the config's FP8 recipe (verl's forwards pad for "e4m3" / "hybrid")
     value_model: bool = False
     tp_size: int = 1  # the output layer's vocab is split over this many ranks (1: full vocab)
     tp_group: object = None
@@ -31,7 +34,7 @@ def model_facts(model, tp_size: int, cp_size: int) -> ModelFacts:
     gpt = unwrap(model)
     config = getattr(gpt, "config", None)
     if config is None:
-        return ModelFacts(post_process=getattr(gpt, "post_process", True))
+        return ModelFacts(post_process=getattr(gpt, "post_process", True), pre_process=getattr(gpt, "pre_process", True))
     model_tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     if getattr(config, "sequence_parallel", False) and model_tp != tp_size:
         raise ValueError(f"the model is sequence parallel over {model_tp} ranks; pass tp_size={model_tp} to make_forward")
@@ -51,8 +54,10 @@ def model_facts(model, tp_size: int, cp_size: int) -> ModelFacts:
         width = 1
     else:
         width = getattr(gpt, "vocab_size", 0) // model_tp or None
-    return ModelFacts(post_process=post, value_model=value, tp_size=1 if value else model_tp, tp_group=group,
-                       out_width=width, dtype=getattr(config, "params_dtype", None))
+    return ModelFacts(post_process=post, pre_process=bool(getattr(gpt, "pre_process", True)),
+                       sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                       fp8=getattr(config, "fp8", None), value_model=value, tp_size=1 if value else model_tp,
+                       tp_group=group, out_width=width, dtype=getattr(config, "params_dtype", None))
 
 
 def check_cp(model, cp_size: int, cp_rank: int, cp_group) -> None:
