@@ -12,6 +12,10 @@ sequence is extended by ``last_extra`` so the total divides by ``lcm(seq_align, 
 then divides by ``tp``: sequence parallelism splits it).  ``seq_align`` defaults to ``2 * cp`` (1 without CP),
 the smallest Megatron-Core accepts.
 
+verl's alignment (:func:`verl_alignment`, what ``packfwd.verl`` and the padding pictures use): ``2 * tp * cp``
+per sequence (``tp`` without CP), ``lcm(16, ·)`` under FP8, and a padded total that divides by ``128 * align``
+(FP8) and a length bucket; larger than the default, the same rules underneath.
+
 Zigzag: under CP a padded sequence is cut into ``2 * cp`` chunks of ``c = p / (2 * cp)`` tokens; rank ``r``
 keeps chunks ``r`` and ``2 * cp - 1 - r``, in that order, so every rank gets the same causal-attention work::
 
@@ -23,6 +27,7 @@ keeps chunks ``r`` and ``2 * cp - 1 - r``, in that order, so every rank gets the
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from .._validate import check_positive_int
 
@@ -35,6 +40,8 @@ __all__ = [
     "last_extra",
     "padded_lengths",
     "round_up",
+    "VerlAlignment",
+    "verl_alignment",
     "zigzag_owner",
     "zigzag_position",
 ]
@@ -61,6 +68,40 @@ def check_seq_align(seq_align: int | None, cp_size: int, tp_size: int) -> int:
             f"(e.g. {2 * cp_size * tp_size}), or None for the smallest valid alignment"
         )
     return seq_align
+
+
+class VerlAlignment(NamedTuple):
+    """verl's THD alignment: each sequence padded to a multiple of ``seq_align``, the padded total to a multiple of
+    ``total_multiple`` (the last sequence takes the extra)."""
+
+    seq_align: int
+    total_multiple: int  # a multiple of seq_align (so of 2*cp under CP): plan_thd's tp_size=total_multiple // cp
+
+
+def verl_alignment(tp_size: int, cp_size: int, *, fp8_padding: bool = False,
+                   length_bucket: int | None = None) -> VerlAlignment:
+    """verl 0.9.1's THD alignment (``verl/models/mcore/util.py``, ``preprocess_packed_seqs`` and
+    ``preprocess_thd_engine``): per sequence ``2*tp*cp`` under CP (the zigzag's ``2*cp`` chunks, each split by
+    sequence parallelism), else ``tp``; with ``fp8_padding`` (FP8 recipes ``"e4m3"`` / ``"hybrid"``) ``lcm(16,
+    ·)`` per sequence and a total that divides by ``128`` times the plain alignment; with ``length_bucket``
+    (verl's ``pad_to_length_bucket``) a total that divides by it too.  verl pads the total to ``lcm(bucket, cp)``
+    there, which breaks the zigzag or sequence parallelism when the bucket is not a multiple of the alignment;
+    packfwd keeps the alignment (the same when it is).
+
+    >>> verl_alignment(2, 2), verl_alignment(4, 1)
+    (VerlAlignment(seq_align=8, total_multiple=8), VerlAlignment(seq_align=4, total_multiple=4))
+    >>> verl_alignment(2, 1, fp8_padding=True, length_bucket=12)
+    VerlAlignment(seq_align=16, total_multiple=768)
+    """
+    tp_size = check_positive_int("tp_size", tp_size)
+    cp_size = check_positive_int("cp_size", cp_size)
+    align = 2 * tp_size * cp_size if cp_size > 1 else tp_size
+    seq_align = math.lcm(16, align) if fp8_padding else align
+    total = math.lcm(seq_align, 128 * align) if fp8_padding else seq_align
+    if length_bucket is not None:
+        total = math.lcm(total, check_positive_int("pad_to_length_bucket", length_bucket,
+                                                   "pass a positive bucket size, or None for no bucket"))
+    return VerlAlignment(seq_align, total)
 
 
 def round_up(n, align: int):

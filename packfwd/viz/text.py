@@ -14,6 +14,7 @@ import torch
 
 from packfwd import ThdInfo, layer_partition, plan_thd, to_thd
 from packfwd.layout import default_seq_align, padded_lengths
+from packfwd.layout.rules import verl_alignment
 
 __all__ = [
     "describe_layers",
@@ -90,12 +91,13 @@ def token_names(lengths: Sequence[int]) -> list[str]:
 
 def verl_seq_align(tp_size: int, cp_size: int) -> int:
     """verl's per-sequence alignment, the baseline the padding pictures compare with: ``2*tp*cp``, or ``tp``
-    without CP (packfwd's default is :func:`packfwd.default_seq_align`, the smallest Megatron-Core accepts).
+    without CP (:func:`packfwd.layout.rules.verl_alignment`; packfwd's default is
+    :func:`packfwd.default_seq_align`, the smallest Megatron-Core accepts).
 
     >>> verl_seq_align(2, 2), verl_seq_align(4, 1), default_seq_align(2)
     (8, 4, 4)
     """
-    return 2 * tp_size * cp_size if cp_size > 1 else tp_size
+    return verl_alignment(tp_size, cp_size).seq_align
 
 
 def thd_plans(
