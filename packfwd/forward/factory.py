@@ -25,24 +25,69 @@ it (the padded ids and mask, ``PackedSeqParams``; BSHD: the compacted ones), the
 (``pixel_values``, ``image_grid_thw``, ...) as keyword arguments, and a ``packing`` hook that packs its merged
 ``[b, s, h]`` embeddings and ``[3, b, s]`` positions with the batch's plan (:mod:`packfwd.forward.vision`); a
 model without a ``packing`` parameter is refused.
+
+The returned forward carries its layout as ``forward.layout`` (a :class:`ForwardLayout`): what a micro-batch
+planner must assume (``plan_micro_batches(..., **forward.layout.plan_args)``) and what ``run_micro_batches``
+checks a plan against.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
+from ..layout import rules
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
 from .head import fused_head
 from .layouts import Bshd, Thd
 from .vision import vision_call
 
-__all__ = ["make_forward"]
+__all__ = ["ForwardLayout", "make_forward"]
 
 _FORMATS = ("thd", "bshd")
+
+
+@dataclass(frozen=True)
+class ForwardLayout:
+    """The layout a ``make_forward`` forward packs every batch into (``forward.layout``).
+
+    ``seq_align``: THD's per-sequence alignment, resolved (``None`` given: ``rules.default_seq_align(cp_size)``);
+    None for BSHD, which pads every row to one width instead.
+
+    >>> spec = make_forward("thd", seq_align=16).layout
+    >>> spec
+    ForwardLayout(data_format='thd', tp_size=1, cp_size=1, cp_rank=0, seq_align=16)
+    >>> spec.plan_args, spec.footprint([3, 20])            # 16 + 32 tokens
+    ({'tp_size': 1, 'cp_size': 1, 'seq_align': 16}, 48)
+    >>> make_forward("bshd", tp_size=2).layout.footprint([3, 20])   # 2 rows x 20 columns
+    40
+    """
+
+    data_format: str
+    tp_size: int
+    cp_size: int
+    cp_rank: int
+    seq_align: int | None
+
+    @property
+    def plan_args(self) -> dict:
+        """``plan_micro_batches``' layout arguments for this forward: its THD footprint is then the planner's."""
+        return dict(tp_size=self.tp_size, cp_size=self.cp_size, seq_align=self.seq_align)
+
+    def footprint(self, seqlens: Sequence[int]) -> int:
+        """Padded tokens per CP rank that the forward makes of a batch of these real lengths (host ints): THD's
+        aligned lengths and last-sequence extension over ``cp_size``; BSHD's rows x the longest row rounded up to
+        ``tp_size``."""
+        lengths = [int(n) for n in seqlens]
+        if self.data_format == "bshd":
+            return len(lengths) * rules.round_up(max(lengths, default=0), self.tp_size)
+        padded = sum(rules.round_up(n, self.seq_align) for n in lengths)
+        extra = rules.last_extra(padded, seq_align=self.seq_align, tp_size=self.tp_size, cp_size=self.cp_size)
+        return (padded + extra) // self.cp_size
 
 
 def make_forward(
@@ -115,6 +160,8 @@ def make_forward(
     if cp_size > 1 and cp_group is None:
         raise ValueError("cp_size > 1 needs cp_group (to gather every CP rank's outputs); pass the CP process group")
     layout = Thd(tp_size, cp_size, cp_rank, cp_group, seq_align) if data_format == "thd" else Bshd(tp_size)
+    spec = ForwardLayout(data_format, tp_size, cp_size, cp_rank,
+                         rules.check_seq_align(seq_align, cp_size, tp_size) if data_format == "thd" else None)
     fused = fused_head(head, logits_processor)
     if fused is not None and mtp:
         raise ValueError("head='fused' does not compute MTP outputs yet; use head='logits' with mtp=True")
@@ -124,8 +171,10 @@ def make_forward(
     if mtp:  # multi-token prediction: every depth's ids, labels and loss mask packed with the batch (mtp.py)
         from .mtp import make_mtp_forward
 
-        return make_mtp_forward(layout, logits_processor=logits_processor, tp_size=tp_size,
-                                cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, check_group=check_group)
+        forward = make_mtp_forward(layout, logits_processor=logits_processor, tp_size=tp_size,
+                                   cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, check_group=check_group)
+        forward.layout = spec
+        return forward
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
                 seqlens=None, **processor_args):
@@ -137,7 +186,7 @@ def make_forward(
             processor = bind_processor(logits_processor, facts)
             if fused is not None:
                 fused.check_model(model, facts)
-            check_ids(input_ids)
+            check_ids(input_ids, attention_mask, model)
             plan, ids = layout.pack(input_ids, attention_mask, seqlens)
             if vision:  # the model embeds first and packs with the `packing` hook (vision.py)
                 call = vision_call(model, layout, plan, ids, input_ids, attention_mask, position_ids)
@@ -166,4 +215,5 @@ def make_forward(
         results = processor(logits, **args)
         return {k: layout.unpack(v, plan) for k, v in check_results(results, logits.shape[0]).items()}
 
+    forward.layout = spec  # what a micro-batch plan must assume (run_micro_batches checks it)
     return forward

@@ -1,6 +1,6 @@
 """``run_micro_batches`` through a pipeline: one rank's stages, the planned micro-batches, and either packfwd's
 point-to-point schedule (``packfwd.parallel.pipeline_forward_backward``, CPU and GPU) or Megatron-Core's
-``get_forward_backward_func()`` (CUDA).  Both return the last stage's :class:`~packfwd.micro.step.StepResult`
+``get_forward_backward_func()`` (CUDA).  Both return the last stage's :class:`~packfwd.micro.batches.StepResult`
 (None on the other ranks) and leave the gradients, weighted over the global batch, in every stage's ``.grad``.
 
 Megatron-Core's interleaved schedule (several virtual stages) is refused on a pipeline of two ranks: it sends a
@@ -16,10 +16,10 @@ from typing import Mapping
 
 import torch
 
-from .step import StepResult, detach_outputs, in_row_order
+from .batches import StepResult, detach_outputs, step_result
 
 
-def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn) -> StepResult | None:
+def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> StepResult | None:
     from packfwd.parallel import pipeline_forward_backward
 
     outs = pipeline_forward_backward(
@@ -28,13 +28,12 @@ def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn) -> StepResult | No
     )
     if outs is None:
         return None
-    order = [i for mb in mbs for i in mb.indices]
     total = sum((mb.loss(loss_fn, out).detach() for mb, out in zip(mbs, outs)), torch.zeros(())) if loss_fn else None
-    return StepResult(outputs=in_row_order([detach_outputs(o) for o in outs], order), rows=sorted(order),
-                      loss=torch.zeros(()) if total is None else total)
+    return step_result([detach_outputs(o) for o in outs], mbs, torch.zeros(()) if total is None else total,
+                       batch_masks)
 
 
-def megatron_schedule(forward, stages, mbs, pp_group, loss_fn) -> StepResult | None:
+def megatron_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> StepResult | None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -76,9 +75,8 @@ def megatron_schedule(forward, stages, mbs, pp_group, loss_fn) -> StepResult | N
     )
     if not stored:
         return None
-    order = [i for mb in mbs for i in mb.indices]
     total = sum((x["loss"] for x in stored), torch.zeros((), device=stored[0]["loss"].device))
-    return StepResult(outputs=in_row_order([x["output"] for x in stored], order), rows=sorted(order), loss=total)
+    return step_result([x["output"] for x in stored], mbs, total, batch_masks)
 
 
 def _device(output):

@@ -18,32 +18,39 @@ So the losses of all micro-batches of all ranks add up to the loss of the whole 
 their gradients: sum the gradients over DP (an all-reduce SUM; a DDP that averages needs them scaled by
 ``dp_size``).  The counts ``n_i`` come from ``loss_tokens`` (host ints) when given; otherwise from the loss mask,
 read back once per step (one device sync; none on the CPU), or from ``plan.seqlens`` without a loss mask.
+
+**The plan and the forward's layout agree.**  The plan's budget is the footprint of the layout it was made for; a
+``make_forward`` forward carries its own (``forward.layout``), and the step refuses a plan made for another:
+
+* THD: the plan's ``tp_size``, ``cp_size`` and ``seq_align`` must be the forward's (plan with
+  ``plan_micro_batches(..., **forward.layout.plan_args)``);
+* BSHD: every row of a micro-batch is padded to its longest, ``rows x round_up(longest, tp_size)`` tokens, which
+  the planner (THD's footprint) does not bound: the plan must have the forward's ``tp_size`` and ``cp_size=1``, and
+  every micro-batch of every rank is checked against ``max_tokens`` in that footprint (a refusal names the fix).
+
+Both checks are host arithmetic on the plan, the same on every rank.  A callable without a ``ForwardLayout``
+``layout`` attribute (the caller's own wrapper; ``functools.wraps`` copies the attribute) is run as given: the
+caller vouches that it packs the way the plan assumed.
+
+**Outputs of an MTP forward** (``make_forward(..., mtp=True)``): ``"mtp_loss"`` is one value per depth, not a row;
+``StepResult.mtp_loss`` holds the global batch's token-weighted MTP loss per depth (:mod:`packfwd.micro.batches`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from ..forward.factory import ForwardLayout
+from . import pipeline
+from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
 from .plan import MicroBatchPlan
 
 __all__ = ["StepResult", "agree_micro_batch_count", "run_micro_batches", "sequence_weights"]
 
 NORMALIZE = ("token_mean", "sequence_mean", "sum")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """``outputs``: the forward's outputs (a tensor or a dict of tensors) for the rank's sequences, detached, row
-    ``k`` for global index ``rows[k]`` (ascending; with one DP rank, the caller's order); None when the rank ran
-    no sequence.  ``loss``: the rank's share of the global loss (a detached 0-d tensor; 0 without ``loss_fn``)."""
-
-    outputs: Any
-    rows: list
-    loss: Tensor
 
 
 def run_micro_batches(
@@ -70,7 +77,9 @@ def run_micro_batches(
     ``input_ids``, ``attention_mask`` ``[b, s]``: the whole global batch (``b = len(plan.seqlens)``);
     ``position_ids`` ``[b, s]`` or ``[k, b, s]``; ``processor_args`` go to the forward's logits processor and
     ``loss_args`` to ``loss_fn``, tensors whose first dimension is ``b`` cut to the micro-batch's rows.  Without
-    ``loss_fn`` the forwards run under ``torch.no_grad()``.  Empty micro-batches are skipped.
+    ``loss_fn`` the forwards run under ``torch.no_grad()``; with it, grad mode must be on (under ``no_grad`` or
+    ``inference_mode`` no gradient could accumulate: RuntimeError).  Empty micro-batches are skipped.  ``plan``
+    must be made for the forward's layout (module docstring).
 
     ``multi_modal_inputs`` (a vision forward, ``make_forward(..., vision=True)``): one dict per sequence (or None
     for a text-only one), as verl keeps them (``non_tensor_batch["multi_modal_inputs"]``); each micro-batch gets
@@ -93,24 +102,30 @@ def run_micro_batches(
     if schedule == "megatron" and pp_group is None:
         raise ValueError("schedule='megatron' runs a pipeline: pass pp_group (Megatron's pipeline group)")
     _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask)
+    check_layout(forward, plan)
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
+    if loss_fn is not None and not torch.is_grad_enabled():
+        raise RuntimeError(
+            "run_micro_batches(loss_fn=...) with grad mode off (inside torch.no_grad() or torch.inference_mode()): "
+            "no gradient would accumulate; call it outside no_grad / inference_mode, or drop loss_fn for a "
+            "forward-only pass"
+        )
     weights = None
     if loss_fn is not None:
         weights = sequence_weights(_loss_counts(plan, loss_mask, loss_tokens), normalize)
     mbs = micro_batch_inputs(plan, input_ids, attention_mask, dp_rank=dp_rank, position_ids=position_ids,
                              loss_mask=loss_mask, loss_args=loss_args, weights=weights,
                              multi_modal_inputs=multi_modal_inputs, **processor_args)
+    batch_masks = (processor_args.get("mtp_loss_mask"), attention_mask)  # what an MTP loss is normalised over
     if pp_group is not None:
-        from . import pipeline
-
         if not isinstance(model, (list, tuple)) or not all(isinstance(m, torch.nn.Module) for m in model):
             raise TypeError("with pp_group, pass this rank's stages as a list of modules (one per virtual stage)")
 
         run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
-        return run(forward, model, list(mbs), pp_group, loss_fn)
-    total, pieces, order = None, [], []
+        return run(forward, model, list(mbs), pp_group, loss_fn, batch_masks)
+    total, pieces, done = None, [], []
     for mb in mbs:
-        with torch.set_grad_enabled(loss_fn is not None and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(loss_fn is not None):
             out = forward(model, *mb.args, **mb.kwargs)
             if loss_fn is not None:
                 loss = mb.loss(loss_fn, out)
@@ -118,49 +133,8 @@ def run_micro_batches(
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()  # stays on the device
         pieces.append(detach_outputs(out))
-        order.extend(mb.indices)
-    loss = torch.zeros(()) if total is None else total
-    return StepResult(outputs=in_row_order(pieces, order), rows=sorted(order), loss=loss)
-
-
-@dataclass(frozen=True)
-class MicroBatchInputs:
-    """One micro-batch's share of the global batch: the forward's ``args`` / ``kwargs`` (its rows, host
-    ``seqlens``), and what its loss needs."""
-
-    indices: list
-    args: tuple
-    kwargs: dict
-    loss_kwargs: dict
-    loss_mask: Tensor
-    weights: Tensor | None
-
-    def loss(self, loss_fn: Callable[..., Tensor], out) -> Tensor:
-        """The micro-batch's share of the global loss: ``loss_fn``'s per-token losses, masked and weighted."""
-        return _weighted_sum(loss_fn(out, **self.loss_kwargs), self.loss_mask, self.weights)
-
-
-def micro_batch_inputs(plan, input_ids, attention_mask, *, dp_rank, position_ids=None, loss_mask=None,
-                       loss_args=None, weights=None, multi_modal_inputs=None, **processor_args):
-    """Each non-empty micro-batch of ``dp_rank`` as :class:`MicroBatchInputs` (rows cut from every ``[b, ...]``
-    tensor; positions ``[b, s]`` or ``[k, b, s]``; the rows' multimodal inputs concatenated)."""
-    for indices in plan.micro_batches[dp_rank]:
-        if not indices:
-            continue
-        rows = torch.tensor(indices, dtype=torch.long).to(input_ids.device, non_blocking=True)
-        take = _taker(rows, input_ids.shape[0])
-        positions = None if position_ids is None else _take_positions(position_ids, rows)
-        w = None if weights is None else torch.tensor([weights[i] for i in indices], dtype=torch.float64)
-        vision = {} if multi_modal_inputs is None else {"multi_modal_inputs": _concat_rows(multi_modal_inputs, indices)}
-        yield MicroBatchInputs(
-            indices=list(indices),
-            args=(take(input_ids), take(attention_mask), positions),
-            kwargs={"seqlens": [plan.seqlens[i] for i in indices], **vision,
-                    **{k: take(v) for k, v in processor_args.items()}},
-            loss_kwargs={k: take(v) for k, v in (loss_args or {}).items()},
-            loss_mask=take(attention_mask if loss_mask is None else loss_mask),
-            weights=w,
-        )
+        done.append(mb)
+    return step_result(pieces, done, torch.zeros(()) if total is None else total, batch_masks)
 
 
 def sequence_weights(loss_counts: Sequence[int], normalize: str = "token_mean") -> list[float]:
@@ -219,6 +193,45 @@ def _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask) -> None
         raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}; pass [b, s] = {list(input_ids.shape[:2])}")
 
 
+def check_layout(forward: Callable, plan: MicroBatchPlan) -> None:
+    """Refuse a plan whose budget the forward's layout cannot hold (module docstring); a forward without a
+    :class:`ForwardLayout` is the caller's word."""
+    spec = getattr(forward, "layout", None)
+    if not isinstance(spec, ForwardLayout):
+        return
+    fix = "plan_micro_batches(seqlens, max_tokens=..., **forward.layout.plan_args)"
+    if spec.data_format == "thd":
+        differ = [k for k, v in spec.plan_args.items() if getattr(plan, k) != v]
+        if differ:
+            worst = max(spec.footprint([plan.seqlens[i] for i in mb]) for mbs in plan.micro_batches for mb in mbs)
+            raise ValueError(
+                f"the plan was made for {_named(plan, differ)} but the forward packs with "
+                f"{_named(spec, differ)}: its costliest micro-batch would take {worst} padded tokens per CP rank "
+                f"(the plan's budget is max_tokens={plan.max_tokens} in its own layout); plan with the forward's "
+                f"layout: {fix}"
+            )
+        return
+    if plan.cp_size != 1 or plan.tp_size != spec.tp_size:
+        raise ValueError(
+            f"the plan was made for {_named(plan, ['tp_size', 'cp_size'])} but the BSHD forward packs with "
+            f"{_named(spec, ['tp_size', 'cp_size'])}; plan with the forward's layout: {fix}"
+        )
+    for r, mbs in enumerate(plan.micro_batches):
+        for m, mb in enumerate(mbs):
+            need = spec.footprint([plan.seqlens[i] for i in mb])
+            if need > plan.max_tokens:
+                raise ValueError(
+                    f"micro-batch {m} of dp_rank {r} takes {need} tokens in BSHD ({len(mb)} rows padded to the "
+                    f"longest), over the plan's max_tokens={plan.max_tokens}: the planner budgets THD's footprint "
+                    "(sequences end to end), which BSHD exceeds by the padding of its rows; use "
+                    "make_forward('thd', ...) with planned micro-batches"
+                )
+
+
+def _named(layout, names) -> str:
+    return ", ".join(f"{k}={getattr(layout, k)}" for k in names)
+
+
 def _check_multi_modal(multi_modal_inputs, b: int) -> None:
     if multi_modal_inputs is None:
         return
@@ -236,13 +249,6 @@ def _check_multi_modal(multi_modal_inputs, b: int) -> None:
             raise TypeError(f"multi_modal_inputs[{i}] must be a dict of tensors or None, got {type(entry).__name__}")
 
 
-def _concat_rows(multi_modal_inputs, indices) -> dict | None:
-    """The micro-batch's multimodal inputs: each key's tensors of its rows, concatenated in row order."""
-    rows = [multi_modal_inputs[i] for i in indices if multi_modal_inputs[i]]
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    return {k: torch.cat([row[k] for row in rows if k in row]) for k in keys} or None
-
-
 def _loss_counts(plan, loss_mask, loss_tokens) -> list[int]:
     if loss_tokens is not None:
         counts = [int(c) for c in loss_tokens]
@@ -252,41 +258,3 @@ def _loss_counts(plan, loss_mask, loss_tokens) -> list[int]:
     if loss_mask is None:
         return list(plan.seqlens)
     return loss_mask.ne(0).sum(-1).tolist()  # the one host sync of a step (none for a CPU mask)
-
-
-def _taker(rows: Tensor, b: int) -> Callable:
-    def take(value):
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == b:
-            return value.index_select(0, rows.to(value.device))
-        return value
-
-    return take
-
-
-def _take_positions(position_ids: Tensor, rows: Tensor) -> Tensor:
-    dim = 1 if position_ids.dim() == 3 else 0  # [k, b, s] multimodal positions
-    return position_ids.index_select(dim, rows.to(position_ids.device))
-
-
-def _weighted_sum(per_token: Tensor, mask: Tensor, w: Tensor) -> Tensor:
-    if not isinstance(per_token, Tensor) or tuple(per_token.shape) != tuple(mask.shape):
-        got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
-        raise ValueError(f"loss_fn returned {got}; return per-token losses shaped like the rows {tuple(mask.shape)}")
-    w = w.to(device=per_token.device, dtype=per_token.dtype)
-    return (per_token * mask.to(per_token.dtype) * w[:, None]).sum()
-
-
-def detach_outputs(out):
-    if isinstance(out, Mapping):
-        return {k: v.detach() for k, v in out.items()}
-    return out.detach()
-
-
-def in_row_order(pieces: list, order: list[int]):
-    """The micro-batches' outputs concatenated and put in ascending global index."""
-    if not pieces:
-        return None
-    perm = torch.tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.long)
-    if isinstance(pieces[0], Mapping):
-        return {k: torch.cat([p[k] for p in pieces]).index_select(0, perm.to(pieces[0][k].device)) for k in pieces[0]}
-    return torch.cat(pieces).index_select(0, perm.to(pieces[0].device))
