@@ -23,6 +23,9 @@ h]``, zigzag CP share included; BSHD ``[s_c, b, h]``) and ``packing.positions(p)
 its output in that layout (``[1, t, v]`` / ``[b, s_c, v]``), which the forward unpacks as usual.  Image tokens thus
 land on the CP rank that holds their text neighbours, with the same plan as everything else.
 
+The plan owns what differs between the layouts (``inputs_to_embed``, ``decoder_input``, ``decoder_positions`` of
+``ThdInfo`` and ``BshdInfo``); this module asks no plan which layout it is.
+
 A model must declare the hook: its (unwrapped) ``forward`` has a parameter named ``packing``.  Any other model
 gets a TypeError: a model that packs itself (verl's mbridge models pack with verl's alignment) would otherwise pack
 a different layout than the ``PackedSeqParams`` it is given; run those through
@@ -38,9 +41,8 @@ import inspect
 import torch
 from torch import Tensor
 
-from ..layout.bshd import BshdInfo, to_bshd
-from ..layout.positions import pack_positions
-from ..layout.thd import ThdInfo, to_thd
+from ..layout.bshd import BshdInfo
+from ..layout.thd import ThdInfo
 from .guards import check_positions
 
 __all__ = ["VisionPacking", "decoder_input", "packed_positions", "takes_packing", "vision_call"]
@@ -85,13 +87,7 @@ def decoder_input(x: Tensor, plan: ThdInfo | BshdInfo) -> Tensor:
     >>> [decoder_input(x, plan_thd(mask, cp_size=2, cp_rank=r)).flatten().tolist() for r in (0, 1)]
     [[0.0, 3.0, 4.0, 0.0], [1.0, 2.0, 5.0, 0.0]]
     """
-    if isinstance(plan, ThdInfo):
-        _check_rows("x", x, (plan.batch_size, plan.seq_len), "the padded batch [b, s, ...] the model was given")
-        return to_thd(x, plan)[0][:, None]
-    if isinstance(plan, BshdInfo):
-        _check_rows("x", x, (plan.source.batch_size, plan.width), "the compacted batch [b, s_c, ...] it was given")
-        return x.transpose(0, 1)
-    raise TypeError(f"plan must be a ThdInfo or BshdInfo, got {type(plan).__name__}")
+    return _plan_method(plan, "decoder_input")(x)
 
 
 def packed_positions(positions: Tensor, plan: ThdInfo | BshdInfo) -> Tensor:
@@ -105,15 +101,7 @@ def packed_positions(positions: Tensor, plan: ThdInfo | BshdInfo) -> Tensor:
     >>> packed_positions(pos, plan_thd(mask))[:, 0].tolist()
     [[0, 1, 0, 1], [0, 1, 0, 1], [0, 1, 0, 1]]
     """
-    if isinstance(plan, ThdInfo):
-        return pack_positions(positions, plan)[..., None, :]
-    if isinstance(plan, BshdInfo):
-        want = (plan.source.batch_size, plan.width)
-        if positions.dim() not in (2, 3) or tuple(positions.shape[-2:]) != want:
-            raise ValueError(f"positions has shape {tuple(positions.shape)}; a BSHD model computes them on the "
-                             f"compacted ids it was given: [3, {want[0]}, {want[1]}] or {list(want)}")
-        return positions
-    raise TypeError(f"plan must be a ThdInfo or BshdInfo, got {type(plan).__name__}")
+    return _plan_method(plan, "decoder_positions")(positions)
 
 
 def takes_packing(model: torch.nn.Module) -> bool:
@@ -148,18 +136,16 @@ def vision_call(model, layout, plan, ids: Tensor, input_ids: Tensor, attention_m
     if input_ids.is_nested:
         raise ValueError("make_forward(vision=True) takes a padded [b, s] batch with its attention_mask, not a jagged "
                          "nested one: pad it (input_ids.to_padded_tensor(pad_id)) and pass the mask")
-    if isinstance(plan, ThdInfo):
-        if position_ids is not None:
-            check_positions(position_ids, input_ids)
-        return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    packing=VisionPacking(plan), **layout.model_kwargs(plan))
     if position_ids is not None:
-        position_ids = layout.positions(plan, ids, position_ids, input_ids)
-    mask = plan.attention_mask if attention_mask is None else plan.attention_mask.to(attention_mask.dtype)
-    return dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, packing=VisionPacking(plan))
+        check_positions(position_ids, input_ids)
+    given = _plan_method(plan, "inputs_to_embed")(input_ids, ids, attention_mask, position_ids)
+    return dict(zip(("input_ids", "attention_mask", "position_ids"), given), packing=VisionPacking(plan),
+                **layout.model_kwargs(plan))
 
 
-def _check_rows(name: str, x: Tensor, want: tuple[int, int], what: str) -> None:
-    if not isinstance(x, Tensor) or x.dim() < 2 or tuple(x.shape[:2]) != want:
-        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ValueError(f"{name} has shape {got}; pass embeddings of {what}: [{want[0]}, {want[1]}, ...]")
+def _plan_method(plan: object, name: str):
+    """``plan``'s method ``name``, or a TypeError naming the plans that have it."""
+    method = getattr(plan, name, None)
+    if not callable(method):
+        raise TypeError(f"plan must be a ThdInfo or BshdInfo (a layout plan with {name}), got {type(plan).__name__}")
+    return method

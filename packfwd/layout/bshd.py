@@ -8,14 +8,16 @@ The width is the longest row rounded up to a multiple of ``tp_size`` (sequence p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .._validate import check_positive_int
+from .positions import pack_positions
 from .rules import round_up
+from .unpad import one_tensor
 from ..ops import plan as plan_kernel
 from ..ops.gather import gather_rows
 from .source import PlanOfSource, canvas_rows_of, checked_lengths, from_canvas, padded_source, plan, scatter_inverse, TokenSource
@@ -35,6 +37,41 @@ class BshdInfo(PlanOfSource):
     @property
     def cu_seqlens(self) -> Tensor:
         return self.source.cu_seqlens
+
+    token_dims: ClassVar[int] = 2  # the packed tensor is [b, width, *]
+
+    def pack_tokens(self, x: Tensor) -> Tensor:
+        """``to_bshd(x, self)[0]``: per-token data ``[b, s, *]`` (or nested) -> ``[b, width, *]``."""
+        return to_bshd(x, self)[0]
+
+    def unpack_tokens(self, y: Tensor | Sequence[Tensor], fill_value: float = 0) -> Tensor:
+        """``from_bshd``: ``[b, width, *]`` (or a list of that one tensor) -> ``[b, s, *]``."""
+        return from_bshd(one_tensor(y, "BSHD"), self, fill_value)
+
+    # A model that embeds before packing (a vision model, ``make_forward(vision=True)``) is given this layout's
+    # ids: every row stays whole (compacted), so every image does too.
+    def inputs_to_embed(self, input_ids: Tensor, ids: Tensor, attention_mask, position_ids):
+        """The ``(input_ids, attention_mask, position_ids)`` such a model is given: ``ids`` (``[b, width]``, packed
+        from ``input_ids`` by this plan), the plan's mask (in ``attention_mask``'s dtype) and positions packed."""
+        mask = self.attention_mask if attention_mask is None else self.attention_mask.to(attention_mask.dtype)
+        return ids, mask, None if position_ids is None else pack_positions(position_ids, self)
+
+    def decoder_input(self, x: Tensor) -> Tensor:
+        """Its embeddings ``[b, width, h]`` -> Megatron-Core's ``decoder_input`` ``[width, b, h]``."""
+        want = (self.batch_size, self.width)
+        if not isinstance(x, Tensor) or x.dim() < 2 or tuple(x.shape[:2]) != want:
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x has shape {got}; pass embeddings of the compacted batch the model was given: "
+                             f"[{want[0]}, {want[1]}, ...]")
+        return x.transpose(0, 1)
+
+    def decoder_positions(self, positions: Tensor) -> Tensor:
+        """Its positions, computed on the compacted ids it was given: ``[3, b, width]`` / ``[b, width]``, as is."""
+        want = (self.batch_size, self.width)
+        if positions.dim() not in (2, 3) or tuple(positions.shape[-2:]) != want:
+            raise ValueError(f"positions has shape {tuple(positions.shape)}; a BSHD model computes them on the "
+                             f"compacted ids it was given: [3, {want[0]}, {want[1]}] or {list(want)}")
+        return positions
 
 
 def plan_bshd(

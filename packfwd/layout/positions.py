@@ -20,23 +20,41 @@ every coordinate (as transformers gives pad tokens; no real token attends to the
 ``fill_value`` at the caller's padding.  A plan made from a jagged nested batch takes nested ``[b, j]`` or
 ``[b, j, k]`` positions (ragged dim 1, so coordinates last) and gives nested ones back.  Applying is one gather,
 so both directions work under ``torch.func.vmap`` / ``grad`` and ``torch.compile``, for any dtype.
+
+Each plan applies itself (:class:`LayoutPlan`: ``pack_tokens``, ``unpack_tokens``, ``token_dims``); these two
+functions only move the coordinates, so a new layout's plan works here by having those methods.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from torch import Tensor
 
 from .._validate import check_tensor
-from .bshd import BshdInfo, from_bshd, to_bshd
-from .thd import ThdInfo, from_thd, to_thd
-from .unpad import UnpadInfo, pad, unpad
-
-Plan = UnpadInfo | ThdInfo | BshdInfo
+from .source import TokenSource
 
 
-def pack_positions(positions: Tensor, plan: Plan, *, coord_dim: int | None = None) -> Tensor:
+class LayoutPlan(Protocol):
+    """What a layout plan (``UnpadInfo``, ``ThdInfo``, ``BshdInfo``) does with per-token data: the plan owns its
+    dispatch (no caller asks which layout it is)."""
+
+    source: TokenSource
+    token_dims: int  # dims of the packed tensor that index tokens: 1 for [t, *], 2 for [b, width, *]
+
+    def pack_tokens(self, x: Tensor) -> Tensor:
+        """Per-token data ``[b, s, *]`` (or nested ``[b, j, *]``) -> the packed tensor."""
+        ...
+
+    def unpack_tokens(self, y: Tensor | Sequence[Tensor], fill_value: float = 0) -> Tensor:
+        """The packed tensor (a list of every CP rank's, for a plan split over CP ranks) -> ``[b, s, *]``."""
+        ...
+
+
+_METHODS = ("pack_tokens", "unpack_tokens", "token_dims", "source")
+
+
+def pack_positions(positions: Tensor, plan: LayoutPlan, *, coord_dim: int | None = None) -> Tensor:
     """``positions`` (``[b, s]``, ``[k, b, s]`` or ``[b, s, k]``) in ``plan``'s layout (table in the module doc).
 
     ``coord_dim``: where the coordinates are: ``0`` (``[k, b, s]``, the default for 3-D input) or ``-1``
@@ -55,17 +73,12 @@ def pack_positions(positions: Tensor, plan: Plan, *, coord_dim: int | None = Non
     """
     plan = _check_plan(plan)
     x, first = _tokens_last(check_tensor("positions", positions), plan, coord_dim, "positions")
-    if isinstance(plan, UnpadInfo):
-        y = unpad(x, plan)[0]
-    elif isinstance(plan, ThdInfo):
-        y = to_thd(x, plan)[0]
-    else:
-        y = to_bshd(x, plan)[0]
+    y = plan.pack_tokens(x)
     return y.movedim(-1, 0).contiguous() if first else y
 
 
 def unpack_positions(
-    packed: Tensor | Sequence[Tensor], plan: Plan, *, coord_dim: int | None = None, fill_value: int = 0
+    packed: Tensor | Sequence[Tensor], plan: LayoutPlan, *, coord_dim: int | None = None, fill_value: int = 0
 ) -> Tensor:
     """The inverse of ``pack_positions``: back to the caller's ``[b, s]``, ``[k, b, s]`` or ``[b, s, k]``, with
     ``fill_value`` at padding.  For a THD plan with ``cp_size > 1`` pass every CP rank's packed positions, in rank
@@ -78,33 +91,23 @@ def unpack_positions(
         raise ValueError("unpack_positions got an empty list; pass the packed positions (one tensor per CP rank)")
     for y in ys:
         check_tensor("packed", y)
-    token_dims = 2 if isinstance(plan, BshdInfo) else 1
     rank = ys[0].dim()
-    first = _coords_first(coord_dim, rank, token_dims, "packed", nested=plan.source.nested_offsets is not None)
+    first = _coords_first(coord_dim, rank, plan.token_dims, "packed", nested=plan.source.nested_offsets is not None)
     if first:
         ys = [y.movedim(0, -1) for y in ys]
-    if isinstance(plan, UnpadInfo):
-        out = pad(_one(ys, "unpad"), plan, fill_value)
-    elif isinstance(plan, ThdInfo):
-        out = from_thd(ys if plan.cp_size > 1 else _one(ys, "THD with cp_size=1"), plan, fill_value)
-    else:
-        out = from_bshd(_one(ys, "BSHD"), plan, fill_value)
+    out = plan.unpack_tokens(ys, fill_value)
     return out.movedim(-1, 0) if first else out
 
 
-def _check_plan(plan: object) -> Plan:
-    if not isinstance(plan, (UnpadInfo, ThdInfo, BshdInfo)):
+def _check_plan(plan: object) -> LayoutPlan:
+    missing = [name for name in _METHODS if not hasattr(plan, name)]
+    if missing:
         raise TypeError(
-            f"plan must be an UnpadInfo, ThdInfo or BshdInfo (from plan_unpad / plan_thd / plan_bshd), got "
-            f"{type(plan).__name__}"
+            f"plan must be an UnpadInfo, ThdInfo or BshdInfo (from plan_unpad / plan_thd / plan_bshd), or a layout "
+            f"plan with {' / '.join(_METHODS)} (packfwd.layout.positions.LayoutPlan); got {type(plan).__name__}, "
+            f"which has no {missing[0]}"
         )
     return plan
-
-
-def _one(ys: list[Tensor], what: str) -> Tensor:
-    if len(ys) != 1:
-        raise ValueError(f"unpack_positions got {len(ys)} tensors but a {what} plan takes one")
-    return ys[0]
 
 
 def _coords_first(coord_dim: int | None, rank: int, base: int, name: str, *, nested: bool) -> bool:
@@ -127,7 +130,7 @@ def _coords_first(coord_dim: int | None, rank: int, base: int, name: str, *, nes
     return coord_dim in (None, 0)
 
 
-def _tokens_last(pos: Tensor, plan: Plan, coord_dim: int | None, name: str) -> tuple[Tensor, bool]:
+def _tokens_last(pos: Tensor, plan: LayoutPlan, coord_dim: int | None, name: str) -> tuple[Tensor, bool]:
     """``pos`` as ``[b, s, *]`` (or nested ``[b, j, *]``), and whether its coordinates led."""
     first = _coords_first(coord_dim, pos.dim(), 2, name, nested=pos.is_nested)
     if pos.is_nested:
@@ -136,7 +139,7 @@ def _tokens_last(pos: Tensor, plan: Plan, coord_dim: int | None, name: str) -> t
         if pos.values().shape[0] != plan.source.total:
             raise ValueError(f"{name} holds {pos.values().shape[0]} tokens but the plan has {plan.source.total}")
         return pos, False
-    b, s = plan.batch_size, plan.seq_len
+    b, s = plan.source.batch_size, plan.source.seq_len
     if plan.source.nested_offsets is not None:
         raise ValueError(f"the plan was made from a nested batch; pass nested {name} with the same offsets")
     x = pos.movedim(0, -1) if first else pos

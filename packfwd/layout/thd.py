@@ -20,7 +20,7 @@ THD index function built on them.  With ``seq_align=None`` (the default) each se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -30,18 +30,10 @@ from .._validate import check_positive_int, check_rank
 from ..ops import plan as plan_kernel
 from ..ops.gather import gather_rows
 from . import rules
-from .source import (
-    PlanOfSource,
-    Lengths,
-    TokenSource,
-    canvas_rows_of,
-    checked_lengths,
-    cumsum0,
-    from_canvas,
-    padded_source,
-    plan,
-    scatter_inverse,
-)
+from .positions import pack_positions
+from .unpad import one_tensor
+from .source import Lengths, PlanOfSource, TokenSource, canvas_rows_of, checked_lengths, cumsum0, from_canvas
+from .source import padded_source, plan, scatter_inverse
 
 
 @dataclass(frozen=True)
@@ -87,6 +79,34 @@ class ThdInfo(PlanOfSource):
         """[n+1] int32: where each sequence starts in this rank's tensor (``cu_seqlens_padded // cp_size``)."""
         return self.cu_seqlens_padded // self.cp_size
 
+    token_dims: ClassVar[int] = 1  # this rank's packed tensor is [t_local, *]
+
+    def pack_tokens(self, x: Tensor) -> Tensor:
+        """``to_thd(x, self)[0]``: per-token data ``[b, s, *]`` (or nested) -> this rank's ``[t_local, *]``."""
+        return to_thd(x, self)[0]
+
+    def unpack_tokens(self, y: Tensor | Sequence[Tensor], fill_value: float = 0) -> Tensor:
+        """``from_thd``: every CP rank's ``[t_local, *]`` in rank order (one tensor when ``cp_size == 1``)."""
+        return from_thd(y if self.cp_size > 1 else one_tensor(y, "THD with cp_size=1"), self, fill_value)
+
+    # A model that embeds before packing (make_forward(vision=True)) is given the caller's padded batch: a CP
+    # rank holds part of a sequence only, and a vision tower needs every image whole.
+    def inputs_to_embed(self, input_ids: Tensor, ids: Tensor, attention_mask, position_ids):
+        """Such a model's ``(input_ids, attention_mask, position_ids)``: the caller's (not the packed ``ids``)."""
+        return input_ids, attention_mask, position_ids
+
+    def decoder_input(self, x: Tensor) -> Tensor:
+        """Its embeddings ``[b, s, h]`` -> Megatron-Core's ``decoder_input`` ``[t_local, 1, h]``."""
+        if not isinstance(x, Tensor) or x.dim() < 2 or tuple(x.shape[:2]) != (self.batch_size, self.seq_len):
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"x has shape {got}; pass embeddings of the padded batch the model was given: "
+                             f"[{self.batch_size}, {self.seq_len}, ...]")
+        return self.pack_tokens(x)[:, None]
+
+    def decoder_positions(self, positions: Tensor) -> Tensor:
+        """Its positions ``[3, b, s]`` / ``[b, s]`` -> ``[3, 1, t_local]`` / ``[1, t_local]``, 0 at padding."""
+        return pack_positions(positions, self)[..., None, :]
+
     def packed_seq_params(self):
         """Megatron-Core's ``PackedSeqParams`` (``qkv_format="thd"``) for this batch."""
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -103,14 +123,8 @@ class ThdInfo(PlanOfSource):
 
 
 def plan_thd(
-    attention_mask: Tensor | None,
-    *,
-    tp_size: int = 1,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    seq_align: int | None = None,
-    max_seqlen: int | None = None,
-    seqlens: Sequence[int] | None = None,
+    attention_mask: Tensor | None, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0,
+    seq_align: int | None = None, max_seqlen: int | None = None, seqlens: Sequence[int] | None = None,
     x: Tensor | None = None,
 ) -> ThdInfo:
     """Plan the THD layout of a batch for CP rank ``cp_rank`` (see the module docstring for the layout).
@@ -127,10 +141,8 @@ def plan_thd(
     >>> info.local_positions.tolist()
     [2, 3, 4, 5, 1, 2]
     """
-    return plan_thd_layout(
-        attention_mask, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, seq_align=seq_align,
-        max_seqlen=max_seqlen, seqlens=seqlens, x=x,
-    )
+    return plan_thd_layout(attention_mask, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, seq_align=seq_align,
+                           max_seqlen=max_seqlen, seqlens=seqlens, x=x)
 
 
 def plan_thd_layout(
@@ -212,9 +224,7 @@ def _host_layout(lengths: np.ndarray, cp: int, align: int, p: np.ndarray, cu_pai
     return [total, int(p.max()) if len(p) else 0, local], [cu_pair, np.stack([start, chunk])]
 
 
-def to_thd(
-    x: Tensor, attention_mask: Tensor | ThdInfo | None = None, **plan_kwargs
-) -> tuple[Tensor, ThdInfo]:
+def to_thd(x: Tensor, attention_mask: Tensor | ThdInfo | None = None, **plan_kwargs) -> tuple[Tensor, ThdInfo]:
     """Pack ``x: [b, s, *]`` (any dtype, any trailing dims) into this CP rank's THD tensor ``[t_local, *]``.
 
     ``attention_mask`` may be a ``ThdInfo`` from ``plan_thd`` (then no planning happens), or None when ``x`` is a
@@ -261,10 +271,8 @@ def from_thd(y: Tensor | Sequence[Tensor], info: ThdInfo, fill_value: float = 0)
 def _check_outputs(y: Tensor | Sequence[Tensor], info: ThdInfo) -> list[Tensor]:
     if isinstance(y, Tensor):
         if info.cp_size > 1:
-            raise TypeError(
-                f"from_thd got one tensor but the plan has cp_size={info.cp_size}; pass the list of all "
-                f"{info.cp_size} CP ranks' outputs in rank order (gather them over the CP group first)"
-            )
+            raise TypeError(f"from_thd got one tensor but the plan has cp_size={info.cp_size}; pass the list of all "
+                            f"{info.cp_size} CP ranks' outputs in rank order (gather them over the CP group first)")
         ys = [y]
     elif isinstance(y, (list, tuple)) and all(isinstance(t, Tensor) for t in y):
         ys = list(y)
@@ -274,10 +282,8 @@ def _check_outputs(y: Tensor | Sequence[Tensor], info: ThdInfo) -> list[Tensor]:
         raise ValueError(f"from_thd got {len(ys)} rank outputs but the plan has cp_size={info.cp_size}; pass one per CP rank")
     for k, t in enumerate(ys):
         if t.dim() < 1 or t.shape[0] != info.local_tokens:
-            raise ValueError(
-                f"rank {k}'s output has {t.shape[0] if t.dim() else 0} tokens but the plan has {info.local_tokens} "
-                "per rank; pass the model output for exactly the tokens to_thd produced"
-            )
+            raise ValueError(f"rank {k}'s output has {t.shape[0] if t.dim() else 0} tokens but the plan has "
+                             f"{info.local_tokens} per rank; pass the model output for exactly to_thd's tokens")
         if t.shape[1:] != ys[0].shape[1:] or t.dtype != ys[0].dtype or t.device != ys[0].device:
             raise ValueError("every rank's output must have the same trailing shape, dtype and device")
     return ys

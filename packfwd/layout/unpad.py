@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -37,6 +38,16 @@ class UnpadInfo(PlanOfSource):
     @property
     def total(self) -> int:
         return self.source.total
+
+    token_dims: ClassVar[int] = 1  # the packed tensor is [t, *]
+
+    def pack_tokens(self, x: Tensor) -> Tensor:
+        """``unpad(x, self)[0]``: per-token data ``[b, s, *]`` (or nested) -> ``[t, *]``."""
+        return unpad(x, self)[0]
+
+    def unpack_tokens(self, y: Tensor | Sequence[Tensor], fill_value: float = 0) -> Tensor:
+        """``pad(y, self, fill_value)``: ``[t, *]`` (or a list of that one tensor) -> ``[b, s, *]``."""
+        return pad(one_tensor(y, "unpad"), self, fill_value)
 
 
 def plan_unpad(attention_mask: Tensor | None, *, seqlens=None, x: Tensor | None = None) -> UnpadInfo:
@@ -93,6 +104,16 @@ def unpad(x: Tensor, attention_mask: Tensor | UnpadInfo, *, seqlens=None) -> tup
     """
     info = attention_mask if isinstance(attention_mask, UnpadInfo) else plan_unpad(attention_mask, seqlens=seqlens, x=x)
     return gather_rows([canvas_rows_of(x, info.source)], info.index, info.inverse, dense=True), info
+
+
+def one_tensor(y: Tensor | Sequence[Tensor], what: str) -> Tensor:
+    """``y``, or the one tensor of a list: the packed tensor of a ``what`` plan, which is not split over CP ranks."""
+    if isinstance(y, (list, tuple)):
+        if len(y) != 1:
+            raise ValueError(f"got {len(y)} tensors but a {what} plan takes one (a list is for the CP ranks of a THD "
+                             "plan with cp_size > 1); pass the one packed tensor")
+        y = y[0]
+    return y
 
 
 def pad(packed: Tensor, info: UnpadInfo, fill_value: float = 0) -> Tensor:
