@@ -36,6 +36,7 @@ from .cpu import host_collectives, is_host
 from . import mtp
 from .gpt import ModelArgs, ValueHead
 from .mrope import mrope_positions, rotary_modules
+from .positions import assert_per_sequence, thd_positions
 from .rope import rotary_angles
 from .spec import block_spec
 
@@ -120,7 +121,11 @@ class PackedGPTModel(GPTModel):
         ``[b, s]`` padding mask.
 
         * THD (``packed_seq_params`` with ``qkv_format="thd"``): ``position_ids [1, t]`` reach the core attention's
-          RoPE (None: each token's position in its own sequence); ``attention_mask`` must be None.
+          RoPE (None: each token's position in its own sequence); ``attention_mask`` must be None.  A ``[b, s]``
+          tensor of another shape is accepted only as verl's default positions (``model_forward_gen`` passes
+          them; Megatron-Core's GPTModel never reads them under THD), checked without a host sync, and then not
+          read (the numbers of each token's position in its own sequence); anything else raises
+          (:mod:`packfwd.models.positions` has the rule and what it cannot catch).
         * BSHD: ``position_ids [b, s]`` give every token's RoPE angle (None: ``0..s-1`` on every row);
           ``attention_mask [b, s]`` (True or 1 at real tokens, any padding pattern: left, right, holes) makes
           each row's real tokens attend causally to the real tokens before them, computed packed (see
@@ -142,16 +147,17 @@ class PackedGPTModel(GPTModel):
         if mtp_input_ids is not None:
             mtp_input_ids = self._check_mtp_ids(mtp_input_ids, input_ids)
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd and attention_mask is not None:
+            raise ValueError("a THD batch takes attention_mask=None: its sequences are given by packed_seq_params")
+        cp = _cp_place(packed_seq_params, self.pg_collection.cp) if thd else (1, 0)
+        if thd:  # [1, t] read; verl's default [b, s] not read (None); anything else raises (positions.py)
+            position_ids = thd_positions(position_ids, packed_seq_params, self._packed_tokens(input_ids, kwargs), *cp)
         if self.position_embedding_type == "mrope":  # [3, b, s]; [b, s] or none: three equal coordinates
             position_ids = mrope_positions(position_ids, input_ids if self.pre_process else None,
                                            fill=not thd and attention_mask is None)
         elif position_ids is not None:  # a later pipeline stage does not read input_ids: compare with them only here
             position_ids = _check_positions(position_ids, input_ids if self.pre_process else None)
         if attention_mask is not None:
-            if thd:
-                raise ValueError(
-                    "a THD batch takes attention_mask=None: its sequences are given by packed_seq_params"
-                )
             return forward_masked_rows(self, input_ids, position_ids, attention_mask, mtp_input_ids=mtp_input_ids,
                                        mtp_detach_head=mtp_detach_head, **kwargs)
         if thd and position_ids is not None:
@@ -159,7 +165,7 @@ class PackedGPTModel(GPTModel):
                 packed_seq_params = with_positions(packed_seq_params, position_ids.flatten(-2))
                 position_ids = None if self.position_embedding_type == "mrope" else position_ids  # read there
             else:  # Megatron-Core's own THD RoPE reads no positions: they must be the ones it computes
-                _assert_per_sequence(position_ids.reshape(-1), packed_seq_params, self.pg_collection.cp)
+                assert_per_sequence(position_ids.reshape(-1), packed_seq_params, *cp)
         kwargs = dict(kwargs, packed_seq_params=packed_seq_params)
         if mtp_input_ids is not None:  # stacked under the main ids: how they reach the MTP block (mtp.py)
             main = input_ids if input_ids is not None else torch.zeros_like(mtp_input_ids[0])
@@ -167,6 +173,15 @@ class PackedGPTModel(GPTModel):
         with host_collectives() if self.forward_on_host else contextlib.nullcontext():
             out = super().forward(input_ids, position_ids, None, **kwargs)
             return out if mtp_input_ids is None else mtp.with_logits(self, out, detach_head=mtp_detach_head)
+
+    def _packed_tokens(self, input_ids, kwargs) -> int | None:
+        """``t``, this rank's packed tokens of a THD batch: from the ids ``[1, t]`` (or ``decoder_input``) on the
+        first stage, from the hidden states a later stage was given (under sequence parallelism each TP rank holds
+        ``t / tp`` of them); None where neither is known."""
+        hidden = kwargs.get("decoder_input") if self.pre_process else self.decoder.input_tensor
+        if hidden is None:
+            return input_ids.shape[-1] if self.pre_process and input_ids is not None else None
+        return hidden.shape[0] * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
 
     def _hidden_states(self, input_ids, position_ids, attention_mask, **kwargs):
         """``forward(return_hidden=True)``: the output layer skipped (``_postprocess``), packed batches only."""
@@ -217,23 +232,11 @@ class PackedGPTModel(GPTModel):
         return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
 
 
-def _assert_per_sequence(positions: torch.Tensor, params, model_cp_group) -> None:
-    """For a model built with ``packed_rope=False``: caller positions other than each token's position in its
-    own sequence would be silently ignored by Megatron-Core's THD RoPE, so they raise (asynchronously on CUDA)."""
-    from packfwd.layout.rules import local_positions
-
-    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+def _cp_place(params, model_cp_group) -> tuple[int, int]:
+    """(cp_size, cp_rank) of a THD batch: the group its ``PackedSeqParams`` carry, else the model's CP group."""
     group = getattr(params, "cp_group", None) or model_cp_group
-    cp = group.size() if group is not None else 1
-    rank = group.rank() if cp > 1 else 0
-    want = local_positions(cu, positions.shape[0], cp, rank).to(positions.device)
-    message = ("this model was built with packed_rope=False: Megatron-Core's THD RoPE uses each token's position "
-               "in its own sequence and cannot take other position_ids; build it with packed_rope=True")
-    if positions.device.type == "cpu":
-        if not torch.equal(positions, want):
-            raise ValueError(message)
-    else:
-        torch._assert_async((positions == want).all(), message)
+    size = group.size() if group is not None and torch.distributed.is_initialized() else 1
+    return size, group.rank() if size > 1 else 0
 
 
 def with_positions(params, positions: torch.Tensor):
