@@ -8,6 +8,9 @@
 * ``step``, ``pipeline``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses
   normalised over the whole global batch, also through a pipeline schedule (``pp_group=``);
   ``agree_micro_batch_count`` for ranks that plan their own lengths
+
+Public: ``plan_micro_batches`` and its ``MicroBatchPlan``; ``run_micro_batches`` and its ``StepResult``;
+``sequence_weights`` (each sequence's share of the global loss); ``agree_micro_batch_count``.
 """
 
 from .plan import MicroBatchPlan as MicroBatchPlan
@@ -16,3 +19,6 @@ from .step import StepResult as StepResult
 from .step import agree_micro_batch_count as agree_micro_batch_count
 from .step import run_micro_batches as run_micro_batches
 from .step import sequence_weights as sequence_weights
+
+__all__ = ["MicroBatchPlan", "StepResult", "agree_micro_batch_count", "plan_micro_batches", "run_micro_batches",
+           "sequence_weights"]

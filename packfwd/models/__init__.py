@@ -1,6 +1,8 @@
 """Megatron-Core-backed Llama/Qwen2 models: build them, load HF transformers weights into them, and back.
 
-The public names are re-exported here.  The rest stays in the submodules: ``gpt`` (``transformer_config``,
+The public names are re-exported here: ``ModelArgs`` and ``build_model`` (a model with random weights, any
+tp/cp/pp/vpp stage), ``from_hf`` / ``to_hf_state_dict`` / ``megatron_to_hf`` (transformers weights in and out),
+``is_value_model``.  The rest stays in the submodules: ``gpt`` (``transformer_config``,
 ``model_args``, ``unwrap``, ``ValueHead``), ``model`` (``PackedGPTModel``, the model class), ``mtp`` (its
 multi-token prediction block), ``spec`` (``layer_spec``), ``attention`` (``CoreAttention``), ``varlen`` (the
 attention backends), ``rope``, ``hf`` (``args_from_hf_config``, ``load_weights``), ``hf_weights``
@@ -14,3 +16,5 @@ from .gpt import is_value_model as is_value_model
 from .hf import from_hf as from_hf
 from .hf import to_hf_state_dict as to_hf_state_dict
 from .hf_weights import megatron_to_hf as megatron_to_hf
+
+__all__ = ["ModelArgs", "build_model", "from_hf", "is_value_model", "megatron_to_hf", "to_hf_state_dict"]

@@ -3,4 +3,8 @@
 
 Each file works without Triton (CPU installs): the torch path is the reference, the kernels are used on CUDA
 (and tested on the CPU too, in Triton's interpreter: ``tests/gpu/test_*_kernel.py``).
+
+Nothing is re-exported: the layouts and ``packfwd.logits`` call these modules; users call those.
 """
+
+__all__: list[str] = []

@@ -2,8 +2,9 @@
 the CP all-gather under it, a point-to-point pipeline schedule over virtual stages, and agreeing on bad input
 across ranks.
 
-The public names are re-exported here; ``context`` also holds ``plan_zigzag_attention`` (the index tensors of
-one rank's attention) and ``ZigzagAttentionPlan``.
+The public names are re-exported here: ``context_parallel_attention``, ``zigzag_to_global``, ``all_gather_cp``,
+``pipeline_forward_backward``, ``check_across_ranks``; ``context`` also holds ``plan_zigzag_attention`` (the index
+tensors of one rank's attention) and ``ZigzagAttentionPlan``.
 """
 
 from .agree import check_across_ranks as check_across_ranks
@@ -11,3 +12,6 @@ from .context import context_parallel_attention as context_parallel_attention
 from .context import zigzag_to_global as zigzag_to_global
 from .gather import all_gather_cp as all_gather_cp
 from .pipeline import pipeline_forward_backward as pipeline_forward_backward
+
+__all__ = ["all_gather_cp", "check_across_ranks", "context_parallel_attention", "pipeline_forward_backward",
+           "zigzag_to_global"]

@@ -9,3 +9,5 @@
 from .rope_index import mrope_position_ids as mrope_position_ids
 from .model import VisionLanguageModel as VisionLanguageModel
 from .model import from_hf as from_hf
+
+__all__ = ["VisionLanguageModel", "from_hf", "mrope_position_ids"]
