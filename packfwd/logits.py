@@ -27,8 +27,12 @@ logit per token and per vocab shard; only the gradient w.r.t. a tensor temperatu
 Labels: a negative label (such as ``-100``) is ignored: its log-prob is 0 and it sends no gradient.  A label at or
 above the (global) vocab size raises: a ValueError for CPU tensors, an asynchronous device assert on CUDA (no
 host sync; the error surfaces at the next synchronisation).
-A float temperature must be positive.  In a tensor temperature, entries <= 0 are read as 1: packed layouts fill
-padding slots with 0, and 1 / 0 there would turn the padding rows' gradients into NaN.
+A temperature must be positive and finite: a float is checked at once, a tensor at every token it scales (a
+ValueError on the CPU, an asynchronous device assert on CUDA); never is a bad entry silently read as another
+temperature.  Tokens left out by ``token_mask`` or not marked by ``real_tokens`` (``[t]`` bool: the packed layout's
+padding slots are False; ``make_forward`` passes it with a tensor temperature) may hold anything, such as the 0
+the layouts fill in: they are computed at temperature 1 (1 / 0 would make their gradients NaN, and NaN * 0
+upstream is still NaN) and their numbers are discarded.
 Results are float32 (float64 for float64 inputs).
 
 On one GPU (CUDA bf16/fp16/fp32 logits, no ``tp_group``, no gradient w.r.t. the temperature) the logits
@@ -88,13 +92,15 @@ def vocab_parallel(fn):
 @vocab_parallel
 
 def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None,
-              token_mask=None) -> Tensor:
+              token_mask=None, real_tokens=None) -> Tensor:
     """Log-probability of each token's label: ``log_softmax(logits / temperature)[i, labels[i]]``.
 
     logits: ``[t, v]`` (``[t, v_local]``, this rank's vocab slice, when ``tp_group`` is given), any float dtype;
-    labels: ``[t]`` integer, negative = ignored (result 0, no gradient); temperature: a positive float or a
-    ``[t]`` tensor (per token, entries <= 0 read as 1); chunk_size: tokens per work block (default: about 2**26
-    entries per block); token_mask: ``[t]`` bool or None, the tokens wanted (the others give 0, no gradient).
+    labels: ``[t]`` integer, negative = ignored (result 0, no gradient); temperature: a positive finite float or
+    a ``[t]`` tensor (per token; checked at every token computed, see the module docstring); chunk_size: tokens
+    per work block (default: about 2**26 entries per block); token_mask: ``[t]`` bool or None, the tokens wanted
+    (the others give 0, no gradient); real_tokens: ``[t]`` bool or None, False at a packed layout's padding slots
+    (their temperature is not checked; ``make_forward`` passes it).
     Returns ``[t]`` float32, differentiable w.r.t. ``logits`` and a tensor ``temperature``.
 
     >>> import torch
@@ -102,11 +108,13 @@ def log_probs(logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None,
     >>> log_probs(logits, torch.tensor([1, -100]))
     tensor([-1.3863,  0.0000])
     """
-    return _chunked(logits, labels, temperature, tp_group, chunk_size, False, token_mask=token_mask)["log_probs"]
+    return _chunked(logits, labels, temperature, tp_group, chunk_size, False, token_mask=token_mask,
+                    real_tokens=real_tokens)["log_probs"]
 
 
 @vocab_parallel
-def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, token_mask=None) -> Tensor:
+def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, token_mask=None,
+            real_tokens=None) -> Tensor:
     """Entropy of ``softmax(logits / temperature)`` per token: ``[t, v] -> [t]`` float32.
 
     Arguments as in :func:`log_probs`.
@@ -115,12 +123,14 @@ def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, 
     >>> entropy(torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, -float("inf"), -float("inf")]]))
     tensor([1.3863, 0.6931])
     """
-    return _chunked(logits, None, temperature, tp_group, chunk_size, True, token_mask=token_mask)["entropy"]
+    return _chunked(logits, None, temperature, tp_group, chunk_size, True, token_mask=token_mask,
+                    real_tokens=real_tokens)["entropy"]
 
 
 @vocab_parallel
 def log_probs_and_entropy(
-    logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, token_mask=None
+    logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, token_mask=None,
+    real_tokens=None,
 ) -> dict[str, Tensor]:
     """Both :func:`log_probs` and :func:`entropy` in one pass: ``{"log_probs": [t], "entropy": [t]}``.
 
@@ -134,12 +144,13 @@ def log_probs_and_entropy(
     >>> out["log_probs"], out["entropy"]
     (tensor([-2.0794, -2.0794,  0.0000]), tensor([2.0794, 2.0794, 2.0794]))
     """
-    return _chunked(logits, labels, temperature, tp_group, chunk_size, True, token_mask=token_mask)
+    return _chunked(logits, labels, temperature, tp_group, chunk_size, True, token_mask=token_mask,
+                    real_tokens=real_tokens)
 
 
 def fused_log_probs_and_entropy(
     hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None,
-    token_mask=None, sequence_parallel: bool = False,
+    token_mask=None, sequence_parallel: bool = False, real_tokens=None,
 ) -> dict[str, Tensor]:
     """:func:`log_probs_and_entropy` of ``logits = hidden @ weight.T`` without materialising ``[t, v]`` logits.
 
@@ -158,7 +169,7 @@ def fused_log_probs_and_entropy(
     ``tp_group`` here and its gradient reduce-scattered back (each rank's part of the sum over vocab shards).
     ``labels``, ``temperature``, ``token_mask`` and the results then describe all ``t`` tokens, on every rank.
     ``token_mask``: ``[t]`` bool or None; only the selected rows are computed (one host sync for their count);
-    the others give 0 and no gradient.
+    the others give 0 and no gradient.  ``temperature`` and ``real_tokens``: as in :func:`log_probs`.
 
     >>> import torch
     >>> _ = torch.manual_seed(0)
@@ -187,7 +198,8 @@ def fused_log_probs_and_entropy(
     t, v_local = hidden.shape[0], weight.shape[0]
     labels = _check_labels(labels, t, hidden.device)
     _check_label_range(labels, v_local * _group_size(group))
-    inv_t = _inverse_temperature(temperature, t, _compute_dtype(hidden.dtype), hidden.device)
+    checked = _checked_tokens(token_mask, real_tokens, t, hidden.device)
+    inv_t = _inverse_temperature(temperature, t, _compute_dtype(hidden.dtype), hidden.device, checked)
     rows = _selected_rows(token_mask, t, hidden.device)
     if rows is not None:  # only the wanted tokens go through the head
         hidden, labels, inv_t = hidden.index_select(0, rows), labels[rows], inv_t.index_select(0, rows)
@@ -211,15 +223,23 @@ def _selected_rows(token_mask, t: int, device):
     return torch.nonzero(mask)[:, 0]
 
 
-def _check_token_mask(token_mask, t: int, device) -> Tensor:
+def _check_token_mask(token_mask, t: int, device, name: str = "token_mask", true: str = "compute this token") -> Tensor:
     if not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool:
         got = token_mask.dtype if isinstance(token_mask, Tensor) else type(token_mask).__name__
-        raise TypeError(f"token_mask must be a bool tensor [t] (True: compute this token), got {got}")
+        raise TypeError(f"{name} must be a bool tensor [t] (True: {true}), got {got}")
     if tuple(token_mask.shape) != (t,):
-        raise ValueError(f"token_mask must have shape [t] = ({t},) like the tokens, got {tuple(token_mask.shape)}")
+        raise ValueError(f"{name} must have shape [t] = ({t},) like the tokens, got {tuple(token_mask.shape)}")
     if token_mask.device != device:
-        raise ValueError(f"token_mask is on {token_mask.device} but the tokens on {device}; move it with .to()")
+        raise ValueError(f"{name} is on {token_mask.device} but the tokens on {device}; move it with .to()")
     return token_mask
+
+
+def _checked_tokens(token_mask, real_tokens, t: int, device) -> Tensor | None:
+    """``[t]`` bool: the tokens whose temperature must be valid (computed and real), or None for all."""
+    masks = [_check_token_mask(token_mask, t, device)] if token_mask is not None else []
+    if real_tokens is not None:
+        masks.append(_check_token_mask(real_tokens, t, device, "real_tokens", "a real token, not layout padding"))
+    return masks[0] & masks[1] if len(masks) == 2 else (masks[0] if masks else None)
 
 
 def _use_head_kernel(hidden: Tensor) -> bool:
@@ -232,7 +252,7 @@ def _use_head_kernel(hidden: Tensor) -> bool:
 
 
 def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, kernel=None,
-             token_mask=None) -> dict[str, Tensor]:
+             token_mask=None, real_tokens=None) -> dict[str, Tensor]:
     """``kernel``: None picks the Triton kernels where they apply (:func:`_use_kernel`); False forces torch."""
     logits = _check_float("logits", logits, 2, "[t, v]")
     t, v = logits.shape
@@ -243,10 +263,11 @@ def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, ke
     labels = _check_labels(labels, t, logits.device)
     group = _check_group(tp_group)
     _check_label_range(labels, v * _group_size(group))
-    inv_t = _inverse_temperature(temperature, t, _compute_dtype(logits.dtype), logits.device)
+    checked = _checked_tokens(token_mask, real_tokens, t, logits.device)
+    inv_t = _inverse_temperature(temperature, t, _compute_dtype(logits.dtype), logits.device, checked)
     chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // v), align=1)
     unit = _is_one(temperature)
-    mask = None if token_mask is None else _check_token_mask(token_mask, t, logits.device)
+    mask = token_mask  # checked above
     if _use_kernel(logits, group, inv_t) if kernel is None else kernel:
         from packfwd.ops.logprob import RowKernel
 
@@ -611,8 +632,11 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _inverse_temperature(temperature, t: int, dtype: torch.dtype, device) -> Tensor:
-    """``1 / temperature`` as a ``[t]`` tensor of the compute dtype (differentiable for a tensor temperature)."""
+def _inverse_temperature(temperature, t: int, dtype: torch.dtype, device, checked: Tensor | None = None) -> Tensor:
+    """``1 / temperature`` as a ``[t]`` tensor of the compute dtype (differentiable for a tensor temperature).
+
+    A tensor temperature must be positive and finite at the ``checked`` tokens (``[t]`` bool, None: all); elsewhere
+    it may hold anything and reads as 1."""
     if isinstance(temperature, Tensor):
         if not temperature.dtype.is_floating_point:
             raise TypeError(f"temperature has dtype {temperature.dtype}; pass a float tensor (e.g. .float())")
@@ -623,15 +647,38 @@ def _inverse_temperature(temperature, t: int, dtype: torch.dtype, device) -> Ten
             )
         if temperature.device != device:
             raise ValueError(f"temperature is on {temperature.device} but the logits on {device}; use .to()")
-        # entries <= 0 read as 1: packed layouts fill padding slots with 0, and 1 / 0 there would make the
-        # padding rows' gradients NaN (NaN * 0 upstream is still NaN) and poison the model's gradients
         temperature = temperature.to(dtype)
-        return (1.0 / torch.where(temperature > 0, temperature, 1.0)).expand(t)
+        ok = (temperature > 0) & torch.isfinite(temperature)
+        _check_temperature_values(temperature, ok, checked)
+        # unchecked tokens (padding slots, tokens token_mask leaves out) at temperature 1: packed layouts fill
+        # padding slots with 0, and 1 / 0 there would make those rows' gradients NaN (NaN * 0 upstream is still
+        # NaN) and poison the model's gradients.  A checked token is never read as 1 (it raised above, or on CUDA
+        # the assert fails at the next sync).
+        return (1.0 / torch.where(ok, temperature, 1.0)).expand(t)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float or a tensor, got {type(temperature).__name__}")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}; use 1.0 for none")
     return torch.full((t,), 1.0 / temperature, dtype=dtype, device=device)
+
+
+def _check_temperature_values(temperature: Tensor, ok: Tensor, checked: Tensor | None) -> None:
+    """Raise if a checked token's temperature is not positive and finite: eagerly on the CPU, asynchronously on
+    CUDA (``torch._assert_async``: no host sync; the error surfaces at the next synchronisation)."""
+    bad = ~ok if checked is None else ~ok & checked  # [t] (or 0-d: a scalar tensor, with every token checked)
+    message = (
+        "temperature must be positive and finite at every token it scales (got a value <= 0, NaN or inf); use "
+        "1.0 for no scaling.  Only tokens token_mask leaves out, or a packed layout's padding slots (real_tokens "
+        "False: make_forward passes real_tokens to packfwd.logits' processors; a processor of your own that calls "
+        "them should take real_tokens and pass it on), may hold anything"
+    )
+    if bad.device.type != "cpu":
+        torch._assert_async(~bad.any(), message)
+    elif bad.any():
+        where = int(bad.reshape(-1).nonzero()[0])
+        value = temperature.reshape(-1)[where].item() if temperature.dim() else temperature.item()
+        place = f"token {where}" if temperature.dim() else "the scalar tensor"
+        raise ValueError(f"temperature is {value} at {place}: {message}")
 
 
 def _check_chunk(chunk_size, default: int, align: int) -> int:

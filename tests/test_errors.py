@@ -69,3 +69,31 @@ def test_devices_must_match():
 def test_devices_must_match_meta():
     with pytest.raises(ValueError, match="move both to one device"):
         to_thd(X.to("meta"), MASK)
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_a_compiled_function_calling_the_forward_equals_eager(data_format):
+    """Planning is a graph break (it used to fail: "'ndarray' object has no attribute 'clone'")."""
+    from packfwd import make_forward
+    from packfwd.logits import log_probs_and_entropy
+    from packfwd.testing import OneHotModel
+
+    model = OneHotModel(5)
+    ids, mask = torch.tensor([[0, 3, 4, 1], [2, 1, 0, 0]]), torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    forward = make_forward(data_format, logits_processor=log_probs_and_entropy)
+
+    def loss(ids, mask, temperature):
+        out = forward(model, ids, mask, labels=next_token_labels(ids, mask), temperature=temperature)
+        return (out["log_probs"] * 2 + out["entropy"]).sum(-1)
+
+    temperature = torch.tensor([0.5, 2.0])
+    torch.testing.assert_close(torch.compile(loss, backend="eager")(ids, mask, temperature), loss(ids, mask, temperature))
+
+
+def test_fullgraph_planning_names_the_way_to_compile():
+    """``to_thd(x, mask)`` plans on the host; under fullgraph=True it raises saying how to compile."""
+    with pytest.raises(Exception, match=r"plan outside the compiled function \(info = plan_thd\(mask\).*to_thd\(x, info\)"):
+        torch.compile(lambda x, mask: to_thd(x, mask)[0], fullgraph=True, backend="eager")(X, MASK)

@@ -163,13 +163,16 @@ def test_confident_tokens_keep_relative_precision():
         torch.testing.assert_close(out["entropy"].double(), ref["entropy"], rtol=1e-3, atol=1e-12)
 
 
-def test_nonpositive_temperature_entries_read_as_one():
-    """Packed layouts fill padding slots with 0: such rows are computed at temperature 1, never NaN."""
+def test_padding_slot_temperatures_read_as_one():
+    """Packed layouts fill padding slots with 0 (``real_tokens`` False there): such rows are computed at
+    temperature 1, never NaN.  (At a real token a bad temperature raises: test_no_silent_wrong.py.)"""
     logits, labels, temp = make_case(10, 20, torch.float32)
     temp[[2, 7]] = 0.0
+    real = torch.ones(10, dtype=torch.bool)
+    real[[2, 7]] = False
     x = logits.clone().requires_grad_()
     tt = temp.clone().requires_grad_()
-    out = log_probs_and_entropy(x, labels, temperature=tt, chunk_size=3)
+    out = log_probs_and_entropy(x, labels, temperature=tt, chunk_size=3, real_tokens=real)
     (out["log_probs"].sum() + out["entropy"].sum()).backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(tt.grad).all()
     assert torch.all(tt.grad[[2, 7]] == 0)

@@ -96,14 +96,52 @@ def test_labels_outside_the_vocabulary_raise_through_the_forward():
         (torch.randint(0, 128, (2, 5, 1)), ValueError, r"input_ids.squeeze\(-1\)"),
         (torch.ones(2, 5, dtype=torch.bool), TypeError, "integer token ids"),
         (torch.ones(2, 5), TypeError, "integer token ids"),
+        (torch.ones(2, 5, dtype=torch.uint8), TypeError, r"dtype torch.uint8.*input_ids.long\(\)"),
+        (torch.ones(2, 5, dtype=torch.int8), TypeError, r"dtype torch.int8.*input_ids.long\(\)"),
+        (torch.ones(2, 5, dtype=torch.int16), TypeError, r"dtype torch.int16.*input_ids.long\(\)"),
     ],
-    ids=["[b,s,1]", "bool", "float"],
+    ids=["[b,s,1]", "bool", "float", "uint8", "int8", "int16"],
 )
 @pytest.mark.parametrize("data_format", FORMATS)
 def test_bad_ids_are_named(data_format, ids, error, match):
     _, model = _llama()
     with pytest.raises(error, match=match):
         make_forward(data_format)(model, ids, torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_int32_ids_give_the_int64_numbers():
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    with torch.no_grad():
+        torch.testing.assert_close(make_forward("thd")(model, ids.int(), mask), make_forward("thd")(model, ids, mask))
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+@pytest.mark.parametrize("bad, span", [(200, r", 200\]"), (-1, r"\[-1, ")], ids=[">=vocab", "negative"])
+def test_ids_outside_the_vocabulary_are_named_before_the_model_runs(data_format, bad, span):
+    """Hazard: torch's embedding raised an IndexError (on CUDA a device assert that kills the process); padding
+    positions may still hold anything (they never reach the model)."""
+    _, model = _llama()
+    ids, mask = ragged_batch("right")
+    ids[~mask] = 1000  # never read
+    ids[1, 1] = bad
+    with pytest.raises(ValueError, match=span + r".* at real tokens.*vocab_size=128"):
+        make_forward(data_format)(model, ids, mask)
+    with pytest.raises(ValueError, match="vocab_size=128"):  # jagged ids: every value is a real token
+        make_forward(data_format)(model, torch.nested.nested_tensor([ids[i][mask[i]] for i in range(4)],
+                                                                   layout=torch.jagged), None)
+    ids[1, 1] = 5
+    assert make_forward(data_format)(model, ids, mask).shape == (*ids.shape, 128)
+
+
+@pytest.mark.parametrize("processor", [None, log_probs_and_entropy], ids=["no-processor", "processor"])
+def test_mtp_loss_mask_without_mtp_names_the_fix(processor):
+    """Hazard: a TypeError from inside the processor (unexpected keyword), or a list of 'processor arguments'."""
+    _, model = _llama()
+    ids, mask = ragged_batch("right")
+    forward = make_forward("thd", logits_processor=processor)
+    with pytest.raises(TypeError, match=r"mtp_loss_mask.*make_forward\(\.\.\., mtp=True\)"):
+        forward(model, ids, mask, mtp_loss_mask=mask, **({"labels": ids} if processor else {}))
 
 
 def test_seq_align_is_refused_by_bshd():
@@ -312,3 +350,91 @@ def test_the_model_takes_an_all_padding_bshd_mask():
     ids, mask = torch.randint(1, 128, (2, 5)), torch.zeros(2, 5, dtype=torch.bool)
     out = model(input_ids=ids, position_ids=None, attention_mask=mask)
     assert out.shape == (2, 5, 128) and not out.any()
+
+
+# ------------------------------------------------------------------------------------------ tensor temperature
+
+# layouts with padding slots (BSHD's short rows, THD's alignment), where a packed temperature holds the fill 0
+LAYOUTS = {"thd": {}, "thd-aligned": dict(seq_align=8), "bshd": {}}
+BAD_TEMPERATURES = {"zero": 0.0, "negative": -0.5, "nan": float("nan"), "inf": float("inf")}
+
+
+def _layout_forward(layout: str, head: str):
+    fmt = layout.split("-")[0]
+    return make_forward(fmt, logits_processor=log_probs_and_entropy, head=head, **LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("head", ["logits", "fused"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("bad, shape", [("zero", "[b]"), ("negative", "[b,s]"), ("nan", "[b,s]"), ("inf", "[b]")])
+def test_a_bad_tensor_temperature_at_a_real_token_raises(head, layout, shape, bad):
+    """Hazard: a tensor temperature of 0, < 0, NaN or inf at a real token was read as 1.0 (only the scalar form
+    raised), giving the log-probs of another temperature."""
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    temperature = torch.tensor([0.7, 1.3, 1.0, 2.0])
+    if shape == "[b,s]":
+        temperature = temperature[:, None].expand(ids.shape).clone()
+        temperature[2, mask[2].nonzero()[1, 0]] = BAD_TEMPERATURES[bad]  # one real token of row 2
+    else:
+        temperature[2] = BAD_TEMPERATURES[bad]
+    with pytest.raises(ValueError, match="temperature must be positive and finite"):
+        _layout_forward(layout, head)(model, ids, mask, labels=next_token_labels(ids, mask), temperature=temperature)
+
+
+@pytest.mark.parametrize("head", ["logits", "fused"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_temperature_at_padding_may_hold_anything(head, layout):
+    """Padding positions of a [b, s] temperature, the entry of a row without real tokens, and the layout's own
+    padding slots (the fill 0) are never checked and change no number; nor are tokens token_mask leaves out."""
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    mask[1] = False  # a row without a real token: its per-sequence temperature is never used
+    labels = next_token_labels(ids, mask)
+    forward = _layout_forward(layout, head)
+    good = torch.tensor([0.7, 1.3, 1.0, 2.0])
+    with torch.no_grad():
+        want = forward(model, ids, mask, labels=labels, temperature=good)
+        per_sequence = forward(model, ids, mask, labels=labels, temperature=torch.tensor([0.7, 0.0, 1.0, 2.0]))
+        noisy = good[:, None].expand(ids.shape).clone()
+        noisy[~mask] = torch.tensor([0.0, -1.0, float("nan")]).repeat(int((~mask).sum()))[: int((~mask).sum())]
+        per_token = forward(model, ids, mask, labels=labels, temperature=noisy)
+        response = mask & (mask.cumsum(1) > 3)
+        left_out = noisy.masked_fill(mask & ~response, 0.0)  # bad only where token_mask leaves tokens out
+        masked = forward(model, ids, mask, labels=labels, temperature=left_out, token_mask=response)
+    for got in (per_sequence, per_token):
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(masked["log_probs"], want["log_probs"] * response, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fn", ["log_probs", "entropy", "log_probs_and_entropy", "fused"])
+@pytest.mark.parametrize("bad", list(BAD_TEMPERATURES))
+def test_the_logits_functions_refuse_a_bad_temperature(fn, bad):
+    """Hazard: the functions read such entries as 1.0.  Now: a ValueError naming the value and the token, unless
+    the token is left out by token_mask or marked as a layout's padding slot (real_tokens False); a 0-d tensor
+    is checked like a float."""
+    from packfwd.logits import entropy, fused_log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(6, 8, generator=g), torch.randn(16, 8, generator=g)
+    labels = torch.randint(0, 16, (6,), generator=g)
+    call = {
+        "log_probs": lambda **kw: {"log_probs": log_probs(hidden @ weight.T, labels, **kw)},
+        "entropy": lambda **kw: {"entropy": entropy(hidden @ weight.T, **kw)},
+        "log_probs_and_entropy": lambda **kw: log_probs_and_entropy(hidden @ weight.T, labels, **kw),
+        "fused": lambda **kw: fused_log_probs_and_entropy(hidden, weight, labels, **kw),
+    }[fn]
+    temperature = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.8, 1.2])
+    temperature[3] = BAD_TEMPERATURES[bad]
+    with pytest.raises(ValueError, match=rf"temperature is {bad if bad in ('nan', 'inf') else ''}.* at token 3"):
+        call(temperature=temperature)
+    with pytest.raises(ValueError, match="at the scalar tensor"):
+        call(temperature=torch.tensor(BAD_TEMPERATURES[bad]))
+    others = torch.arange(6) != 3
+    want = call(temperature=temperature.masked_fill(~others, 1.0))
+    for kw in (dict(token_mask=others), dict(real_tokens=others)):
+        got = call(temperature=temperature, **kw)
+        for key in want:
+            assert torch.isfinite(got[key]).all()
+            torch.testing.assert_close(got[key][others], want[key][others])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Mapping
 
 import torch
@@ -124,11 +125,34 @@ def bind_processor(processor, facts: ModelFacts):
     return processor
 
 
-def check_call_args(processor_args, logits_processor, multi_modal_inputs, vision: bool) -> None:
+def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, vision: bool) -> None:
+    """The forward's keyword arguments.  With a tensor ``temperature`` and a processor that takes ``real_tokens``
+    (``packfwd.logits``' do), adds ``real_tokens`` (ones like the temperature) to ``processor_args``, the forward's
+    own keyword dict: packed with the other arguments it is False exactly at the layout's padding slots, where the
+    packed temperature holds the layout's fill, so the processor checks the temperature at real tokens only."""
+    if "mtp_loss_mask" in processor_args and not _takes(logits_processor, "mtp_loss_mask"):
+        raise TypeError(
+            "mtp_loss_mask is an argument of the multi-token-prediction forward, which this forward is not; build "
+            "it with make_forward(..., mtp=True) (for a model with MTP layers), or drop mtp_loss_mask"
+        )
     if processor_args and logits_processor is None:
         raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
     if multi_modal_inputs and not vision:
         raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
+    temperature = processor_args.get("temperature")
+    if (isinstance(temperature, Tensor) and temperature.dim() > 0 and "real_tokens" not in processor_args
+            and _takes(logits_processor, "real_tokens")):
+        processor_args["real_tokens"] = torch.ones_like(temperature, dtype=torch.bool)
+
+
+def _takes(processor, name: str) -> bool:
+    """Whether ``processor`` (through ``functools.partial`` layers) has a parameter ``name`` of its own."""
+    while isinstance(processor, functools.partial):
+        processor = processor.func
+    try:
+        return name in inspect.signature(processor).parameters
+    except (TypeError, ValueError):  # not callable, or a builtin without a signature
+        return False
 
 
 def checked_call(check_group, layout, prepare):
@@ -150,15 +174,61 @@ def checked_call(check_group, layout, prepare):
     return got
 
 
-def check_ids(input_ids) -> None:
+def check_ids(input_ids, attention_mask=None, model=None) -> None:
+    """Token ids: a ``[b, s]`` (or jagged) int64 / int32 tensor (what an embedding indexes with), and, when the
+    model has a ``vocab_size``, every real token's id in ``[0, vocab_size)``: checked before the model runs,
+    eagerly on the CPU, with ``torch._assert_async`` on CUDA (no host sync; it fails at the next synchronisation
+    with this message, instead of the embedding's index error).  Padding positions may hold anything."""
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor of token ids [b, s], got {type(input_ids).__name__}")
     dtype = input_ids.dtype
     if dtype == torch.bool or dtype.is_floating_point or dtype.is_complex:
         raise TypeError(f"input_ids has dtype {dtype}; pass integer token ids (e.g. input_ids.long())")
+    if dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"input_ids has dtype {dtype}, which an embedding does not take (and which may not hold every token id of "
+            "a vocabulary); pass int64 token ids: input_ids.long() (int32 works too)"
+        )
     if input_ids.dim() != 2:
         hint = " (drop the trailing dim: input_ids.squeeze(-1))" if input_ids.dim() == 3 and input_ids.shape[-1] == 1 else ""
         raise ValueError(f"input_ids must be [b, s] token ids, got shape {tuple(input_ids.shape)}{hint}")
+    vocab = _vocab_size(model)
+    if vocab is not None:
+        _check_id_range(input_ids, attention_mask, vocab)
+
+
+def _vocab_size(model) -> int | None:
+    """The model's (padded) vocabulary size, or None when it does not say (a plain module)."""
+    if model is None:
+        return None
+    from ..models.gpt import unwrap  # imports no Megatron-Core
+
+    vocab = getattr(unwrap(model), "vocab_size", None)
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+
+
+def _check_id_range(input_ids: Tensor, attention_mask, vocab: int) -> None:
+    if input_ids.is_nested:
+        ids, real = input_ids.values(), None  # every value is a real token
+    elif isinstance(attention_mask, Tensor) and attention_mask.shape == input_ids.shape and (
+            attention_mask.device == input_ids.device):
+        ids, real = input_ids, attention_mask != 0
+    else:
+        return  # no usable mask: planning names the problem
+    fix = "check that the tokenizer matches the model, and that labels (-100) are not passed as ids"
+    if ids.device.type != "cpu":
+        in_range = (ids >= 0) & (ids < vocab)
+        torch._assert_async((in_range if real is None else in_range | ~real).all(), (
+            f"input_ids hold a token id outside the model's vocabulary [0, {vocab}) (vocab_size={vocab}) at a real "
+            f"token; {fix}"))
+        return
+    ids = ids if real is None else ids[real]
+    if ids.numel() == 0:
+        return
+    lo, hi = (int(x) for x in torch.aminmax(ids))
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids hold token ids in [{lo}, {hi}] at real tokens, outside the model's vocabulary "
+                         f"[0, {vocab}) (vocab_size={vocab}); {fix}")
 
 
 def check_positions(position_ids, input_ids) -> None:

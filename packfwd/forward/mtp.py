@@ -75,7 +75,7 @@ def make_mtp_forward(layout, *, logits_processor, tp_size: int, cp_size: int, cp
             check_cp(model, cp_size, cp_rank, cp_group)
             processor = bind_processor(logits_processor, facts)
             depth = mtp_depth(model)
-            check_ids(input_ids)
+            check_ids(input_ids, attention_mask, model)
             plan, ids = layout.pack(input_ids, attention_mask, seqlens)
             positions = layout.positions(plan, ids, position_ids, input_ids)
             args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}

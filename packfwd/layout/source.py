@@ -156,6 +156,10 @@ def padded_source(src: Lengths, cu_seqlens: Tensor) -> TokenSource:
     )
 
 
+COMPILE_MESSAGE = ("packfwd plans a layout on the host, which torch.compile cannot trace: plan outside the compiled "
+                   "function (info = plan_thd(mask), or plan_bshd / plan_unpad) and pass the plan in (to_thd(x, info))")
+
+
 def plan(
     x: Tensor | None,
     attention_mask: Tensor | None,
@@ -170,7 +174,14 @@ def plan(
     ``host_layout(lengths)`` is the layout's index function on the host (see ``LayoutFn``); its arrays are uploaded
     in one copy and ``build(source, ints, arrays)`` turns them into the layout's plan.  ``device_plan(lengths)``,
     when the layout has one, plans a padded CUDA batch in one Triton kernel instead (``packfwd.ops.plan``).
+    Under ``torch.compile`` it is a graph break and runs eagerly; ``fullgraph=True`` raises ``COMPILE_MESSAGE``.
     """
+    if torch.compiler.is_compiling():  # False in eager code: no cost, and torch._dynamo is not imported
+        import torch._dynamo as dynamo
+
+        dynamo.graph_break(msg=COMPILE_MESSAGE)  # numpy and the host read of the lengths cannot be traced
+        return torch.compiler.disable(plan, reason=COMPILE_MESSAGE)(
+            x, attention_mask, seqlens, host_layout=host_layout, build=build, device_plan=device_plan)
     if x is not None and is_nested(x):
         if attention_mask is not None:
             raise ValueError("x is a nested (jagged) tensor, which carries its own lengths; pass attention_mask=None")
