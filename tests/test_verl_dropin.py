@@ -189,6 +189,53 @@ def test_vision_inputs_pass_through(data_format):
     assert "other" not in ours.calls[0] and ours.calls[1]["input_ids"].eq(7).any()
 
 
+def _video_batch(caller_positions: bool):
+    """packfwd's Qwen2.5-VL model (tests/test_vision_model.py: text, images, a video 2 s per grid step), the batch,
+    transformers' logits per sequence; with ``caller_positions`` the correct ``[3, b, s]`` positions given by the
+    caller and the video timing left out of the inputs (so only positions that reach the model give the right
+    numbers)."""
+    from packfwd.vision import mrope_position_ids
+
+    from .test_vision_model import setup
+
+    _, model, ids, mask, mm, refs = setup("qwen2_5_vl")
+    if not caller_positions:
+        return model, ids, mask, None, mm, refs
+    positions, _ = mrope_position_ids(ids, mask, image_grid_thw=mm["image_grid_thw"],
+                                      video_grid_thw=mm["video_grid_thw"], second_per_grid_ts=mm["second_per_grid_ts"],
+                                      spatial_merge_size=model.spatial_merge_size,
+                                      tokens_per_second=model.tokens_per_second, **model.token_ids)
+    return model, ids, mask, positions, {k: v for k, v in mm.items() if k != "second_per_grid_ts"}, refs
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+@pytest.mark.parametrize("positions", ["model", "caller"])
+def test_vision_video_equals_transformers(data_format, positions):
+    """A Qwen2.5-VL video through the drop-in's vision forward on packfwd's vision model equals transformers per
+    sequence: ``second_per_grid_ts`` reaches the model ("model": it computes the positions), and so do the caller's
+    ``position_ids`` ("caller": no timing given, the positions carry it).  verl 0.9.1 drops both (2e-3 off)."""
+    from .test_vision_model import assert_equal_on_real_tokens
+
+    model, ids, mask, position_ids, mm, refs = _video_batch(positions == "caller")
+    with torch.no_grad():
+        out = pv.model_forward_gen(vision_model=True)(model, ids, mask, position_ids, mm, data_format=data_format)
+    assert_equal_on_real_tokens(out, mask, refs)
+
+
+def test_vision_timing_and_positions_refused_where_they_cannot_be_used():
+    """``second_per_grid_ts`` to a model that takes no such parameter (verl drops it) and positions in verl's own
+    ``[b, 4, s]`` layout to packfwd's model: errors that name the fix, not video positions without their timing."""
+    b, model = batch(), _video_batch(False)[0]
+    timing = {"second_per_grid_ts": torch.tensor([2.0])}
+    for forward in (lambda m, mm: pv.model_forward_gen(True)(m, b.ids, b.mask, None, mm),
+                    lambda m, mm: pv.gptmodel_forward_model_engine(m, nested(b.ids, b.mask), mm, vision_model=True)):
+        with pytest.raises(ValueError, match="takes no second_per_grid_ts"):
+            forward(Recorder(), timing)
+    verl_layout = torch.zeros(b.ids.shape[0], 4, b.ids.shape[1], dtype=torch.long)
+    with pytest.raises(ValueError, match=r"position_ids has shape .* takes \[3, b, s\]"):  # [4, b, s] read as k=4
+        pv.model_forward_gen(True)(model, b.ids, b.mask, verl_layout, {})
+
+
 LAYOUT_CASES = {  # (tp as parallel_state reports it, the model's config, the forward's arguments)
     "thd_fp8": (1, dict(fp8="e4m3"), dict(data_format="thd")),
     "thd_tp2_fp8": (2, dict(fp8="hybrid"), dict(data_format="thd")),
@@ -210,6 +257,7 @@ def test_layout_reaches_model_as_verls(case, monkeypatch):
 
     tp, config, kw = LAYOUT_CASES[case]
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: tp)
+    config = dict(config, tensor_model_parallel_size=tp)  # the model's config agrees with parallel_state
     b, ref, ours = batch(), Recorder(**config), Recorder(**config)
     ids = nested(b.ids, b.mask)
     vf.gptmodel_forward_model_engine(ref, ids, {}, **kw)

@@ -307,7 +307,7 @@ def test_packed_embeddings_are_where_verls_layout_puts_them(cp):
     drop-in's) equals verl's preprocess_packed_seqs of them on every CP rank, and packing.positions of [3, b, s]
     positions equals it per coordinate."""
     from packfwd.forward.vision import VisionPacking
-    from packfwd.verl._common import Parallel, plan_verl_thd
+    from packfwd.verl.layouts import VerlThd
 
     util = vf.preprocess_packed_seqs.__globals__
     _, _, ids, mask, _, _ = setup("qwen2_vl")
@@ -318,7 +318,7 @@ def test_packed_embeddings_are_where_verls_layout_puts_them(cp):
             want = vf.preprocess_packed_seqs(embeddings, mask, pre_process=True)[0][0]  # [t_local, h]
             want_pos = torch.stack([vf.preprocess_packed_seqs(p, mask, pre_process=True)[0][0] for p in positions])
         plan, _ = Thd(1, cp, rank, None, 2 * cp if cp > 1 else 1).pack(ids, mask)
-        for hook in (VisionPacking(plan), VisionPacking(plan_verl_thd(mask, Parallel(1, cp, rank, None)))):
+        for hook in (VisionPacking(plan), VisionPacking(VerlThd(1, cp, rank, None).plan(ids, mask))):
             assert torch.equal(hook.embeddings(embeddings)[:, 0], want)
             assert torch.equal(hook.positions(positions)[:, 0], want_pos)  # pads: 0 in both
 

@@ -181,9 +181,10 @@ def last_tokens(b):
 class Recorder(torch.nn.Module):
     """A stand-in model that records its keyword arguments and returns zeros of the right packed shape."""
 
-    def __init__(self, sequence_parallel=False, fp8=None):
+    def __init__(self, sequence_parallel=False, fp8=None, tensor_model_parallel_size=1):
         super().__init__()
-        self.config = SimpleNamespace(sequence_parallel=sequence_parallel, fp8=fp8)
+        self.config = SimpleNamespace(sequence_parallel=sequence_parallel, fp8=fp8,
+                                      tensor_model_parallel_size=tensor_model_parallel_size)
         self.pre_process = self.post_process = True
         self.calls = []
 
@@ -217,9 +218,9 @@ class Tokenwise(torch.nn.Module):
     """A stand-in model whose output at a token depends on that token's id and position only, so any split of
     the batch gives the same outputs: it checks the BSHD layout under CP, which packfwd's models do not run."""
 
-    def __init__(self):
+    def __init__(self, cp_size=1):
         super().__init__()
-        self.config = SimpleNamespace(sequence_parallel=False, fp8=None)
+        self.config = SimpleNamespace(sequence_parallel=False, fp8=None, context_parallel_size=cp_size)
         self.pre_process = self.post_process = True
         self.embed = torch.nn.Embedding(ARGS.vocab_size, 8)
 
@@ -267,7 +268,7 @@ def rank_cases(rank: int, world_size: int, tp: int, cp: int) -> dict:
     if cp > 1:
         with pytest.raises(ValueError, match="context parallelism"):
             pv.model_forward_gen(False)(model, b.ids, b.mask, b.positions, {}, data_format="bshd")
-        toy = Tokenwise()
+        toy = Tokenwise(cp)
         args = dict(label=ids.clone(), temperature=engine_args(b)["temperature"])
         for name, kw in [("thd", {}), ("bshd", {}), ("bshd_forced", dict(forced_max_seqlen=13))]:
             case(f"engine_{name}_tokenwise", "thd", lambda f, m, kw=kw, fmt=name.split("_")[0]: lambda: (

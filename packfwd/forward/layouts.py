@@ -1,5 +1,13 @@
 """How ``make_forward`` packs a batch, its positions and processor arguments, and unpacks the outputs: one class
-per data format (THD, BSHD), each a thin adapter over the layout's plan (``packfwd.layout``)."""
+per data format (THD, BSHD), each a thin adapter over the layout's plan (``packfwd.layout``).
+
+``packfwd.verl``'s forwards use the same adapters in verl's flavour (:mod:`packfwd.verl.layouts`: verl's alignment
+and ``PackedSeqParams``; the nested forward's fixed-width BSHD with its per-row CP split).
+
+Each adapter maps ``pack``: the batch -> ``(plan, ids)`` in the model's layout; ``tokens``: the model's output ->
+``[t, *]`` (one row per packed token); ``output_rows``: its inverse; ``pack_arg``: a per-token (or per-sequence)
+argument -> ``[t, *]``; ``unpack``: ``[t, *]`` -> the caller's layout (CP ranks gathered first).
+"""
 
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ class Thd:
         self.kw = dict(tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, seq_align=seq_align)
         self.cp_group = cp_group
 
-    def pack(self, input_ids, attention_mask, seqlens=None):
+    def plan(self, input_ids, attention_mask, seqlens=None):
         info = plan_thd(attention_mask, x=input_ids, seqlens=seqlens, **self.kw)
         if info.cp_size > 1 and info.max_seqlen * info.cp_size == info.total_tokens:
             # Megatron-Core's THD RoPE takes a table of max_seqlen * cp_size rows whose length equals the packed
@@ -27,6 +35,10 @@ class Thd:
             # a larger max_seqlen (still valid: an upper bound, a multiple of 2*cp) so the table means "positions
             # 0, 1, ..." of each sequence.  Only the reported bound changes: no second planning pass.
             info = dataclasses.replace(info, max_seqlen=info.max_seqlen + 2 * info.cp_size)
+        return info
+
+    def pack(self, input_ids, attention_mask, seqlens=None):
+        info = self.plan(input_ids, attention_mask, seqlens)
         ids, _ = to_thd(input_ids, info)
         return info, ids[None]  # [1, t]
 
@@ -48,6 +60,9 @@ class Thd:
 
     def tokens(self, out, info):
         return out.reshape(info.local_tokens, *out.shape[2:])  # [1, t, v] -> [t, v]
+
+    def output_rows(self, y, info):
+        return y[None]  # [t, *] -> [1, t, *]
 
     def pack_arg(self, value, info, input_ids):
         return _pack_arg(value, input_ids, lambda x: to_thd(x, info)[0], info.source)
@@ -90,8 +105,14 @@ class Bshd:
     def tokens(self, out, info):
         return out.reshape(-1, *out.shape[2:])  # [b, s_c, v] -> [b*s_c, v]
 
+    def output_rows(self, y, info):
+        return y.reshape(info.source.batch_size, -1, *y.shape[1:])  # [b*s_c, *] -> [b, s_c, *]
+
+    def rows(self, x, info):
+        return to_bshd(x, info)[0]  # [b, s, *] (or jagged [b, j, *]) -> [b, s_c, *]
+
     def pack_arg(self, value, info, input_ids):
-        return _pack_arg(value, input_ids, lambda x: to_bshd(x, info)[0].reshape(-1, *x.shape[2:]), info.source)
+        return _pack_arg(value, input_ids, lambda x: self.tokens(self.rows(x, info), info), info.source)
 
     def unpack(self, y, info):
         b = info.source.batch_size

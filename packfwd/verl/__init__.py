@@ -7,9 +7,12 @@
 
 Same signatures and results as verl 0.9.1's (``verl/models/mcore/model_forward.py``): parallel sizes, ranks and
 groups from ``megatron.core.parallel_state``, sequence parallelism and FP8 from the model's config, verl's THD
-layout token for token, the logits processor called with verl's shapes.  The packing and unpacking are packfwd's
-planned gathers (no Python loop over the batch, one host sync to plan).  Where the results differ from verl's
-(labels at each sequence's last token, a few arguments verl crashes on): ``docs/VERL.md``.
+layout token for token, the logits processor called with verl's shapes.  The packing and unpacking are
+``make_forward``'s layout adapters in verl's flavour (:mod:`packfwd.verl.layouts`: verl's alignment from
+:func:`packfwd.layout.rules.verl_alignment`, its ``PackedSeqParams``), so planned gathers (no Python loop over the
+batch, one host sync to plan).  Where the results differ from verl's (labels at each sequence's last token, video
+timing and positions given to a vision model, a few arguments verl crashes on): the README's section "Coming from
+verl" ("Where ``packfwd.verl`` differs from verl").
 
 Importing this package imports neither verl nor Megatron-Core.
 """

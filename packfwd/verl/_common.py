@@ -1,23 +1,23 @@
-"""What both verl forwards share: Megatron's parallel state read once, verl's alignment, the THD plan that
-reproduces verl's layout, verl's ``PackedSeqParams``, the CP gather verl's unpacking does, and the model call.
+"""What both verl forwards share: Megatron's parallel state read once, the model's facts
+(:func:`packfwd.forward.guards.model_facts`), the multimodal inputs, and the model call between a layout adapter's
+packing and unpacking (:mod:`packfwd.verl.layouts`).
 
 Megatron-Core is imported inside the functions only.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
-from packfwd import plan_thd
-
 # The multimodal inputs verl hands to the model as keyword arguments (moved to the ids' device).
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+# Qwen2.5-VL's seconds per temporal grid step: verl drops it; packfwd passes it to a model that takes it.
+VIDEO_TIMING = "second_per_grid_ts"
 FP8_PADDED_RECIPES = ("e4m3", "hybrid")
 
 
@@ -29,11 +29,7 @@ class Parallel:
     cp: int
     cp_rank: int
     cp_group: Any  # None when cp == 1
-
-    @property
-    def align(self) -> int:
-        """verl's per-sequence alignment: ``2*tp*cp`` under CP (zigzag chunks split by SP), else ``tp``."""
-        return 2 * self.tp * self.cp if self.cp > 1 else self.tp
+    model_cp: int  # the CP size the model is built for (cp, but for dynamic CP)
 
 
 def read_parallel(local_cp_size: int | None = None) -> Parallel:
@@ -46,7 +42,7 @@ def read_parallel(local_cp_size: int | None = None) -> Parallel:
             "megatron.core.parallel_state is not initialised; call parallel_state.initialize_model_parallel(...) "
             "(or packfwd.models.runtime.ensure_model_parallel()) before the forward, as verl's workers do"
         )
-    tp = mpu.get_tensor_model_parallel_world_size()
+    tp, cp = mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
     if local_cp_size is not None:
         groups = getattr(mpu, "get_dynamic_data_context_parallel_groups", None)
         if groups is None:
@@ -55,96 +51,74 @@ def read_parallel(local_cp_size: int | None = None) -> Parallel:
                 "parallel_state.get_dynamic_data_context_parallel_groups; this one has none: pass local_cp_size=None"
             )
         group = groups(group_size=local_cp_size)
-        return Parallel(tp, local_cp_size, dist.get_rank(group=group), group)
-    cp = mpu.get_context_parallel_world_size()
+        return Parallel(tp, local_cp_size, dist.get_rank(group=group), group, cp)
     if cp == 1:
-        return Parallel(tp, 1, 0, None)
-    return Parallel(tp, cp, mpu.get_context_parallel_rank(), mpu.get_context_parallel_group())
+        return Parallel(tp, 1, 0, None, 1)
+    return Parallel(tp, cp, mpu.get_context_parallel_rank(), mpu.get_context_parallel_group(), cp)
 
 
-@dataclass(frozen=True)
-class ModelFacts:
-    """What verl reads from the (unwrapped) model: its pipeline position and its config."""
+def model_facts(model: torch.nn.Module, par: Parallel):
+    """``packfwd.forward.guards.model_facts`` of ``model`` under Megatron's parallel state."""
+    from packfwd.forward.guards import model_facts as read
 
-    pre_process: bool
-    post_process: bool
-    sequence_parallel: bool
-    fp8: Any
-    takes_packing: bool = False  # declares packfwd's vision hook (packfwd.forward.vision): it gets one
-
-    @property
-    def fp8_padding(self) -> bool:
-        return self.fp8 in FP8_PADDED_RECIPES
+    try:
+        return read(model, par.tp, par.model_cp)
+    except ValueError as exc:
+        raise ValueError(f"megatron.core.parallel_state (tp={par.tp}, cp={par.model_cp}) and the model's config "
+                         f"disagree: initialise it with the sizes the model was built for ({exc})") from exc
 
 
-def model_facts(model: torch.nn.Module) -> ModelFacts:
-    from packfwd.forward.vision import takes_packing
+def fp8_padding(facts) -> bool:
+    """Whether verl pads for FP8: the model's config names a recipe that needs it."""
+    return facts.fp8 in FP8_PADDED_RECIPES
+
+
+def multimodal_kwargs(model, multi_modal_inputs: Mapping[str, Tensor] | None, device: torch.device) -> dict:
+    """verl's four image/video inputs, on ``device``; other keys are not passed (as in verl).  ``second_per_grid_ts``
+    (Qwen2.5-VL videos: the temporal spacing of their RoPE positions), which verl drops, goes to a model whose
+    forward takes it (``packfwd.vision.VisionLanguageModel`` does); for any other model it raises, since the model
+    would place the video's tokens at other positions than the caller's timing gives."""
+    inputs = multi_modal_inputs or {}
+    out = {k: inputs[k].to(device) for k in MULTIMODAL_KEYS if k in inputs}
+    timing = inputs.get(VIDEO_TIMING)
+    if timing is not None:
+        if not _takes(model, VIDEO_TIMING):
+            from packfwd.models.gpt import unwrap  # imports no Megatron-Core
+
+            raise ValueError(
+                f"multi_modal_inputs has {VIDEO_TIMING!r} (the videos' temporal spacing), but "
+                f"{type(unwrap(model)).__name__}.forward takes no {VIDEO_TIMING} parameter, so its video positions "
+                f"would ignore it (verl drops it silently); use a model that takes it "
+                f"(packfwd.vision.from_hf(hf)), or leave it out where every video has 1 second per grid step"
+            )
+        out[VIDEO_TIMING] = timing.to(device) if isinstance(timing, Tensor) else timing
+    return out
+
+
+def _takes(model, name: str) -> bool:
     from packfwd.models.gpt import unwrap  # imports no Megatron-Core
 
-    inner = unwrap(model)
-    config = inner.config
-    return ModelFacts(
-        pre_process=bool(getattr(inner, "pre_process", True)),
-        post_process=bool(getattr(inner, "post_process", True)),
-        sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
-        fp8=getattr(config, "fp8", None),
-        takes_packing=takes_packing(model),
-    )
+    try:
+        return name in inspect.signature(unwrap(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
-def multimodal_kwargs(multi_modal_inputs: Mapping[str, Tensor] | None, device: torch.device) -> dict:
-    """verl's four image/video inputs, on ``device``; other keys are not passed (as in verl)."""
-    inputs = multi_modal_inputs or {}
-    return {k: inputs[k].to(device) for k in MULTIMODAL_KEYS if k in inputs}
+def packers(layout, info, input_ids):
+    """``(pack, unpack)`` of one forward with a layout adapter and its plan, in verl's shapes: ``pack`` a per-token
+    argument ``[b, s, *]`` (or jagged) into the model's output layout (THD ``[1, t, *]``, BSHD ``[b, w, *]``);
+    ``unpack`` the model's (or a processor's) output in that layout back to the caller's, CP ranks gathered."""
+
+    def pack(v: Tensor) -> Tensor:
+        return layout.output_rows(layout.pack_arg(v, info, input_ids), info)
+
+    def unpack(y: Tensor) -> Tensor:
+        return layout.unpack(layout.tokens(y, info), info)
+
+    return pack, unpack
 
 
-def plan_verl_thd(mask: Tensor | None, par: Parallel, *, fp8_padding: bool = False, bucket: int | None = None,
-                  x: Tensor | None = None):
-    """``plan_thd`` laid out as verl lays it out: each sequence padded to a multiple of ``par.align`` (with
-    FP8 padding: of ``lcm(16, align)``), and the last sequence's padding extended so the padded total divides by
-    ``128 * align`` (FP8) and by ``bucket`` (verl's ``pad_to_length_bucket``).
-
-    ``plan_thd`` extends the last sequence until each CP rank's token count divides by its ``tp_size``; asking
-    for a multiple of ``unit // cp`` per rank is asking for a padded total that divides by ``unit``.
-    """
-    seq_align = math.lcm(16, par.align) if fp8_padding else par.align
-    unit = seq_align
-    if fp8_padding:
-        unit = math.lcm(unit, 128 * par.align)
-    if bucket is not None:
-        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket <= 0:
-            raise ValueError(f"pad_to_length_bucket must be a positive integer, got {bucket!r}")
-        unit = math.lcm(unit, bucket)
-    per_rank = par.tp if unit == seq_align else unit // par.cp
-    return plan_thd(mask, x=x, tp_size=per_rank, cp_size=par.cp, cp_rank=par.cp_rank, seq_align=seq_align)
-
-
-def verl_packed_seq_params(info, par: Parallel, local_cp_size: int | None = None):
-    """verl's ``PackedSeqParams``: ``cu_seqlens_q/kv`` hold the *padded* offsets, like ``*_padded`` (pads sit at
-    each sequence's tail, so attention over them changes no real token)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    extra = {} if local_cp_size is None else {"local_cp_size": local_cp_size, "cp_group": par.cp_group}
-    if "cp_partition_mode" in {f.name for f in dataclasses.fields(PackedSeqParams)}:
-        extra["cp_partition_mode"] = "zigzag"  # newer Megatron-Cores name the CP split; verl names it too
-    cu = info.cu_seqlens_padded
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                           cu_seqlens_kv_padded=cu, max_seqlen_q=info.max_seqlen, max_seqlen_kv=info.max_seqlen,
-                           **extra)
-
-
-def gather_cp(y: Tensor, par: Parallel) -> list[Tensor]:
-    """Every CP rank's ``y`` (same shape on each), in rank order.  As in verl, the others' are detached copies:
-    gradients reach this rank's share only, and every rank must compute the same loss from the gathered outputs."""
-    if par.cp == 1:
-        return [y]
-    parts = [torch.empty_like(y) for _ in range(par.cp)]
-    torch.distributed.all_gather(parts, y.detach().contiguous(), group=par.cp_group)
-    parts[par.cp_rank] = y
-    return parts
-
-
-def run_and_unpack(model, kwargs: dict, facts: ModelFacts, unpack, processor, processor_args, finish=None):
+def run_and_unpack(model, kwargs: dict, facts, unpack, processor, processor_args, finish=None):
     """The model on the packed call; on the last stage its output (through ``finish`` first, when given: the MTP
     loss, ``packfwd.verl.mtp``) or the processor's, called with ``processor_args()``, unpacked; a middle pipeline
     stage's hidden states as they are."""

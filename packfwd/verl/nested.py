@@ -19,16 +19,15 @@ Differences from verl: ``docs/VERL.md``.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from packfwd import from_bshd, from_thd, plan_bshd, to_bshd, to_thd
+from packfwd.layout.rules import round_up, verl_alignment
 
-from ._common import (Parallel, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd, read_parallel,
-                      run_and_unpack, verl_packed_seq_params)
+from ._common import Parallel, fp8_padding, model_facts, multimodal_kwargs, packers, read_parallel, run_and_unpack
+from .layouts import VerlBshd, VerlThd, widen
 from .mtp import check_mtp_model, engine_loss_mask, mtp_call, mtp_targets
 
 __all__ = ["gptmodel_forward_model_engine"]
@@ -86,24 +85,28 @@ def gptmodel_forward_model_engine(
     if not (isinstance(input_ids, Tensor) and input_ids.is_nested):
         raise TypeError("input_ids must be a jagged nested tensor [b, j] (torch.nested.nested_tensor(..., "
                         "layout=torch.jagged)); for padded [b, s] batches use packfwd.verl.model_forward_gen")
-    facts = model_facts(model)
+    if data_format == "bshd" and local_cp_size is not None:
+        raise ValueError("local_cp_size (dynamic CP) needs data_format='thd' (as in verl)")
+    par = read_parallel(local_cp_size)
+    if data_format == "thd" and cp_layout == "contiguous" and par.cp > 1:
+        raise NotImplementedError("cp_layout='contiguous' with context parallelism is not built in packfwd; "
+                                  "use cp_layout='zigzag'")
+    facts = model_facts(model, par)
     mtp = bool(mtp_enable_train) and facts.post_process
     targets = _mtp_targets(model, input_ids, logits_processor_args or {}) if mtp else None
-    extra = multimodal_kwargs(multi_modal_inputs, input_ids.device)
+    extra = multimodal_kwargs(model, multi_modal_inputs, input_ids.device)
     if data_format == "thd":
-        par = read_parallel(local_cp_size)
-        if cp_layout == "contiguous" and par.cp > 1:
-            raise NotImplementedError("cp_layout='contiguous' with context parallelism is not built in packfwd; "
-                                      "use cp_layout='zigzag'")
         if router_padding_mask is not None:
             extra["padding_mask"] = router_padding_mask
-        call, pack, unpack = _thd(input_ids, par, facts, vision_model, pad_token_id, pad_to_length_bucket,
-                                  local_cp_size, mtp_loss_normalization_factor, mtp)
+        layout = VerlThd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts),
+                         length_bucket=pad_to_length_bucket, local_cp_size=local_cp_size)
+        info, call = _thd(layout, input_ids, par, facts, vision_model, pad_token_id, mtp_loss_normalization_factor,
+                          mtp)
     else:
-        if local_cp_size is not None:
-            raise ValueError("local_cp_size (dynamic CP) needs data_format='thd' (as in verl)")
-        par = read_parallel()
-        call, pack, unpack = _bshd(input_ids, par, facts, vision_model, pad_token_id, forced_max_seqlen, mtp)
+        layout = VerlBshd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts),
+                          forced_width=forced_max_seqlen)
+        info, call = _bshd(layout, input_ids, facts, vision_model, pad_token_id, mtp)
+    pack, unpack = packers(layout, info, input_ids)
     finish = None
     if mtp:  # verl reads the normalization factor from the THD PackedSeqParams only
         factor = mtp_loss_normalization_factor if data_format == "thd" else None
@@ -163,89 +166,36 @@ def _mtp_targets(model, input_ids, args):
     return mtp_targets(input_ids, None, label, mask, depth, offset=1)
 
 
-def _thd(input_ids, par: Parallel, facts, vision, pad_token_id, bucket, local_cp_size, mtp_norm, mtp=False):
-    info = plan_verl_thd(None, par, fp8_padding=facts.fp8_padding, bucket=bucket, x=input_ids)
-    params = verl_packed_seq_params(info, par, local_cp_size)
+def _thd(layout: VerlThd, input_ids, par: Parallel, facts, vision, pad_token_id, mtp_norm, mtp=False):
+    """The plan and the model's arguments of one THD forward (verl's engine layout; positions: None, as verl's)."""
+    info, ids = layout.pack(input_ids, None)
+    params = layout.model_kwargs(info)["packed_seq_params"]
     if mtp_norm is not None:
         params._verl_mtp_loss_normalization_factor = mtp_norm  # where verl puts it (read by its MTP patches)
-    call = dict(input_ids=to_thd(input_ids, info)[0][None] if facts.pre_process or mtp else input_ids,
-                attention_mask=None, position_ids=None, packed_seq_params=params)
+    call = dict(input_ids=ids if facts.pre_process or mtp else input_ids, attention_mask=None, position_ids=None,
+                packed_seq_params=params)
     if vision:  # verl's vision input: the ids padded to the longest sequence rounded up to align, and the mask
-        width = -(-info.seq_len // par.align) * par.align
+        width = round_up(info.seq_len, verl_alignment(par.tp, par.cp).seq_align)
         mask = torch.arange(width, device=input_ids.device) < input_ids.offsets().diff()[:, None]
         ids = input_ids.to_padded_tensor(0, output_size=(input_ids.shape[0], width))
         call["input_ids"], call["attention_mask"] = _pad_with(ids, mask, pad_token_id), mask
-
-    def pack(v: Tensor) -> Tensor:  # [b, j, *] jagged -> [1, t_local, *]
-        return to_thd(v, info)[0][None]
-
-    def unpack(y: Tensor) -> Tensor:  # [1, t_local, *] -> [b, j, *] jagged
-        return from_thd(gather_cp(y[0], par), info)
-
-    return call, pack, unpack
+    return info, call
 
 
-def _bshd(input_ids, par: Parallel, facts, vision, pad_token_id, forced_max_seqlen, mtp=False):
-    info = plan_bshd(None, x=input_ids, tp_size=par.align)  # width: the longest sequence rounded up to align
-    width = _bshd_width(info.width, forced_max_seqlen, par, facts.fp8_padding, input_ids.shape[0])
-    ids = to_bshd(input_ids, info)[0]
-    mask = _zigzag(_widen(info.attention_mask, width), par)  # [b, w_local] bool
-    positions = _zigzag(torch.arange(width, device=mask.device), par, dim=0).expand_as(mask)
-    call = dict(input_ids=_zigzag(_widen(ids, width), par) if facts.pre_process or mtp else input_ids,
-                attention_mask=mask, position_ids=positions)
+def _bshd(layout: VerlBshd, input_ids, facts, vision, pad_token_id, mtp=False):
+    """The plan and the model's arguments of one BSHD forward (verl's engine layout: this CP rank's zigzag pair of
+    every row, the padding mask and positions split the same way)."""
+    info, ids = layout.pack(input_ids, None)
+    mask = layout.attention_mask(info)  # [b, w_local] bool
+    call = dict(input_ids=ids if facts.pre_process or mtp else input_ids, attention_mask=mask,
+                position_ids=layout.positions(info, ids, None, input_ids))
     if vision:  # verl's vision input: the whole rows, padded to the forced or longest length rounded up to align
-        vision_width = _bshd_width(info.width, forced_max_seqlen, par, False, input_ids.shape[0])
-        vision_mask = _widen(info.attention_mask, vision_width)
-        call.update(input_ids=_pad_with(_widen(ids, vision_width), vision_mask, pad_token_id),
-                    attention_mask=vision_mask, position_ids=None)
-
-    def pack(v: Tensor) -> Tensor:  # [b, j, *] jagged -> [b, w_local, *]
-        return _zigzag(_widen(to_bshd(v, info)[0], width), par)
-
-    def unpack(y: Tensor) -> Tensor:  # [b, w_local, *] -> [b, j, *] jagged
-        full = _unzigzag(gather_cp(y, par))
-        return from_bshd(full[:, : info.width], info)
-
-    return call, pack, unpack
-
-
-def _bshd_width(longest_aligned: int, forced: int | None, par: Parallel, fp8_padding: bool, batch: int) -> int:
-    """verl's BSHD width: ``forced_max_seqlen`` (or the longest) rounded up to the alignment, then for FP8 so
-    that ``batch * width`` divides by ``128 * tp * cp``."""
-    width = longest_aligned
-    if forced is not None:
-        if forced < 1:
-            raise ValueError(f"forced_max_seqlen must be a positive int, got {forced!r}")
-        width = max(width, -(-forced // par.align) * par.align)
-    if fp8_padding:
-        total = 128 * par.tp * par.cp
-        unit = math.lcm(total // math.gcd(batch, total), par.align)
-        width = -(-width // unit) * unit
-    return width
-
-
-def _widen(x: Tensor, width: int) -> Tensor:
-    """``[b, w0, *] -> [b, width, *]``, zeros (False) on the right."""
-    extra = width - x.shape[1]
-    if extra == 0:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1)
-
-
-def _zigzag(x: Tensor, par: Parallel, dim: int = 1) -> Tensor:
-    """This CP rank's chunks ``r`` and ``2cp-1-r`` of ``2cp`` equal chunks along ``dim``."""
-    if par.cp == 1:
-        return x
-    chunks = x.chunk(2 * par.cp, dim=dim)
-    return torch.cat([chunks[par.cp_rank], chunks[2 * par.cp - 1 - par.cp_rank]], dim=dim)
-
-
-def _unzigzag(parts: list[Tensor]) -> Tensor:
-    """Every CP rank's ``[b, w_local, *]`` (rank order) -> ``[b, w, *]`` in natural order."""
-    if len(parts) == 1:
-        return parts[0]
-    c = parts[0].shape[1] // 2
-    return torch.cat([p[:, :c] for p in parts] + [p[:, c:] for p in reversed(parts)], dim=1)
+        width = layout.row_width(info, fp8_padding=False)
+        vision_mask = widen(info.attention_mask, width)
+        padded = widen(input_ids.to_padded_tensor(0, output_size=(input_ids.shape[0], info.width)), width)
+        call.update(input_ids=_pad_with(padded, vision_mask, pad_token_id), attention_mask=vision_mask,
+                    position_ids=None)
+    return info, call
 
 
 def _pad_with(ids: Tensor, mask: Tensor, pad_token_id: int | None) -> Tensor:

@@ -12,7 +12,10 @@ The returned ``model_forward`` has the signature and results of verl 0.9.1's
 With ``logits_processor``, it is called as verl calls it: ``logits_processor(output [1, t, v] (THD) or
 [b, w, v] (BSHD), **args)`` where each tensor of ``logits_processor_args`` (``[b, s, ...]``) is packed the same
 way; each tensor of the dict it returns is unpacked to ``[b, s, ...]``.  A pipeline stage without the output layer
-(``post_process`` False) returns the model's output as is.  Differences from verl: ``docs/VERL.md``.
+(``post_process`` False) returns the model's output as is.  Differences from verl: the README's "Coming from verl".
+
+The layouts are ``make_forward``'s adapters in verl's flavour (:mod:`packfwd.verl.layouts`): THD ``VerlThd``, BSHD
+``make_forward``'s own ``Bshd``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor
 
-from packfwd import from_bshd, from_thd, plan_bshd, to_bshd, to_thd
-from packfwd.forward.vision import VisionPacking
+from packfwd.forward.layouts import Bshd
+from packfwd.forward.vision import takes_packing, vision_call
 
-from ._common import (Parallel, gather_cp, model_facts, multimodal_kwargs, plan_verl_thd, read_parallel,
-                      run_and_unpack, verl_packed_seq_params)
+from ._common import fp8_padding, model_facts, multimodal_kwargs, packers, read_parallel, run_and_unpack
+from .layouts import VerlThd
 from .mtp import check_mtp_model, mtp_call, mtp_targets
 
 __all__ = ["model_forward_gen"]
@@ -42,8 +45,11 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     ``input_ids``, ``attention_mask`` (bool or 0/1), ``position_ids``: ``[b, s]``.  Parallel sizes, ranks and
     groups come from ``megatron.core.parallel_state``; sequence parallelism and FP8 from the model's config.
     ``vision_model=True``: the model gets the padded ids and mask with ``PackedSeqParams`` (THD) and packs after
-    embedding the images itself, as verl's vision models do; a model that declares packfwd's ``packing`` hook
-    (``packfwd.vision.VisionLanguageModel``; :mod:`packfwd.forward.vision`) also gets it, with verl's plan.
+    embedding the images itself, as verl's vision models do.  A model that declares packfwd's ``packing`` hook
+    (``packfwd.vision.VisionLanguageModel``; :mod:`packfwd.forward.vision`) gets the call
+    ``make_forward(vision=True)`` makes, with verl's plan: the hook, and the caller's ``position_ids`` (``[3, b,
+    s]`` or ``[b, s]``; None: the model computes them); any other model gets verl's call (no positions: it computes
+    them).  ``second_per_grid_ts`` goes to a model that takes it, and raises for one that does not (verl drops it).
     ``mtp_config`` with ``enable_train`` set (a packfwd model with MTP layers): the MTP loss of
     ``logits_processor_args``' ``label``/``label_mask``, each depth's labels shifted within its own sequence, hung
     on the backward as verl's model does (``packfwd.verl.mtp``), in THD and BSHD (verl's BSHD forward passes no
@@ -72,7 +78,8 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     ):
         if data_format not in _FORMATS:
             raise ValueError(f"data_format={data_format!r}; pass one of {_FORMATS}")
-        facts = model_facts(model)
+        par = read_parallel()
+        facts = model_facts(model, par)
         mtp = bool(mtp_config is not None and getattr(mtp_config, "enable_train", False)) and facts.post_process
         if mtp:
             depth = check_mtp_model(model, mtp_config)
@@ -81,16 +88,24 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
                 raise ValueError("MTP training (mtp_config.enable_train) reads logits_processor_args['label'] and "
                                  "['label_mask'] ([b, s], the next token and its mask), as verl does; pass both")
             targets = mtp_targets(input_ids, attention_mask, args["label"], args["label_mask"], depth)
-        par = read_parallel()
-        extra = multimodal_kwargs(multi_modal_inputs, input_ids.device)
         if data_format == "thd":
-            call, pack, unpack = _thd(input_ids, attention_mask, position_ids, par, facts, vision_model, mtp)
+            layout = VerlThd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts))
         else:
-            call, pack, unpack = _bshd(input_ids, attention_mask, position_ids, par, facts, vision_model, mtp)
+            if par.cp > 1:
+                raise ValueError("data_format='bshd' has no context parallelism (neither has verl's); use "
+                                 "data_format='thd'")
+            if facts.fp8 is not None:
+                raise ValueError("data_format='bshd' does not support fp8 (neither does verl's); use data_format='thd'")
+            layout = Bshd(par.tp if facts.sequence_parallel else 1)
+        info, ids = layout.pack(input_ids, attention_mask)
+        call = _model_call(model, layout, info, ids, input_ids, attention_mask, position_ids, data_format == "thd",
+                           vision_model, facts.pre_process or mtp)
+        pack, unpack = packers(layout, info, input_ids)
         finish = None
         if mtp:
             mtp_kwargs, finish = mtp_call(model, targets, pack)
             call.update(mtp_kwargs)
+        extra = multimodal_kwargs(model, multi_modal_inputs, input_ids.device)
         result = run_and_unpack(model, {**call, **extra}, facts, unpack, logits_processor, lambda: {
             k: pack(v) if isinstance(v, Tensor) and v.dim() else v for k, v in (logits_processor_args or {}).items()},
             finish)
@@ -103,55 +118,20 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     return model_forward
 
 
-def _thd(input_ids, attention_mask, position_ids, par: Parallel, facts, vision: bool, mtp: bool = False):
-    """The model's arguments and the pack/unpack of one THD forward (verl's layout).  With MTP the last stage
-    gets the packed ids too (as in verl)."""
-    info = plan_verl_thd(attention_mask, par, fp8_padding=facts.fp8_padding)
-    call = dict(
-        input_ids=to_thd(input_ids, info)[0][None] if (facts.pre_process or mtp) and not vision else input_ids,
-        attention_mask=attention_mask if vision else None,
-        # packed like the ids (verl passes the padded [b, s] positions, which Megatron's RoPE never reads)
-        position_ids=None if vision else _packed_positions(position_ids, info),
-        packed_seq_params=verl_packed_seq_params(info, par),
-    )
-    if vision and facts.takes_packing:  # packfwd's vision models pack their embeddings with verl's plan
-        call["packing"] = VisionPacking(info)
-
-    def pack(v: Tensor) -> Tensor:  # [b, s, *] -> [1, t_local, *]
-        return to_thd(v, info)[0][None]
-
-    def unpack(y: Tensor) -> Tensor:  # [1, t_local, *] -> [b, s, *]
-        return from_thd(gather_cp(y[0], par), info)
-
-    return call, pack, unpack
-
-
-def _packed_positions(position_ids, info):
-    if position_ids is None or position_ids.dim() != 2:
-        return position_ids  # none, or a multimodal layout: passed on as verl does
-    return to_thd(position_ids, info)[0][None]
-
-
-def _bshd(input_ids, attention_mask, position_ids, par: Parallel, facts, vision: bool, mtp: bool = False):
-    """The model's arguments and the pack/unpack of one BSHD forward (verl's compacted layout)."""
-    if par.cp > 1:
-        raise ValueError("data_format='bshd' has no context parallelism (neither has verl's); use data_format='thd'")
-    if facts.fp8 is not None:
-        raise ValueError("data_format='bshd' does not support fp8 (neither does verl's); use data_format='thd'")
-    info = plan_bshd(attention_mask, tp_size=par.tp if facts.sequence_parallel else 1)
-    positions = None if vision or position_ids is None else to_bshd(position_ids, info)[0]
-    call = dict(
-        input_ids=to_bshd(input_ids, info)[0] if facts.pre_process or vision or mtp else input_ids,
-        position_ids=positions,
-        attention_mask=info.attention_mask.to(attention_mask.dtype),  # [b, w], real tokens first
-    )
-    if vision and facts.takes_packing:  # packfwd's vision models: the hook of the compacted layout
-        call["packing"] = VisionPacking(info)
-
-    def pack(v: Tensor) -> Tensor:  # [b, s, *] -> [b, w, *]
-        return to_bshd(v, info)[0]
-
-    def unpack(y: Tensor) -> Tensor:  # [b, w, *] -> [b, s, *]
-        return from_bshd(y, info)
-
-    return call, pack, unpack
+def _model_call(model, layout, info, ids, input_ids, attention_mask, position_ids, thd: bool, vision: bool,
+                packed_ids: bool) -> dict:
+    """The model's arguments (multimodal inputs aside).  Text: the packed ids (the padded ones on a pipeline stage
+    without the embedding, unless MTP needs them) and the caller's positions packed like them, or None.  A vision
+    model with packfwd's hook: ``make_forward(vision=True)``'s call (:func:`packfwd.forward.vision.vision_call`);
+    any other vision model: verl's (THD: the padded ids and mask; BSHD: the compacted ones; no positions)."""
+    mask = info.attention_mask.to(attention_mask.dtype) if not thd else None  # BSHD: [b, w], real tokens first
+    if vision and takes_packing(model):
+        return vision_call(model, layout, info, ids, input_ids, attention_mask, position_ids)
+    if vision:
+        if thd:
+            return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=None,
+                        **layout.model_kwargs(info))
+        return dict(input_ids=ids, position_ids=None, attention_mask=mask)
+    positions = None if position_ids is None else layout.positions(info, ids, position_ids, input_ids)
+    return dict(input_ids=ids if packed_ids else input_ids, position_ids=positions,
+                attention_mask=mask, **layout.model_kwargs(info))
