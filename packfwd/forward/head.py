@@ -9,7 +9,9 @@ The processor names what is computed: it must have a fused form, the same number
 
 gives what the same call with ``head="logits"`` gives (the default; to float32 rounding, see the tests), with
 ``labels``, ``temperature`` (per token or per sequence, differentiable) and ``token_mask`` (compute only those
-tokens, e.g. the response; the others are 0) packed like every processor argument.
+tokens, e.g. the response; the others are 0) packed like every processor argument.  A tensor temperature is
+checked at real tokens, as with the logits head: ``make_forward`` passes ``real_tokens`` (False at the layout's
+padding slots, which hold the packing's fill), reordered like the other per-token arguments.
 
 How: the model is called with ``return_hidden=True`` (:class:`packfwd.models.model.PackedGPTModel` then skips
 its output layer and returns the final-normed hidden states ``[s, b, h]``, this rank's token slice under
