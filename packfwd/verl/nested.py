@@ -14,7 +14,10 @@ Signature and results of verl 0.9.1's ``verl.models.mcore.model_forward.gptmodel
 Processor arguments are jagged like ``input_ids`` and packed the same way; ``"label"`` is first replaced by each
 token's next token *in its own sequence* (0 at each sequence's last token), ``"loss_mask"`` and
 ``"response_attention_mask"`` are not passed on (verl pops them; packfwd leaves the caller's dict alone).
-Differences from verl: ``docs/VERL.md``.
+Differences from verl: the README's "Coming from verl".
+
+The layouts are ``make_forward``'s adapters in verl's flavour (:mod:`packfwd.verl.layouts`): ``VerlThd``,
+``VerlBshd``.
 """
 
 from __future__ import annotations
