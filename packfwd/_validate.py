@@ -1,4 +1,5 @@
-"""Argument checks shared by the planning functions.  Each error names the argument and the fix."""
+"""Argument checks shared by every package (the bottom floor: it imports no other packfwd module).  Each error
+names the argument and the fix.  Also here, because every floor that takes a model needs it: :func:`unwrap`."""
 
 from __future__ import annotations
 
@@ -88,3 +89,20 @@ def check_host_seqlens(seqlens: object, batch: int) -> list[int]:
     if any(v < 0 for v in seqlens):
         raise ValueError("seqlens must be non-negative")
     return list(seqlens)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside wrappers that keep it as ``.module`` (DDP, Megatron's Float16Module, ...).
+
+    >>> class Wrapper(torch.nn.Module):
+    ...     def __init__(self, module):
+    ...         super().__init__()
+    ...         self.module = module
+    >>> inner = torch.nn.Linear(2, 2)
+    >>> unwrap(Wrapper(Wrapper(inner))) is inner
+    True
+    """
+    seen = 0
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and seen < 8:
+        model, seen = model.module, seen + 1
+    return model

@@ -21,7 +21,8 @@ the modules run exactly as Megatron-Core ships them.
    layer spec replaces it with :class:`packfwd.models.attention.CoreAttention`, so it is never built.
 5. Communication buffers.  Megatron's sequence-parallel all-gathers and reduce-scatters (and its global memory
    buffer) allocate on ``torch.cuda.current_device()``.  Inside :func:`host_collectives` that returns the CPU
-   device, so gloo gathers into host tensors.  A sequence-parallel model built for the CPU runs its own forward
+   device, so gloo gathers into host tensors (it lives in :mod:`packfwd.parallel.host`, below the models, for
+   the pipeline schedule enters it too; re-exported here).  A sequence-parallel model built for the CPU runs its own forward
    inside it (``packfwd.models.model.PackedGPTModel`` decides so at construction); run the backward inside it
    yourself (``with host_collectives(): loss.backward()``; :func:`packfwd.parallel.pipeline_forward_backward`
    does).  Tensor parallelism without
@@ -32,10 +33,9 @@ A model built on one device runs there: build on the device you use (``device=``
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
+
+from packfwd.parallel.host import host_collectives
 
 __all__ = [
     "config_overrides",
@@ -101,31 +101,3 @@ def ensure_host_rng_tracker() -> None:
 
     if not get_cuda_rng_tracker().get_states():
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-_HOST_LOCK = threading.RLock()
-
-
-def _host_current_device() -> torch.device:
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def host_collectives():
-    """Point 5 of the module docstring: inside, ``torch.cuda.current_device()`` returns the CPU device.
-
-    Enter it around the backward of a sequence-parallel model that lives on the CPU (packfwd's models enter it
-    around their forward by themselves).  It replaces a function of ``torch.cuda`` for the duration,
-    process-wide: do not run CUDA work in other threads meanwhile.  Re-entrant.
-
-    >>> with host_collectives():
-    ...     torch.empty(2, device=torch.cuda.current_device()).device
-    device(type='cpu')
-    """
-    with _HOST_LOCK:
-        saved = torch.cuda.current_device
-        torch.cuda.current_device = _host_current_device
-        try:
-            yield
-        finally:
-            torch.cuda.current_device = saved

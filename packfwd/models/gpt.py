@@ -3,198 +3,32 @@
 The model is :class:`packfwd.models.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers of
 :mod:`packfwd.models.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias, tied or untied
 embeddings), with Megatron's tensor-parallel linears and embeddings, and packfwd's parts chosen by its
-constructor (THD RoPE without host syncs, the value head).  This module holds what needs no Megatron-Core:
+constructor (THD RoPE without host syncs, the value head).  This module is the builder, the top of
+:mod:`packfwd.models` below its HF conversion:
 
-* :class:`ModelArgs`, the architecture in one frozen dataclass, and :func:`transformer_config` from it;
 * :func:`build_model`, which builds the whole model or one pipeline stage (``pp_rank``, ``vpp_rank``) with the
   layers ``packfwd.layers.layer_partition`` assigns to it; Megatron-Core numbers them (``layer_number``, 1-based,
   global) and the model checks the numbers against the partition;
-* :class:`ValueHead`: a value model's width-1 output layer, so the model returns ``[b, s, 1]`` (packfwd's
-  forward squeezes it to ``[b, s]``); :func:`is_value_model`, :func:`unwrap`, :func:`model_args`.
+* :func:`model_args`, the :class:`ModelArgs` a built model was made from.
 
-Megatron-Core is imported inside the functions only.  (A little over 300 lines: the architecture, its Megatron
-config and the builder are one story, and the model facts the forward needs must not import Megatron-Core.)
+It also re-exports the names that live below it, where they have always been found: :class:`ModelArgs` and
+:func:`transformer_config` (:mod:`packfwd.models.args`), :class:`ValueHead` and :func:`is_value_model`
+(:mod:`packfwd.models.value`), :func:`unwrap` (:mod:`packfwd._validate`).  Megatron-Core is imported inside the
+functions only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from packfwd._validate import unwrap as unwrap
+
+from .args import ModelArgs as ModelArgs
+from .args import transformer_config as transformer_config
+from .value import ValueHead as ValueHead
+from .value import is_value_model as is_value_model
+
 __all__ = ["ModelArgs", "ValueHead", "build_model", "is_value_model", "model_args", "transformer_config", "unwrap"]
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """The architecture of a Llama/Qwen2-style decoder.
-
-    >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
-    ...                  num_query_groups=2)
-    >>> args.kv_channels, args.query_groups
-    (16, 2)
-    """
-
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int | None = None  # None: one kv head per query head (no GQA)
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling_factor: float | None = None  # Llama-3.x frequency scaling (low 1, high 4, original 8192)
-    qkv_bias: bool = False  # Qwen2
-    linear_bias: bool = False  # a bias on every linear (Llama with attention_bias and mlp_bias)
-    tie_embeddings: bool = False
-    max_position_embeddings: int = 4096
-    value_head: bool = False  # output layer of width 1 (a critic / reward model)
-    value_head_bias: bool = False
-    mtp_num_layers: int = 0  # multi-token prediction depths (DeepSeek-V3's MTP), built on the last stage
-    mtp_loss_scaling_factor: float = 0.1  # Megatron-Core's weight of the MTP loss (Megatron's default)
-    mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-                     "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelArgs.{name} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.query_groups:
-            raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
-                             f"num_attention_heads={self.num_attention_heads}")
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads, or pass head_dim")
-        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
-            raise ValueError(f"ModelArgs.mtp_num_layers must be an int >= 0 (0: no MTP), got {self.mtp_num_layers!r}")
-        if self.mtp_num_layers and self.value_head:
-            raise ValueError("a value model (value_head=True) has no vocabulary head to predict tokens with; "
-                             "use mtp_num_layers=0")
-        if self.mrope_section is not None:
-            object.__setattr__(self, "mrope_section", check_mrope_section(self.mrope_section, self.kv_channels))
-            if self.rope_scaling_factor is not None or self.mtp_num_layers:
-                raise ValueError("mrope_section with rope_scaling_factor or mtp_num_layers: multimodal RoPE is built "
-                                 "without Llama-3 scaling and without MTP layers; drop one of them")
-
-    @property
-    def kv_channels(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
-
-    @property
-    def query_groups(self) -> int:
-        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
-
-
-def check_mrope_section(section, kv_channels: int) -> tuple[int, int, int]:
-    """``section`` as three positive ints summing to ``kv_channels // 2`` (:mod:`packfwd.models.mrope`).
-
-    >>> check_mrope_section([16, 24, 24], 128)
-    (16, 24, 24)
-    """
-    values = tuple(section) if isinstance(section, (list, tuple)) else ()
-    if (len(values) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
-            or sum(values) * 2 != kv_channels):
-        raise ValueError(
-            f"mrope_section={section!r}: pass three positive ints (temporal, height, width frequencies) that sum to "
-            f"head_dim // 2 = {kv_channels // 2}, as in the HF config's rope_parameters['mrope_section']"
-        )
-    return values
-
-
-def transformer_config(
-    args: ModelArgs,
-    *,
-    params_dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    tp_size: int = 1,
-    cp_size: int = 1,
-    sequence_parallel: bool = False,
-    pp_size: int = 1,
-    vpp_size: int = 1,
-    first_stage_layers: int | None = None,
-    last_stage_layers: int | None = None,
-    init: bool = True,
-):
-    """Megatron-Core's ``TransformerConfig`` for ``args``: no dropout, no fused kernels (the unfused paths run
-    on every device and match HF transformers' math), parameters placed for ``device``
-    (:func:`packfwd.models.cpu.config_overrides`).  ``init=False`` skips weight initialisation (for loading).
-
-    >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
-    ...                  num_query_groups=2)
-    >>> config = transformer_config(args)
-    >>> config.num_query_groups, config.kv_channels, config.normalization, config.gated_linear_unit
-    (2, 16, 'RMSNorm', True)
-    """
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from .cpu import config_overrides
-
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.query_groups,
-        kv_channels=args.kv_channels,
-        normalization="RMSNorm",
-        layernorm_epsilon=args.norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=args.linear_bias,
-        add_qkv_bias=args.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        tensor_model_parallel_size=tp_size,
-        context_parallel_size=cp_size,
-        sequence_parallel=sequence_parallel,
-        pipeline_model_parallel_size=pp_size,
-        virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None,
-        num_layers_in_first_pipeline_stage=first_stage_layers,
-        num_layers_in_last_pipeline_stage=last_stage_layers,
-        perform_initialization=init,
-        mtp_num_layers=args.mtp_num_layers or None,
-        mrope_section=list(args.mrope_section) if args.mrope_section is not None else None,
-        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
-        **config_overrides(device),
-    )
-
-
-class ValueHead(torch.nn.Linear):
-    """The width-1 output layer of a value model, called like Megatron's output layer:
-    ``(hidden [s, b, h], weight=None, runtime_gather_output=None) -> ([s, b, 1], None)``.
-
-    Replicated on every TP rank; under sequence parallelism the token slices are gathered first.
-
-    >>> import torch
-    >>> head = ValueHead(4, bias=False)
-    >>> head(torch.ones(3, 2, 4))[0].shape
-    torch.Size([3, 2, 1])
-    """
-
-    def __init__(self, hidden_size: int, *, bias: bool, dtype: torch.dtype = torch.float32,
-                 sequence_parallel: bool = False, tp_group=None):
-        super().__init__(hidden_size, 1, bias=bias, dtype=dtype)
-        self.sequence_parallel = sequence_parallel
-        self.tp_group = tp_group
-
-    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
-        return super().forward(hidden), None
 
 
 def build_model(
@@ -288,35 +122,6 @@ def _check_divisible(args: ModelArgs, tp: int) -> None:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {tp}; pick a TP size "
                              "that divides it")
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``GPTModel`` inside wrappers that keep it as ``.module`` (DDP, Megatron's Float16Module, ...).
-
-    >>> import torch
-    >>> class Wrapper(torch.nn.Module):
-    ...     def __init__(self, module):
-    ...         super().__init__()
-    ...         self.module = module
-    >>> inner = torch.nn.Linear(2, 2)
-    >>> unwrap(Wrapper(Wrapper(inner))) is inner
-    True
-    """
-    seen = 0
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and seen < 8:
-        model, seen = model.module, seen + 1
-    return model
-
-
-def is_value_model(model: torch.nn.Module) -> bool:
-    """True if ``model`` (possibly wrapped) ends in a :class:`ValueHead`.
-
-    >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=1, num_attention_heads=4,
-    ...                  value_head=True)
-    >>> is_value_model(build_model(args, init=False))
-    True
-    """
-    return isinstance(getattr(unwrap(model), "output_layer", None), ValueHead)
 
 
 def model_args(model: torch.nn.Module) -> ModelArgs:

@@ -12,7 +12,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from .gpt import ModelArgs
+from .args import ModelArgs
 from .hf_weights import hf_to_megatron, megatron_to_hf
 
 __all__ = ["args_from_hf_config", "from_hf", "load_weights", "to_hf_state_dict"]

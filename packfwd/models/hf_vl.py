@@ -19,7 +19,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from .gpt import ModelArgs
+from .args import ModelArgs
 
 __all__ = ["language_model_from_hf", "language_model_state_dict", "vl_args_from_hf_config"]
 

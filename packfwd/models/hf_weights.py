@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .gpt import ModelArgs
+from .args import ModelArgs
 
 __all__ = ["hf_to_megatron", "megatron_to_hf"]
 

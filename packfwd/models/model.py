@@ -34,7 +34,8 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from .cpu import host_collectives, is_host
 from . import mtp
-from .gpt import ModelArgs, ValueHead
+from .args import ModelArgs
+from .value import ValueHead
 from .mrope import mrope_positions, rotary_modules
 from .positions import assert_per_sequence, thd_positions
 from .rope import rotary_angles
@@ -277,7 +278,7 @@ def forward_masked_rows(model, input_ids, position_ids, attention_mask, mtp_inpu
     ``[b, s, ...]`` with zeros at padding.  Positions: the caller's, else each token's index in its row's real
     tokens.  One host sync (planning).  A pipeline stage without the output layer returns THD hidden states
     ``[t, 1, h]``; the next stage takes them through ``set_input_tensor`` and the same call."""
-    from packfwd import from_thd, pack_positions, plan_thd, position_ids as thd_positions, to_thd
+    from packfwd.layout import from_thd, pack_positions, plan_thd, position_ids as thd_positions, to_thd
 
     if attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point:
         raise ValueError(
@@ -293,7 +294,7 @@ def forward_masked_rows(model, input_ids, position_ids, attention_mask, mtp_inpu
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     info = plan_thd(attention_mask, tp_size=tp)
     if info.source.total == 0:  # no real token: Megatron-Core's attention cannot run an empty batch
-        from packfwd.forward.guards import empty_output, model_facts
+        from .facts import empty_output, model_facts
 
         shape = tuple(attention_mask.shape) if model.post_process else (0, 1)
         out = empty_output(model, model_facts(model, tp, 1), shape)

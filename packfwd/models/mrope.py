@@ -32,7 +32,7 @@ from torch import Tensor
 
 from packfwd.layout.rules import local_positions
 
-from .gpt import check_mrope_section
+from .args import check_mrope_section
 from .rope import PackedRope, PackedRotaryEmbedding, apply_rope
 
 __all__ = ["MropeRope", "MropeRotaryEmbedding", "mrope_angles", "mrope_positions", "rotary_modules"]

@@ -35,8 +35,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..models.gpt import unwrap
+from .._validate import unwrap
 from .agree import check_across_ranks
+from .host import host_collectives
 
 __all__ = ["pipeline_forward_backward"]
 
@@ -67,7 +68,7 @@ def pipeline_forward_backward(
     None on the other ranks.  Without ``loss_fn`` everything runs under ``torch.no_grad()``.  Every rank must pass
     the same number of microbatches and stages: this is checked across ``pp_group`` before any transfer, and a
     rank's bad arguments make every rank raise the same error.  Stages on the CPU run inside
-    ``packfwd.models.cpu.host_collectives`` (forward and backward).
+    ``packfwd.parallel.host.host_collectives`` (forward and backward).
 
     >>> from packfwd.testing import run_local
     >>> from packfwd.parallel.pipeline import _example_pipeline
@@ -89,8 +90,6 @@ def pipeline_forward_backward(
     device = _device_of(stages[0])
     host = contextlib.ExitStack()
     if device.type == "cpu":
-        from packfwd.models.cpu import host_collectives
-
         host.enter_context(host_collectives())
     with host:
         with torch.no_grad() if loss_fn is None else contextlib.nullcontext():

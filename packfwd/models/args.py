@@ -1,0 +1,160 @@
+"""The architecture of a Llama/Qwen2-style decoder in one frozen dataclass (:class:`ModelArgs`), and
+Megatron-Core's ``TransformerConfig`` from it (:func:`transformer_config`).
+
+The bottom of :mod:`packfwd.models`: it imports no other module of the package but :mod:`packfwd.models.cpu`
+(inside :func:`transformer_config`), and Megatron-Core only inside that function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ModelArgs", "check_mrope_section", "transformer_config"]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The architecture of a Llama/Qwen2-style decoder.
+
+    >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
+    ...                  num_query_groups=2)
+    >>> args.kv_channels, args.query_groups
+    (16, 2)
+    """
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int | None = None  # None: one kv head per query head (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float | None = None  # Llama-3.x frequency scaling (low 1, high 4, original 8192)
+    qkv_bias: bool = False  # Qwen2
+    linear_bias: bool = False  # a bias on every linear (Llama with attention_bias and mlp_bias)
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    value_head: bool = False  # output layer of width 1 (a critic / reward model)
+    value_head_bias: bool = False
+    mtp_num_layers: int = 0  # multi-token prediction depths (DeepSeek-V3's MTP), built on the last stage
+    mtp_loss_scaling_factor: float = 0.1  # Megatron-Core's weight of the MTP loss (Megatron's default)
+    mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelArgs.{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads, or pass head_dim")
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise ValueError(f"ModelArgs.mtp_num_layers must be an int >= 0 (0: no MTP), got {self.mtp_num_layers!r}")
+        if self.mtp_num_layers and self.value_head:
+            raise ValueError("a value model (value_head=True) has no vocabulary head to predict tokens with; "
+                             "use mtp_num_layers=0")
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", check_mrope_section(self.mrope_section, self.kv_channels))
+            if self.rope_scaling_factor is not None or self.mtp_num_layers:
+                raise ValueError("mrope_section with rope_scaling_factor or mtp_num_layers: multimodal RoPE is built "
+                                 "without Llama-3 scaling and without MTP layers; drop one of them")
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+
+def check_mrope_section(section, kv_channels: int) -> tuple[int, int, int]:
+    """``section`` as three positive ints summing to ``kv_channels // 2`` (:mod:`packfwd.models.mrope`).
+
+    >>> check_mrope_section([16, 24, 24], 128)
+    (16, 24, 24)
+    """
+    values = tuple(section) if isinstance(section, (list, tuple)) else ()
+    if (len(values) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
+            or sum(values) * 2 != kv_channels):
+        raise ValueError(
+            f"mrope_section={section!r}: pass three positive ints (temporal, height, width frequencies) that sum to "
+            f"head_dim // 2 = {kv_channels // 2}, as in the HF config's rope_parameters['mrope_section']"
+        )
+    return values
+
+
+def transformer_config(
+    args: ModelArgs,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp_size: int = 1,
+    cp_size: int = 1,
+    sequence_parallel: bool = False,
+    pp_size: int = 1,
+    vpp_size: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    init: bool = True,
+):
+    """Megatron-Core's ``TransformerConfig`` for ``args``: no dropout, no fused kernels (the unfused paths run
+    on every device and match HF transformers' math), parameters placed for ``device``
+    (:func:`packfwd.models.cpu.config_overrides`).  ``init=False`` skips weight initialisation (for loading).
+
+    >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
+    ...                  num_query_groups=2)
+    >>> config = transformer_config(args)
+    >>> config.num_query_groups, config.kv_channels, config.normalization, config.gated_linear_unit
+    (2, 16, 'RMSNorm', True)
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .cpu import config_overrides
+
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.query_groups,
+        kv_channels=args.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=args.linear_bias,
+        add_qkv_bias=args.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=tp_size,
+        context_parallel_size=cp_size,
+        sequence_parallel=sequence_parallel,
+        pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=vpp_size if vpp_size > 1 else None,
+        num_layers_in_first_pipeline_stage=first_stage_layers,
+        num_layers_in_last_pipeline_stage=last_stage_layers,
+        perform_initialization=init,
+        mtp_num_layers=args.mtp_num_layers or None,
+        mrope_section=list(args.mrope_section) if args.mrope_section is not None else None,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+        **config_overrides(device),
+    )

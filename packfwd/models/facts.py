@@ -1,0 +1,101 @@
+"""What a forward must know about the model it runs, read once per call and checked against the forward's own
+parallel arguments (:func:`model_facts`, :func:`check_cp`), and the model's output for a batch with no real token,
+made without running it (:func:`empty_output`).  ``make_forward``'s guards and the model's own padded-rows path
+(:mod:`packfwd.models.masked`) both use them.  Imports no Megatron-Core at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from packfwd._validate import unwrap
+
+from .value import is_value_model
+
+__all__ = ["ModelFacts", "check_cp", "empty_output", "model_facts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the forward must know about the model (defaults for a plain module without a Megatron config)."""
+
+    post_process: bool = True
+    pre_process: bool = True  # this pipeline stage embeds the ids
+    sequence_parallel: bool = False
+    fp8: object = None  # the config's FP8 recipe (verl's forwards pad for "e4m3" / "hybrid")
+    value_model: bool = False
+    tp_size: int = 1  # the output layer's vocab is split over this many ranks (1: full vocab)
+    tp_group: object = None
+    out_width: int | None = None  # v_local (1 for a value head) on the last stage, the hidden size elsewhere
+    dtype: torch.dtype | None = None
+
+
+def model_facts(model, tp_size: int, cp_size: int) -> ModelFacts:
+    """Read the model's parallel layout and head; raise when the forward's arguments contradict it."""
+    gpt = unwrap(model)
+    config = getattr(gpt, "config", None)
+    if config is None:
+        return ModelFacts(post_process=getattr(gpt, "post_process", True), pre_process=getattr(gpt, "pre_process", True))
+    model_tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    if getattr(config, "sequence_parallel", False) and model_tp != tp_size:
+        raise ValueError(f"the model is sequence parallel over {model_tp} ranks; pass tp_size={model_tp} to make_forward")
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp != cp_size:
+        raise ValueError(f"the model's context_parallel_size is {cp}; pass cp_size={cp} (and cp_rank, cp_group)")
+    post, value = getattr(gpt, "post_process", True), is_value_model(gpt)
+    head = getattr(gpt, "output_layer", None)
+    group = getattr(head, "tp_group", None)
+    if model_tp > 1 and group is None and not value:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    if not post:
+        width = config.hidden_size
+    elif value:
+        width = 1
+    else:
+        width = getattr(gpt, "vocab_size", 0) // model_tp or None
+    return ModelFacts(post_process=post, pre_process=bool(getattr(gpt, "pre_process", True)),
+                       sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                       fp8=getattr(config, "fp8", None), value_model=value, tp_size=1 if value else model_tp,
+                       tp_group=group, out_width=width, dtype=getattr(config, "params_dtype", None))
+
+
+def check_cp(model, cp_size: int, cp_rank: int, cp_group) -> None:
+    """Under context parallelism the batch is packed for ``cp_rank`` and the outputs gathered over ``cp_group``:
+    both must be this process's place in the CP group the model's attention uses, or the numbers are another
+    rank's.  Host-side checks, no collective."""
+    if cp_size == 1:
+        return
+    import torch.distributed as dist
+
+    if dist.get_world_size(cp_group) != cp_size or dist.get_rank(cp_group) != cp_rank:
+        raise ValueError(
+            f"cp_group has {dist.get_world_size(cp_group)} ranks and this process is its rank "
+            f"{dist.get_rank(cp_group)}, but make_forward was given cp_size={cp_size}, cp_rank={cp_rank}; pass the "
+            "context-parallel group (parallel_state.get_context_parallel_group()) and this process's rank in it"
+        )
+    model_group = getattr(getattr(unwrap(model), "pg_collection", None), "cp", None)
+    if model_group is not None and model_group.rank() != cp_rank:
+        raise ValueError(
+            f"cp_rank={cp_rank} but the model's attention runs as CP rank {model_group.rank()}; pass that rank"
+        )
+
+
+def empty_output(model, facts: ModelFacts, shape) -> Tensor:
+    """The model's output for a batch with no real token, without running it: zeros of the model's output shape
+    for zero tokens, tied to the parameters so that a backward pass gives them zero gradients."""
+    if facts.out_width is None:
+        raise ValueError(
+            "the batch has no real token and packfwd cannot tell this model's output width; skip the call for an "
+            "empty batch"
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device if params else None
+    out = torch.zeros(*shape, facts.out_width, dtype=facts.dtype, device=device)
+    if params and torch.is_grad_enabled():
+        out = out + sum(p.reshape(-1)[:1].sum() for p in params).to(out.dtype) * 0
+    return out
