@@ -10,24 +10,27 @@ Strategy:
   brute force on small instances: ``costliest_bounds`` bounds the costliest bin of every packing (all assignments
   enumerated); ``best_fit_rounds`` returns packings within the capacity, and packs where LPT cannot.  Large
   batches (hundreds of micro-batches: the numpy rounds) keep the budget too, each micro-batch packed by ``plan_thd``.
+  ``group_size``: groups of consecutive sequences never split, the budget checked the same way.  The count against
+  an exhaustive search on tiny batches (planted tight packings and random ones): the fewest micro-batches that fit.
 * **Step**: a tiny random Llama (``from_hf``), fp32 and fp64.  The reference is one forward and backward of the
   whole batch with the loss normalised directly (token mean, sequence mean, sum); ``run_micro_batches`` over the
   plan's micro-batches, for every DP rank in turn in one process, then over DP=2 with gloo (gradients summed by an
   all-reduce), must give the same gradients, loss and outputs.
 * **verl 0.9.1** (``tests/verl_balance_ref.py``): a case where verl's micro-batches exceed the budget and
   packfwd's do not; on seeded batches packfwd's costliest micro-batch and rank are at least as close to the
-  mean as verl's, with no more micro-batches.
+  mean as verl's, with no more micro-batches; ``group_size`` keeps the groups verl's ``force_group_size`` keeps.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import re
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -37,7 +40,7 @@ from packfwd.micro import agree_micro_batch_count, bestfit, pack, plan_micro_bat
 
 from .micro_lengths import KINDS, lengths
 from .test_hf_interop import randomise
-from .verl_balance_ref import load_verl_balancing, verl_kk, verl_plan
+from .verl_balance_ref import _Lengths, load_verl_balancing, verl_kk, verl_plan
 
 # ------------------------------------------------------------------------------------------------- planner
 
@@ -124,6 +127,23 @@ def test_restore_takes_tensors_and_checks_shapes():
         plan.restore([[mb[:-1] for mb in mbs] for mbs in plan.micro_batches])
 
 
+@pytest.mark.parametrize("outputs, error, match", [
+    ([[10, 11, 12]], TypeError, r"outputs\[0\]\[0\] is a int"),  # a flat list of the rank's results, one per mb
+    ([[[10, 11, 12]]], ValueError, r"outputs\[0\] has 1 entry; the plan has 3 micro-batches"),
+    ([[torch.tensor(1), torch.tensor(2), torch.tensor(3)]], TypeError, r"outputs\[0\]\[0\] is a Tensor"),
+    ([10, 11, 12], ValueError, r"outputs has 3 entries for 1 DP ranks"),
+])
+def test_restore_names_the_nesting_it_expects(outputs, error, match):
+    plan = plan_micro_batches([5, 6, 7], max_tokens=8)  # a micro-batch per sequence: the flat list has 3 too
+    assert plan.micro_batches == [[[0], [2], [1]]]
+    with pytest.raises(error, match=match) as info:
+        plan.restore(outputs)
+    assert r"outputs[dp_rank][micro_batch][k]" in str(info.value)
+    flat = plan_micro_batches([3, 4, 5, 2, 6], max_tokens=8)  # 5 sequences in 3 micro-batches
+    with pytest.raises(ValueError, match=r"outputs\[0\] has 5 entries \(a flat list of the rank's results\?\)"):
+        flat.restore([list(range(5))])
+
+
 def test_a_sequence_that_cannot_fit_names_itself_and_the_budget_it_needs():
     with pytest.raises(ValueError, match=r"sequence 2 \(length 41\).* at least 24 ") as info:
         plan_micro_batches([5, 9, 41, 3], max_tokens=16, tp_size=2, cp_size=2, seq_align=8)
@@ -208,6 +228,17 @@ def test_best_fit_rounds_is_a_packing_within_the_capacity(case):
     assert (np.bincount(got, minlength=bins) > 0).sum() == min(len(sizes), bins)  # no bin empty that need not be
 
 
+@given(packings())
+def test_fit_exact_packs_exactly_when_some_packing_fits(case):
+    sizes, costs, bins, cap = case
+    got = bestfit.fit_exact(costs, sizes, bins, cap)
+    assert (got is not None) == bool(every_packing(sizes, costs, bins, cap))
+    if got is not None:
+        assert got.shape == sizes.shape and got.min() >= 0 and got.max() < bins
+        assert np.bincount(got, weights=sizes, minlength=bins).max() <= cap
+        assert (np.bincount(got, minlength=bins) > 0).sum() == min(len(sizes), bins)
+
+
 def test_best_fit_rounds_packs_where_lpt_spreads_the_room():
     # 2 bins of 16 for 31 tokens: LPT puts 9 | 8, then 6 on the 8 and 5 on the 9 (14 | 14), and the 3 fits in
     # neither; best fit keeps one bin's room whole: 9 + 6 | 8 + 5 + 3.
@@ -218,6 +249,113 @@ def test_best_fit_rounds_packs_where_lpt_spreads_the_room():
     assert sorted(np.bincount(got, weights=sizes, minlength=2).tolist()) == [15, 16]
     plan = plan_micro_batches(sizes.tolist(), max_tokens=16)  # so the planner needs no third micro-batch
     assert plan.num_micro_batches == 2
+
+
+@given(planning_cases(), st.integers(1, 4))
+def test_groups_stay_together_within_the_budget(case, group):
+    """``group_size``: sequences ``g*k .. g*k+g-1`` in one micro-batch (so on one DP rank); every micro-batch,
+    packed by ``plan_thd``, within the budget; a group too big for the budget is named with what it needs."""
+    seqlens, kw = case
+    seqlens = seqlens[: len(seqlens) - len(seqlens) % group]
+    lay = dict(tp=kw["tp_size"], cp=kw["cp_size"], align=kw["seq_align"])
+    needs = [footprint(seqlens[k : k + group], **lay) for k in range(0, len(seqlens), group)]
+    if needs and max(needs) > kw["max_tokens"]:
+        with pytest.raises(ValueError, match=r"group \d+ .*use a smaller group_size") as info:
+            plan_micro_batches(seqlens, group_size=group, **kw)
+        k = int(re.search(r"group (\d+) ", str(info.value)).group(1))
+        assert needs[k] == max(needs) and f"at least {max(needs)} " in str(info.value)
+        return
+    plan = plan_micro_batches(seqlens, group_size=group, **kw)
+    assert plan.group_size == group
+    assert sorted(i for mbs in plan.micro_batches for mb in mbs for i in mb) == list(range(len(seqlens)))
+    assert [len(mbs) for mbs in plan.micro_batches] == [plan.num_micro_batches] * kw["dp_size"]
+    groups = len(seqlens) // group
+    nonempty = sum(1 for mbs in plan.micro_batches for mb in mbs if mb)
+    assert nonempty == min(groups, kw["dp_size"] * plan.num_micro_batches)
+    for r, mbs in enumerate(plan.micro_batches):
+        for m, mb in enumerate(mbs):
+            assert mb == sorted(mb) and len(mb) % group == 0
+            assert mb == [i for k in sorted({i // group for i in mb}) for i in range(k * group, k * group + group)]
+            assert footprint([seqlens[i] for i in mb], **lay) == plan.tokens[r][m] <= kw["max_tokens"]
+    assert plan.restore(plan.micro_batches) == list(range(len(seqlens)))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(seqlens=[3, 4, 5], group_size=2), "group_size=2 does not divide the 3 sequences"),
+    (dict(group_size=0), "group_size must be >= 1, got 0; pass 1 for no groups"),
+    (dict(seqlens=[5, 9, 11, 3, 12, 12], max_tokens=12, tp_size=2, cp_size=2, seq_align=8, group_size=2),
+     r"group 2 \(sequences 4..5, lengths \[12, 12\]\) .* takes 16 padded .* at least 16 \(or use a smaller"),
+])
+def test_bad_groups_are_named(kw, match):
+    args = {"seqlens": [3, 4], "max_tokens": 64, **kw}
+    with pytest.raises(ValueError, match=match):
+        plan_micro_batches(args.pop("seqlens"), **args)
+
+
+def fewest_bins(sizes: list[int], cap: int) -> int:
+    """The fewest bins of capacity ``cap`` that hold ``sizes``: every assignment (each item to a bin already
+    opened or a new one), cut only where it cannot beat the best so far."""
+    best = [len(sizes)]
+
+    def place(i: int, loads: list[int]) -> None:
+        if len(loads) >= best[0]:
+            return
+        if i == len(sizes):
+            best[0] = len(loads)
+            return
+        for b in range(len(loads)):
+            if loads[b] + sizes[i] <= cap:
+                loads[b] += sizes[i]
+                place(i + 1, loads)
+                loads[b] -= sizes[i]
+        place(i + 1, loads + [sizes[i]])
+
+    place(0, [])
+    return best[0]
+
+
+@st.composite
+def tight_batches(draw):
+    """Up to 9 lengths that often fill their micro-batches exactly (a planted packing: budgets cut into 2 or 3
+    pieces), or random ones; dp, the minimum count and its multiple."""
+    max_tokens = draw(st.integers(6, 60))
+    if draw(st.booleans()):
+        seqlens = []
+        for _ in range(draw(st.integers(1, 4))):
+            full = max_tokens - draw(st.integers(0, 1))
+            cuts = draw(st.lists(st.integers(1, full - 1), min_size=1, max_size=2, unique=True))
+            seqlens += np.diff([0, *sorted(cuts), full]).tolist()
+        seqlens = draw(st.permutations(seqlens[:9]))
+    else:
+        seqlens = draw(st.lists(st.integers(1, max_tokens), min_size=0, max_size=9))
+    kw = dict(dp_size=draw(st.integers(1, 2)), min_micro_batches=draw(st.sampled_from([1, 1, 2])),
+              micro_batches_multiple_of=draw(st.sampled_from([1, 1, 2])))
+    return list(seqlens), max_tokens, kw
+
+
+@settings(max_examples=400)
+@given(tight_batches())
+@example(([4, 8, 7, 8, 5, 5, 6, 4], 16, dict(dp_size=1, min_micro_batches=1, micro_batches_multiple_of=1)))
+def test_the_count_is_the_fewest_that_fit(case):
+    """Tiny batches (no padding: a micro-batch's footprint is its total length): the count is the smallest one
+    allowed (``>= min_micro_batches``, a multiple of ``micro_batches_multiple_of``) with ``dp_size * count``
+    micro-batches enough to hold the batch, by exhaustive search."""
+    seqlens, max_tokens, kw = case
+    plan = plan_micro_batches(seqlens, max_tokens=max_tokens, **kw)
+    enough = -(-fewest_bins(seqlens, max_tokens) // kw["dp_size"])
+    step = kw["micro_batches_multiple_of"]
+    assert plan.num_micro_batches == -(-max(enough, kw["min_micro_batches"]) // step) * step
+    assert all(sum(seqlens[i] for i in mb) <= max_tokens for mbs in plan.micro_batches for mb in mbs)
+
+
+def test_a_small_batch_takes_the_lower_count_when_it_fits():
+    # From verl's test suite with packfwd swapped in: 25 sequences of 50-90 tokens, 1754 in all; 6 micro-batches of
+    # 300 fit (the planner's heuristics alone gave 7).
+    seqlens = [81, 89, 60, 58, 82, 83, 71, 56, 84, 71, 56, 55, 66, 78, 66, 84, 50, 67, 71, 89, 59, 83, 52, 63, 80]
+    plan = plan_micro_batches(seqlens, max_tokens=300)
+    assert plan.num_micro_batches == 6 == -(-sum(seqlens) // 300)
+    assert all(footprint([seqlens[i] for i in mb], tp=1, cp=1, align=None) <= 300 for mb in plan.micro_batches[0])
+    assert sum(plan.tokens[0]) == 1754
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -589,6 +727,28 @@ def test_verls_balanced_partition_alone_exceeds_even_the_raw_budget():
     assert max(sum(seqlens[i] for i in part) for part in verl_kk(VERL, seqlens, max_token_len=8)) == 14
     ours = plan_micro_batches(seqlens, max_tokens=8)
     assert ours.num_micro_batches == 8 and max(ours.tokens[0]) == 7
+
+
+@needs_verl
+def test_group_size_keeps_the_groups_verls_force_group_size_keeps():
+    # Reward-model pairs (chosen, rejected) as consecutive sequences: verl's rearrange_micro_batches with
+    # force_group_size=2 and packfwd's group_size=2 both keep every pair in one micro-batch, within the budget.
+    seqlens = lengths("rl", 40, 256, 5)
+    theirs = VERL.rearrange_micro_batches({"input_ids": _Lengths(seqlens)}, 512, force_group_size=2)[1]
+    ours = plan_micro_batches(seqlens, max_tokens=512, group_size=2)
+    for plan in (theirs, ours.micro_batches[0]):
+        assert sorted(i for mb in plan for i in mb) == list(range(40))
+        assert all(sorted(mb) == sorted({2 * (i // 2) + j for i in mb for j in (0, 1)}) for mb in plan)
+        assert all(sum(seqlens[i] for i in mb) <= 512 for mb in plan)
+    assert ours.num_micro_batches <= len(theirs)
+    ungrouped = plan_micro_batches(seqlens, max_tokens=512)  # without groups pairs are split
+    assert any(len({i // 2 for i in mb}) * 2 != len(mb) for mb in ungrouped.micro_batches[0])
+    two_ranks = plan_micro_batches(seqlens, max_tokens=512, dp_size=2, group_size=2)  # a pair on one rank
+    assert all(two_ranks.dp_rank_of[2 * k] == two_ranks.dp_rank_of[2 * k + 1] for k in range(20))
+    with pytest.raises(ValueError, match="forced group exceeds max_token_len"):  # both refuse a pair over budget
+        VERL.rearrange_micro_batches({"input_ids": _Lengths([200, 200, 100, 50])}, 300, force_group_size=2)
+    with pytest.raises(ValueError, match="group 0 "):
+        plan_micro_batches([200, 200, 100, 50], max_tokens=300, group_size=2)
 
 
 @needs_verl

@@ -3,6 +3,7 @@
 When a budget is tight, LPT (which spreads the free room over every bin) can fail to place an item at a count
 that still suffices; best fit (each item into the fullest bin it fits) fills bins one by one and usually does not.
 ``best_fit_rounds`` runs it in numpy rounds, ``best_fit`` is the exact Python walk behind it.
+``fit_exact`` is a bounded branch and bound for small batches, where the heuristics can miss a count that fits.
 ``costliest_bounds`` tells the planner when more bins cannot make the costliest one cheaper.
 """
 
@@ -12,7 +13,10 @@ import bisect
 
 import numpy as np
 
-__all__ = ["best_fit", "best_fit_rounds", "by_decreasing_size", "costliest_bounds"]
+__all__ = ["best_fit", "best_fit_rounds", "by_decreasing_size", "costliest_bounds", "fit_exact"]
+
+EXACT_MAX_ITEMS, EXACT_MAX_BINS = 64, 16  # fit_exact runs on batches up to this size (items, bins)
+EXACT_NODES = 10_000  # its work budget: steps of the search before it gives up (~10 ms of Python)
 
 
 def costliest_bounds(cost: np.ndarray, size: np.ndarray, bins: int, cap: int) -> tuple[float, float]:
@@ -124,3 +128,96 @@ def _fill_empty(out: np.ndarray, cost: np.ndarray, bins: int) -> np.ndarray:
         loads[donor] -= cost[moved]
         loads[empty] += cost[moved]
     return out
+
+
+class _OutOfBudget(Exception):
+    pass
+
+
+def fit_exact(cost: np.ndarray, size: np.ndarray, bins: int, cap: int, nodes: int = EXACT_NODES) -> np.ndarray | None:
+    """``[n]`` bin of each item in a packing within the capacity found by branch and bound, or None when there is
+    none or the search used up ``nodes`` steps.
+
+    Bin completion (Korf): bin after bin, the largest item left and a set of others that fills it (as many of
+    the largest as fit first).  Pruned: the room left unused over all bins (``bins * cap`` minus the sizes) is
+    fixed, so a bin may leave at most what is still allowed; only undominated sets are tried -- none that leaves
+    room for an item left over, or for a larger one left over in place of one taken (any packing can move or swap
+    that item here and stay valid); items of one size are interchangeable; a state (items left, bins left) that
+    failed is not explored again.  Then no bin is left empty while another holds two items.
+    """
+    values, counts = np.unique(size, return_counts=True)
+    sizes, counts = values[::-1].tolist(), counts[::-1].tolist()  # distinct sizes, decreasing, and how many
+    spare = bins * cap - int(size.sum())  # room left unused over all bins, whatever the packing
+    if spare < 0:
+        return None
+    failed: set = set()
+    filled: list = []  # per bin: the sizes it holds
+    left = [nodes]
+
+    def solve(bins_left: int, spare: int) -> bool:
+        if not any(counts):
+            return True
+        key = (tuple(counts), bins_left)
+        if bins_left == 0 or key in failed or sum(c for v, c in zip(sizes, counts) if 2 * v > cap) > bins_left:
+            return False
+        first = next(j for j, c in enumerate(counts) if c)
+        counts[first] -= 1
+        for take in _completions(sizes, counts, first, cap - sizes[first], spare, left):
+            for j, k in take:
+                counts[j] -= k
+            filled.append([sizes[first]] + [sizes[j] for j, k in take for _ in range(k)])
+            room = cap - sum(filled[-1])
+            if solve(bins_left - 1, spare - room):
+                return True
+            filled.pop()
+            for j, k in take:
+                counts[j] += k
+        counts[first] += 1
+        failed.add(key)
+        return False
+
+    try:
+        if not solve(bins, spare):
+            return None
+    except _OutOfBudget:
+        return None
+    of_size: dict = {}
+    for i in np.argsort(-size, kind="stable").tolist():
+        of_size.setdefault(int(size[i]), []).append(i)
+    out = np.empty(len(size), dtype=np.int64)
+    for b, held in enumerate(filled):
+        for v in held:
+            out[of_size[v].pop()] = b
+    return _fill_empty(out, cost, bins)
+
+
+def _completions(sizes: list, counts: list, start: int, room: int, spare: int, left: list):
+    """The maximal sets of items left (``[(size index, how many)]``) that fit in ``room`` and leave at most
+    ``spare`` of it, as many of the largest as fit first (lazily: the caller restores ``counts`` between sets)."""
+    rest = [0] * (len(sizes) + 1)  # rest[j]: the sizes of every item left from size index j on
+    for j in range(len(sizes) - 1, start - 1, -1):
+        rest[j] = rest[j + 1] + sizes[j] * counts[j]
+    take: list = []
+
+    def walk(j: int, room: int, smallest_left: float, limit: float):
+        # limit: what the set must leave less than: the smallest item left over (else it is not maximal) and,
+        # for each item taken, how much larger the next larger item left over is (else swap the two)
+        left[0] -= 1
+        if left[0] < 0:
+            raise _OutOfBudget
+        if room - rest[j] > spare or room - rest[j] >= limit:
+            return
+        if j == len(sizes):
+            yield list(take)
+            return
+        v = sizes[j]
+        most = min(counts[j], room // v) if v else counts[j]
+        for k in range(most, -1, -1):
+            if k:
+                take.append((j, k))
+            small, lim = (v, min(limit, v)) if k < counts[j] else (smallest_left, limit)
+            yield from walk(j + 1, room - k * v, small, min(lim, smallest_left - v) if k else lim)
+            if k:
+                take.pop()
+
+    yield from walk(start, room, float("inf"), float("inf"))

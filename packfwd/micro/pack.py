@@ -27,6 +27,9 @@ budget limits); ``bins`` bins (micro-batches) of one capacity ``cap`` on the siz
    which usually lets it balance -- unless a bound shows that more micro-batches cannot lower the costliest one
    (``costliest_bounds``: the batch has more sequences of the largest cost per token than the bins can hold
    apart, e.g. many RL responses cut at a generation limit of half the budget), when the fewest are taken.
+   On small batches (``EXACT_MAX_ITEMS`` items, ``EXACT_MAX_BINS`` bins) where best fit fails too, a bounded
+   branch and bound (``fit_exact``) before one more micro-batch: near the lower bound the heuristics miss
+   packings that exist (25 sequences of 50-90 tokens into 6 micro-batches of 300).
 4. **Ranks** (``ranks.py``): the bins dealt to DP ranks, each rank the same number, then polished.
 """
 
@@ -36,7 +39,8 @@ import heapq
 
 import numpy as np
 
-from .bestfit import best_fit, best_fit_rounds, by_decreasing_size, costliest_bounds
+from .bestfit import EXACT_MAX_BINS, EXACT_MAX_ITEMS, best_fit, best_fit_rounds, by_decreasing_size, fit_exact
+from .bestfit import costliest_bounds
 from .kk import KK_MAX_ITEMS, KK_MAX_WORK, karmarkar_karp
 from .refine import REFINE_ALL_MAX_ITEMS, refine
 
@@ -55,7 +59,8 @@ def pack(cost: np.ndarray, size: np.ndarray, *, ranks: int, count: int, step: in
     not the size: a size-tight best-fit packing can be far from balanced in cost, so LPT first gets up to 2% more
     micro-batches (none below 50), which usually lets it balance.  That detour is skipped when
     ``costliest_bounds`` shows that no packing with up to that many more bins has a cheaper costliest bin than
-    every packing at this count.
+    every packing at this count.  On small batches a bounded exact search (``fit_exact``) has the last word
+    before the count grows.
     """
     order = None  # LPT's item order, sorted once: later counts scale the cost shares by under 2%
     while True:
@@ -78,6 +83,8 @@ def pack(cost: np.ndarray, size: np.ndarray, *, ranks: int, count: int, step: in
         got = best_fit_rounds(cost, size, ranks * count, cap)
         if got is None:
             got = best_fit(cost, size, ranks * count, cap)
+        if got is None and len(size) <= EXACT_MAX_ITEMS and ranks * count <= EXACT_MAX_BINS:
+            got = fit_exact(cost, size, ranks * count, cap)  # small batches: a bounded exact search
         if got is not None:
             _polish(got, cost, size, ranks * count, cap)
             return got, count

@@ -6,16 +6,19 @@ The footprint is the THD layout's (:mod:`packfwd.layout.rules`): sequence ``i`` 
 by ``last_extra(P)`` to divide by the rule's period ``lcm(seq_align, tp * cp)``; each CP rank holds
 ``(P + last_extra(P)) / cp`` tokens.  That is ``P`` rounded up to the period, so a micro-batch fits
 ``max_tokens`` exactly when ``P <= cap``, ``cap`` the largest multiple of the period not above
-``max_tokens * cp``: the set-dependent extension becomes one capacity on a sum, exactly.
+``max_tokens * cp``: the set-dependent extension becomes one capacity on a sum, exactly.  With ``group_size``
+``g`` the items planned are the groups of ``g`` consecutive sequences (size: the members' ``p_i`` summed, which is
+what they add to ``P``; cost: their costs summed), expanded into their sequences at the end.
 
 The packing (:mod:`packfwd.micro.pack`, which says why): count = the smallest number of micro-batches per rank
 the lower bounds allow (total over capacity; sequences above half the capacity need a micro-batch each), raised to
 ``min_micro_batches`` and to a multiple of ``micro_batches_multiple_of``; capacity-aware LPT (or Karmarkar-Karp
 on small batches) into ``dp_size * count`` bins; when LPT cannot place everything, LPT with up to 2% more
-micro-batches (which balances better than filling bins tightly), else best fit at the count, one more multiple
-when neither can; bins dealt to ranks and refined.  Each rank's micro-batches are ordered cheapest at both ends
-(pipeline warm-up and cool-down); within a micro-batch sequences keep their global order.  Pure and
-deterministic: host numbers in, host numbers out, no collectives (``agree_micro_batch_count`` is apart).
+micro-batches (which balances better than filling bins tightly), else best fit at the count, then on small
+batches a bounded exact search, one more multiple when none can; bins dealt to ranks and refined.  Each rank's
+micro-batches are ordered cheapest at both ends (pipeline warm-up and cool-down); within a micro-batch sequences
+keep their global order.  Pure and deterministic: host numbers in, host numbers out, no collectives
+(``agree_micro_batch_count`` is apart).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ class MicroBatchPlan:
 
     ``micro_batches[dp_rank][mb]``: global indices (ascending) of the sequences of micro-batch ``mb`` of rank
     ``dp_rank``; every rank has ``num_micro_batches`` of them, some empty only when there are fewer sequences
-    than micro-batches.  ``dp_rank_of[i]``: the rank that runs sequence ``i``.  ``tokens[dp_rank][mb]``: the
-    micro-batch's padded tokens per CP rank (``plan_thd(...).local_tokens``), all ``<= max_tokens``;
-    ``costs[dp_rank][mb]``: its balance cost.  ``seqlens``: the real lengths planned (host ints, for the forward).
+    (groups of ``group_size``) than micro-batches.  ``dp_rank_of[i]``: the rank that runs sequence ``i``.
+    ``tokens[dp_rank][mb]``: the micro-batch's padded tokens per CP rank (``plan_thd(...).local_tokens``), all
+    ``<= max_tokens``; ``costs[dp_rank][mb]``: its balance cost.  ``seqlens``: the real lengths planned (host
+    ints, for the forward).
     """
 
     micro_batches: list  # [dp_size][num_micro_batches] -> list[int]
@@ -63,6 +67,7 @@ class MicroBatchPlan:
     tp_size: int
     cp_size: int
     seq_align: int
+    group_size: int = 1  # sequences 0..g-1, g..2g-1, ... each in one micro-batch
 
     def rows(self, dp_rank: int) -> list[int]:
         """The global indices rank ``dp_rank`` runs, ascending (the rows its outputs come back in)."""
@@ -81,23 +86,43 @@ class MicroBatchPlan:
         >>> plan.restore([[["b", "d"], ["a"]], [["e"], ["c"]]])
         ['a', 'b', 'c', 'd', 'e']
         """
-        if len(outputs) != self.dp_size:
-            raise ValueError(f"outputs has {len(outputs)} ranks; pass outputs[dp_rank][mb] for all {self.dp_size}")
+        nesting = ("restore takes outputs[dp_rank][micro_batch][k], the result of sequence "
+                   "plan.micro_batches[dp_rank][micro_batch][k]: one list per rank, of one list (or tensor) per "
+                   "micro-batch")
+        if _length(outputs) != self.dp_size:
+            raise ValueError(f"outputs has {_describe(outputs)} for {self.dp_size} DP ranks; {nesting}")
         out: list = [None] * len(self.seqlens)
         for r, (ranks_mbs, ranks_out) in enumerate(zip(self.micro_batches, outputs)):
-            if len(ranks_out) != len(ranks_mbs):
+            if _length(ranks_out) != len(ranks_mbs):
+                flat = " (a flat list of the rank's results?)" if _length(ranks_out) == len(self.rows(r)) else ""
                 raise ValueError(
-                    f"outputs[{r}] has {len(ranks_out)} micro-batches; the plan has {len(ranks_mbs)} per rank"
+                    f"outputs[{r}] has {_describe(ranks_out)}{flat}; the plan has {len(ranks_mbs)} micro-batches "
+                    f"per rank; {nesting}"
                 )
             for m, (indices, values) in enumerate(zip(ranks_mbs, ranks_out)):
+                if _length(values) is None:
+                    raise TypeError(f"outputs[{r}][{m}] is {_describe(values)}, not one entry per sequence of "
+                                    f"micro-batch {m}; {nesting}")
                 if len(values) != len(indices):
                     raise ValueError(
                         f"outputs[{r}][{m}] has {len(values)} entries for the {len(indices)} sequences of that "
-                        "micro-batch; give one entry per sequence, in the order of plan.micro_batches"
+                        f"micro-batch; give one entry per sequence, in the order of plan.micro_batches ({nesting})"
                     )
                 for i, v in zip(indices, values):
                     out[i] = v
         return out
+
+
+def _length(x) -> int | None:  # None for what has no length (a number, a 0-d tensor)
+    try:
+        return len(x)
+    except TypeError:
+        return None
+
+
+def _describe(x) -> str:
+    n = _length(x)
+    return f"a {type(x).__name__}" if n is None else f"{n} entr{'y' if n == 1 else 'ies'}"
 
 
 def plan_micro_batches(
@@ -111,6 +136,7 @@ def plan_micro_batches(
     cost: str | tuple | Callable = "tokens",
     min_micro_batches: int = 1,
     micro_batches_multiple_of: int = 1,
+    group_size: int = 1,
 ) -> MicroBatchPlan:
     """Plan the micro-batches of a global batch (see the module docstring for the footprint and the algorithm).
 
@@ -120,7 +146,9 @@ def plan_micro_batches(
     ``"tokens"`` (padded tokens), ``"flops"`` (``a*p + b*p**2``, defaults ``FLOPS_PER_TOKEN``,
     ``FLOPS_PER_TOKEN_PAIR``), ``("flops", a, b)``, or a callable ``f(p: int64 [n]) -> [n]`` of the padded lengths.
     Every rank gets the same number of micro-batches, at least ``min_micro_batches`` and a multiple of
-    ``micro_batches_multiple_of`` (virtual pipelines need one).
+    ``micro_batches_multiple_of`` (virtual pipelines need one).  ``group_size``: sequences ``0..g-1``,
+    ``g..2g-1``, ... each stay together in one micro-batch (a reward model's chosen/rejected pairs: verl's
+    ``force_group_size``); the budget holds for the group packed with the rest of its micro-batch.
 
     >>> plan = plan_micro_batches([7, 3, 9, 1, 6, 2], max_tokens=10, dp_size=2)
     >>> plan.num_micro_batches, plan.micro_batches, plan.tokens
@@ -128,6 +156,10 @@ def plan_micro_batches(
     >>> plan = plan_micro_batches([7, 3, 9, 1, 6, 2], max_tokens=10, dp_size=2, tp_size=2, cp_size=2)
     >>> plan.micro_batches, plan.tokens          # padded to 4 each: 8+4+12+4+8+4 = 40 = 2 ranks x 2 CP x 10
     ([[[1, 2, 3]], [[0, 4, 5]]], [[10], [10]])
+    >>> plan_micro_batches([7, 3, 9, 1, 6, 2], max_tokens=10).micro_batches
+    [[[0, 5], [2, 3], [1, 4]]]
+    >>> plan_micro_batches([7, 3, 9, 1, 6, 2], max_tokens=10, group_size=2).micro_batches   # pairs kept
+    [[[4, 5], [2, 3], [0, 1]]]
     """
     lengths = _check_seqlens(seqlens)
     tp, cp = check_positive_int("tp_size", tp_size), check_positive_int("cp_size", cp_size)
@@ -139,17 +171,21 @@ def plan_micro_batches(
     layout = dict(seq_align=align, tp_size=tp, cp_size=cp)
     padded = rules.round_up(lengths, align)
     cap = _capacity(max_tokens, **layout)
-    _check_each_fits(lengths, padded, cap, max_tokens, layout)
+    group = _check_group_size(group_size, len(lengths))
+    _check_each_fits(lengths, padded, group, cap, max_tokens, layout)
     weights = _costs(cost, padded)
+    if group > 1:  # the items: groups of sequences
+        weights, padded = (a.reshape(-1, group).sum(axis=1) for a in (weights, padded))
 
     lower = max(-(-int(padded.sum()) // cap) if cap else 0, int(np.count_nonzero(2 * padded > cap)))
     count = rules.round_up(max(least, -(-lower // dp)), step)
     bin_of, count = pack.pack(weights, padded, ranks=dp, count=count, step=step, cap=cap,
                               cost_is_size=isinstance(cost, str) and cost == "tokens")
-    return _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout)
+    return _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout, group)
 
 
-def _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout) -> MicroBatchPlan:
+def _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout, group) -> MicroBatchPlan:
+    """The plan from each item's bin; ``bin_of``, ``weights``, ``padded`` per item (``group`` sequences)."""
     bins = dp * count
     dealt = deal_to_ranks(np.bincount(bin_of, weights=weights, minlength=bins), dp)  # [dp, count] bin ids
     rank_of_bin = np.empty(bins, dtype=np.int64)
@@ -162,6 +198,7 @@ def _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout) -
     refine(bin_of, rank_of_bin, weights, padded, cap, ceiling, partners=1, rounds=16)
     bin_cost = np.bincount(bin_of, weights=weights, minlength=bins)
     bin_size = np.bincount(bin_of, weights=padded, minlength=bins).astype(np.int64)
+    bin_of = np.repeat(bin_of, group) if group > 1 else bin_of  # per sequence from here
     ends = np.cumsum(np.bincount(bin_of, minlength=bins)).tolist()
     small = bin_of.astype(np.int32 if bins >= 2**15 else np.int16)  # narrow ints sort by radix
     flat = np.argsort(small, kind="stable").tolist()  # bin after bin, global order inside each
@@ -180,6 +217,7 @@ def _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout) -
         tp_size=layout["tp_size"],
         cp_size=layout["cp_size"],
         seq_align=layout["seq_align"],
+        group_size=group,
     )
 
 
@@ -201,17 +239,32 @@ def _capacity(max_tokens: int, *, seq_align: int, tp_size: int, cp_size: int) ->
     return max_tokens * cp_size // period * period
 
 
-def _check_each_fits(lengths, padded, cap, max_tokens, layout) -> None:
-    too_long = np.flatnonzero(padded > cap)
-    if len(too_long):
-        i = int(too_long[np.argmax(padded[too_long])])
-        need = _footprint(int(padded[i]), **layout)
-        more = "" if len(too_long) == 1 else f"; {len(too_long)} sequences are too long"
+def _check_group_size(group_size, n: int) -> int:
+    g = check_positive_int("group_size", group_size, "pass 1 for no groups")
+    if n % g:
+        raise ValueError(f"group_size={g} does not divide the {n} sequences; pass whole groups of {g} consecutive "
+                         "sequences (or the group_size the batch was built with)")
+    return g
+
+
+def _check_each_fits(lengths, padded, group, cap, max_tokens, layout) -> None:
+    """Every sequence, then every group, fits a micro-batch alone; else the largest that does not is named."""
+    checks = [(1, "sequence", "truncate the sequence")] + [(group, "group", "use a smaller group_size")] * (group > 1)
+    for g, name, fix in checks:
+        totals = padded.reshape(-1, g).sum(axis=1) if g > 1 else padded
+        over = np.flatnonzero(totals > cap)
+        if not len(over):
+            continue
+        k = int(over[np.argmax(totals[over])])
+        need = _footprint(int(totals[k]), **layout)
+        what = (f"sequence {k} (length {int(lengths[k])}) cannot fit in any micro-batch: alone it" if g == 1 else
+                f"group {k} (sequences {k * g}..{k * g + g - 1}, lengths {lengths[k * g : k * g + g].tolist()}) "
+                "cannot fit in any micro-batch: packed together it")
+        more = "" if len(over) == 1 else f"; {len(over)} {name}s are too {'long' if g == 1 else 'big'}"
         raise ValueError(
-            f"sequence {i} (length {int(lengths[i])}) cannot fit in any micro-batch: alone it takes {need} padded "
-            f"tokens per CP rank (tp_size={layout['tp_size']}, cp_size={layout['cp_size']}, "
-            f"seq_align={layout['seq_align']}), more than max_tokens={max_tokens}; raise max_tokens to at least "
-            f"{need} (or truncate the sequence){more}"
+            f"{what} takes {need} padded tokens per CP rank (tp_size={layout['tp_size']}, "
+            f"cp_size={layout['cp_size']}, seq_align={layout['seq_align']}), more than max_tokens={max_tokens}; "
+            f"raise max_tokens to at least {need} (or {fix}){more}"
         )
 
 
