@@ -67,6 +67,48 @@ def check_mask(attention_mask: object, x: Tensor | None = None) -> Tensor:
     return mask
 
 
+def check_positions(position_ids: object, like: Tensor | None, *, coords: int | str | None = "any") -> Tensor:
+    """``position_ids``: integer positions, one per token of ``like`` (the ``input_ids`` they go with): ``[*like]``,
+    or ``[k, *like]`` with ``k`` position coordinates per token where ``coords`` allows it (``"any"``: any ``k``,
+    for a forward that does not know its model; an int: that ``k``, a multimodal-RoPE model's 3; None: a model with
+    1-D RoPE, no ``k``).  A jagged ``like`` takes jagged positions.  ``like=None`` (a pipeline stage that does not
+    read the ids): the type, dtype and number of dims only.  The one positions check of ``make_forward`` and the
+    models.
+
+    >>> check_positions(torch.zeros(3, 2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)).shape
+    torch.Size([3, 2, 5])
+    >>> check_positions(torch.zeros(3, 2, 5, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long), coords=None)
+    Traceback (most recent call last):
+    ...
+    ValueError: position_ids has shape (3, 2, 5); this model uses 1-D RoPE and takes [b, s] (THD: [1, t]) positions. [k, b, s] multimodal positions need a multimodal-RoPE (vision-language) model
+    """
+    if not isinstance(position_ids, Tensor):
+        raise TypeError(f"position_ids must be a tensor like input_ids, got {type(position_ids).__name__}")
+    if position_ids.dtype == torch.bool or position_ids.dtype.is_floating_point or position_ids.dtype.is_complex:
+        raise TypeError(f"position_ids has dtype {position_ids.dtype}; pass integer positions")
+    if like is not None and like.is_nested:
+        if not position_ids.is_nested:
+            raise ValueError("input_ids is nested (jagged): pass position_ids as a nested tensor with the same offsets")
+        return position_ids
+    shape = tuple(position_ids.shape)
+    want = tuple(like.shape) if like is not None else None
+    plain = len(shape) == 2 and (want is None or shape == want)
+    with_k = len(shape) == 3 and (want is None or shape[1:] == want) and coords in ("any", shape[0])
+    if plain or with_k:
+        return position_ids
+    if coords == "any":
+        raise ValueError(f"position_ids has shape {shape}; pass [b, s]{f' = {list(want)}' if want else ''} like "
+                         "input_ids, or [k, b, s] for multimodal RoPE (k position components per token)")
+    if coords is None and len(shape) != 2:
+        raise ValueError(f"position_ids has shape {shape}; this model uses 1-D RoPE and takes [b, s] (THD: [1, t]) "
+                         "positions. [k, b, s] multimodal positions need a multimodal-RoPE (vision-language) model")
+    if coords is None:
+        raise ValueError(f"position_ids has shape {shape} but input_ids {want}; pass one position per token")
+    full = f"[{coords}, {', '.join(map(str, want))}]" if want is not None else f"[{coords}, b, s]"
+    raise ValueError(f"position_ids has shape {shape}; this multimodal-RoPE model takes {full} (temporal, height, "
+                     f"width per token; THD: [{coords}, 1, t]), or [b, s] for text")
+
+
 MASK_VALUES_MESSAGE = (
     "attention_mask holds values other than 0 and 1; pass a bool mask or an integer mask of 0/1 "
     "(for example attention_mask.ne(0) if every nonzero entry means a real token)"

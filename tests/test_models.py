@@ -82,6 +82,25 @@ def test_the_model_is_what_its_constructor_and_spec_build():
     assert plain.rotary_pos_emb(16, packed_seq=True) is not None
 
 
+def test_the_model_checks_positions_as_make_forward_does():
+    """One positions check (``packfwd._validate.check_positions``) for ``make_forward`` and the model's own paths
+    (BSHD, BSHD with a padding mask, THD): float positions raise the same TypeError everywhere (the model used to
+    turn them into RoPE angles as given)."""
+    model = build_model(ARGS, init=False)
+    ids, mask = torch.randint(0, 128, (2, 5)), torch.ones(2, 5, dtype=torch.bool)
+    positions = torch.arange(5).expand(2, 5).float()
+    packed, info = to_thd(ids, mask)
+    calls = {
+        "make_forward": lambda p: make_forward("bshd")(model, ids, mask, position_ids=p),
+        "bshd": lambda p: model(ids, p, None),
+        "masked_rows": lambda p: model(ids, p, mask),
+        "thd": lambda p: model(packed[None], p.reshape(1, -1), None, packed_seq_params=info.packed_seq_params()),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match="position_ids has dtype torch.float32; pass integer positions"):
+            call(positions)
+
+
 # ----------------------------------------------------------------------------------------------- runtime
 
 

@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
+from .._validate import check_positions as _check_positions
 from ..models.facts import ModelFacts as ModelFacts
 from ..models.facts import check_cp as check_cp
 from ..models.facts import empty_output as empty_output
@@ -152,9 +153,8 @@ def _check_id_range(input_ids: Tensor, attention_mask, vocab: int) -> None:
     fix = "check that the tokenizer matches the model, and that labels (-100) are not passed as ids"
     if ids.device.type != "cpu":
         in_range = (ids >= 0) & (ids < vocab)
-        torch._assert_async((in_range if real is None else in_range | ~real).all(), (
-            f"input_ids hold a token id outside the model's vocabulary [0, {vocab}) (vocab_size={vocab}) at a real "
-            f"token; {fix}"))
+        torch._assert_async((in_range if real is None else in_range | ~real).all(),  # CUDA: under 255 characters
+                            f"input_ids hold a token id outside [0, vocab_size={vocab}) at a real token; {fix}")
         return
     ids = ids if real is None else ids[real]
     if ids.numel() == 0:
@@ -166,20 +166,9 @@ def _check_id_range(input_ids: Tensor, attention_mask, vocab: int) -> None:
 
 
 def check_positions(position_ids, input_ids) -> None:
-    if not isinstance(position_ids, Tensor):
-        raise TypeError(f"position_ids must be a tensor like input_ids, got {type(position_ids).__name__}")
-    if position_ids.dtype == torch.bool or position_ids.dtype.is_floating_point or position_ids.dtype.is_complex:
-        raise TypeError(f"position_ids has dtype {position_ids.dtype}; pass integer positions")
-    if input_ids.is_nested:
-        if not position_ids.is_nested:
-            raise ValueError("input_ids is nested (jagged): pass position_ids as a nested tensor with the same offsets")
-        return
-    shape, want = tuple(position_ids.shape), tuple(input_ids.shape)
-    if shape != want and (len(shape) != 3 or shape[1:] != want):
-        raise ValueError(
-            f"position_ids has shape {shape}; pass [b, s] = {list(want)} like input_ids, or [k, b, s] for "
-            "multimodal RoPE (k position components per token)"
-        )
+    """The caller's positions beside ``input_ids``: ``[b, s]``, ``[k, b, s]``, or jagged like jagged ids
+    (:func:`packfwd._validate.check_positions`, the one check the models use too)."""
+    _check_positions(position_ids, input_ids, coords="any")
 
 
 def check_results(results, t: int) -> Mapping[str, Tensor]:

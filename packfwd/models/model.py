@@ -20,7 +20,6 @@ Beyond what Megatron-Core's ``GPTModel`` constructor builds, it chooses, once, a
 
 The state dict is Megatron-Core's ``GPTModel``'s: neither the rotary module nor ``PackedRope`` holds parameters or
 buffers.  This module imports Megatron-Core; ``packfwd.models`` imports it only when a model is built.
-(A little over 300 lines: the constructor and the forward's layouts, MTP and RoPE variants are one class.)
 """
 
 from __future__ import annotations
@@ -32,10 +31,13 @@ from typing import Sequence
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from packfwd._validate import check_positions
+
 from .cpu import host_collectives, is_host
 from . import mtp
 from .args import ModelArgs
 from .value import ValueHead
+from .masked import forward_masked_rows
 from .mrope import mrope_positions, rotary_modules
 from .positions import assert_per_sequence, thd_positions
 from .rope import rotary_angles
@@ -130,7 +132,7 @@ class PackedGPTModel(GPTModel):
         * BSHD: ``position_ids [b, s]`` give every token's RoPE angle (None: ``0..s-1`` on every row);
           ``attention_mask [b, s]`` (True or 1 at real tokens, any padding pattern: left, right, holes) makes
           each row's real tokens attend causally to the real tokens before them, computed packed (see
-          :func:`packfwd.models.model.forward_masked_rows`); padded positions give zeros.
+          :func:`packfwd.models.masked.forward_masked_rows`); padded positions give zeros.
         * ``mtp_input_ids [D, *input_ids.shape]`` (a model with ``mtp_num_layers=D``): the ids each MTP depth
           embeds, ``[k - 1]`` holding the token ``k`` places later in the same sequence (0 where none;
           ``packfwd.layout.labels.shift_in_sequence``, packed like the ids).  The last stage then returns
@@ -157,7 +159,7 @@ class PackedGPTModel(GPTModel):
             position_ids = mrope_positions(position_ids, input_ids if self.pre_process else None,
                                            fill=not thd and attention_mask is None)
         elif position_ids is not None:  # a later pipeline stage does not read input_ids: compare with them only here
-            position_ids = _check_positions(position_ids, input_ids if self.pre_process else None)
+            position_ids = check_positions(position_ids, input_ids if self.pre_process else None, coords=None)
         if attention_mask is not None:
             return forward_masked_rows(self, input_ids, position_ids, attention_mask, mtp_input_ids=mtp_input_ids,
                                        mtp_detach_head=mtp_detach_head, **kwargs)
@@ -256,60 +258,3 @@ def _positioned_class(base: type) -> type:
     return dataclasses.make_dataclass(
         f"Positioned{base.__name__}", [("position_ids", torch.Tensor, dataclasses.field(default=None))], bases=(base,)
     )
-
-
-def _check_positions(position_ids, input_ids) -> torch.Tensor:
-    if position_ids.dim() != 2:
-        raise ValueError(
-            f"position_ids has shape {tuple(position_ids.shape)}; this model uses 1-D RoPE and takes [b, s] (THD: "
-            "[1, t]) positions. [k, b, s] multimodal positions need a multimodal-RoPE (vision-language) model"
-        )
-    if input_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"position_ids has shape {tuple(position_ids.shape)} but input_ids {tuple(input_ids.shape)}; pass one "
-            "position per token"
-        )
-    return position_ids
-
-
-def forward_masked_rows(model, input_ids, position_ids, attention_mask, mtp_input_ids=None, **kwargs):
-    """``model`` on a BSHD batch with a ``[b, s]`` padding mask (True at real tokens), computed packed: the rows'
-    real tokens go to the THD layout (``packfwd.to_thd``), run with causal attention per row, and come back to
-    ``[b, s, ...]`` with zeros at padding.  Positions: the caller's, else each token's index in its row's real
-    tokens.  One host sync (planning).  A pipeline stage without the output layer returns THD hidden states
-    ``[t, 1, h]``; the next stage takes them through ``set_input_tensor`` and the same call."""
-    from packfwd.layout import from_thd, pack_positions, plan_thd, position_ids as thd_positions, to_thd
-
-    if attention_mask.dim() != 2 or attention_mask.dtype.is_floating_point:
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)} and dtype {attention_mask.dtype}; a BSHD "
-            "batch takes a [b, s] bool or 0/1 mask, True at real tokens"
-        )
-    config = model.config
-    if getattr(config, "context_parallel_size", 1) > 1:
-        raise ValueError(
-            "a BSHD padding mask under context parallelism: the rows would be packed for one rank only; pack the "
-            "batch per CP rank with packfwd.to_thd (or make_forward('thd', cp_size=, cp_rank=, cp_group=))"
-        )
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    info = plan_thd(attention_mask, tp_size=tp)
-    if info.source.total == 0:  # no real token: Megatron-Core's attention cannot run an empty batch
-        from .facts import empty_output, model_facts
-
-        shape = tuple(attention_mask.shape) if model.post_process else (0, 1)
-        out = empty_output(model, model_facts(model, tp, 1), shape)
-        return out if mtp_input_ids is None else (out, out.expand(len(mtp_input_ids), *out.shape))
-    ids = to_thd(input_ids, info)[0][None] if input_ids is not None and model.pre_process else None  # else unread
-    if kwargs.get("decoder_input") is not None:
-        raise ValueError("decoder_input with a BSHD attention_mask: pack the embeddings with the plan "
-                         "(packfwd.to_thd, or make_forward(vision=True)'s packing) and pass packed_seq_params")
-    positions = thd_positions(info)[None] if position_ids is None else pack_positions(position_ids, info)[..., None, :]
-    if mtp_input_ids is not None:  # [D, b, s] -> [D, 1, t]
-        kwargs["mtp_input_ids"] = to_thd(mtp_input_ids.permute(1, 2, 0), info)[0].T[:, None]
-    out = model(ids, positions, None, packed_seq_params=info.packed_seq_params(), **kwargs)  # [1, t] or [3, 1, t]
-    if not model.post_process:
-        return out
-    if mtp_input_ids is None:
-        return from_thd(out[0], info)
-    logits, depths = out  # [1, t, v], [D, 1, t, v]
-    return from_thd(logits[0], info), from_thd(depths[:, 0].transpose(0, 1), info).permute(2, 0, 1, 3)

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from packfwd._validate import check_positions
 from packfwd.layout.rules import local_positions
 
 from .args import check_mrope_section
@@ -131,14 +132,8 @@ def mrope_positions(position_ids: Tensor | None, input_ids: Tensor | None, *, fi
                              "position_ids [3, b, s] on a multimodal-RoPE model; pass them")
         b, s = input_ids.shape
         return torch.arange(s, device=input_ids.device).expand(3, b, s)
-    if position_ids.dim() == 2:
-        position_ids = position_ids.expand(3, *position_ids.shape)
-    shape = tuple(position_ids.shape)
-    if len(shape) != 3 or shape[0] != 3 or (input_ids is not None and shape[1:] != tuple(input_ids.shape)):
-        want = f"[3, {', '.join(map(str, input_ids.shape))}]" if input_ids is not None else "[3, b, s]"
-        raise ValueError(f"position_ids has shape {shape}; this multimodal-RoPE model takes {want} (temporal, "
-                         "height, width per token; THD: [3, 1, t]), or [b, s] for text")
-    return position_ids
+    check_positions(position_ids, input_ids, coords=3)
+    return position_ids.expand(3, *position_ids.shape) if position_ids.dim() == 2 else position_ids
 
 
 def rotary_modules(config, args, *, packed: bool, cp_group, **rotary_kwargs):

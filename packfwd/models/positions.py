@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from packfwd._validate import check_positions
+
 __all__ = ["assert_per_sequence", "check_default_positions", "thd_positions"]
 
 
@@ -57,7 +59,7 @@ def thd_positions(position_ids: Tensor | None, params, tokens: int | None, cp_si
     """
     if position_ids is None:
         return None
-    _check_integer(position_ids)
+    check_positions(position_ids, None)  # an integer tensor of 2 or 3 dims
     shape, n = tuple(position_ids.shape), _sequences(params)
     packed = shape[-2:] == (1, tokens) if tokens is not None else shape[-2:-1] == (1,)
     if len(shape) == 3 and packed:
@@ -135,13 +137,6 @@ def _cu_padded(params) -> Tensor:
 
 def _sequences(params) -> int:
     return _cu_padded(params).shape[0] - 1
-
-
-def _check_integer(position_ids) -> None:
-    if not isinstance(position_ids, Tensor):
-        raise TypeError(f"position_ids must be a tensor, got {type(position_ids).__name__}")
-    if position_ids.dtype == torch.bool or position_ids.dtype.is_floating_point or position_ids.dtype.is_complex:
-        raise TypeError(f"position_ids has dtype {position_ids.dtype}; pass integer positions")
 
 
 def _raise_unless(ok: Tensor, message: str) -> None:
