@@ -3,9 +3,11 @@
 Strategy: every test spawns real gloo processes (the same path the multi-process tests of packfwd use) and
 checks what the parent sees: results in rank order, a collective's value computed independently here, and the
 failure modes (a raising rank, a rank stuck in a collective, a rank that ignores SIGTERM, a rank that dies
-without reporting, a run past its timeout).  After every run the children must be reaped: no process of the
-run is left alive or as a zombie.  The workers write their pid to a file first, so the check also covers runs
-that end in an error.
+without reporting, a run past its timeout, a calling script without the main guard).  After every run the
+children must be reaped: no process of the run is left alive or as a zombie, and its temporary directory (the
+payload and the FileStore rendezvous) is gone.  The workers write their pid to a file first, so the check also
+covers runs that end in an error.  Scripts without the main guard run in a subprocess with its own timeout, so
+that a hang fails the test instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -90,7 +96,53 @@ def _ranks_die(rank: int, world_size: int, pid_dir: str):
     os.kill(os.getpid(), signal.SIGSEGV)
 
 
+class _UnprintableError(Exception):
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.lock = threading.Lock()  # neither this exception nor its lock can be pickled back to the parent
+
+    def __str__(self):
+        raise RuntimeError("no str for you")
+
+
+def _raises_unprintable(rank: int, world_size: int, pid_dir: str):
+    _note_pid(pid_dir, rank)
+    raise _UnprintableError()
+
+
+def _fail_to_load():
+    raise ValueError("this object cannot be rebuilt here")
+
+
+class _LoadsBadly:
+    def __reduce__(self):
+        return _fail_to_load, ()
+
+
+def _unloadable_result(rank: int, world_size: int, pid_dir: str):
+    _note_pid(pid_dir, rank)
+    return _LoadsBadly()
+
+
+def _look_at_run_dir(rank: int, world_size: int, pid_dir: str, temp_root: str):
+    _note_pid(pid_dir, rank)
+    dist.barrier()
+    runs = sorted(os.listdir(temp_root))
+    return runs, sorted(os.listdir(Path(temp_root, runs[0]))), "MASTER_PORT" in os.environ
+
+
 # ------------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def temp_root(tmp_path, monkeypatch):
+    """run_local's temporary directories go here, so that a test can check they are removed."""
+    root = tmp_path / "temp_root"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
 
 
 def _assert_reaped(pid_dir: Path, world_size: int) -> None:
@@ -177,6 +229,89 @@ def test_dead_ranks_detected_by_exit_code(tmp_path):
     assert "SIGSEGV" in failures[1][1]
     assert info.value.traceback == ""
     _assert_reaped(tmp_path, 2)
+
+
+def test_rendezvous_is_a_file_store_in_a_private_temp_dir_removed_afterwards(tmp_path, temp_root):
+    # No TCP port is picked in advance (another process could take it before rank 0 binds it): the group meets
+    # through a FileStore beside the payload, in a directory of its own, which is gone when the call returns.
+    out = run_local(_look_at_run_dir, 2, str(tmp_path), str(temp_root), backend="gloo", timeout=120)
+    for runs, files, has_master_port in out:
+        assert len(runs) == 1 and runs[0].startswith("packfwd-run-local-")
+        assert "store" in files and "payload.pkl" in files
+        assert not has_master_port
+    assert out[0][0] == out[1][0]  # both ranks met in the same directory
+    assert os.listdir(temp_root) == []
+    _assert_reaped(tmp_path, 2)
+
+
+def test_temp_dir_removed_after_a_failing_run(tmp_path, temp_root):
+    with pytest.raises(RankError, match="deliberate failure on rank one"):
+        run_local(_rank1_raises, 2, str(tmp_path), backend="gloo", timeout=120)
+    assert os.listdir(temp_root) == []
+    _assert_reaped(tmp_path, 2)
+
+
+def test_unprintable_exception_is_still_reported_with_its_traceback(tmp_path):
+    # Before: str(exc) raised inside the child's error handler, the child died without a report, and the parent
+    # said only "exited with code 1".
+    with pytest.raises(RankError) as info:
+        run_local(_raises_unprintable, 2, str(tmp_path), backend="gloo", timeout=120)
+    kind, message, tb = info.value.failures[info.value.rank]
+    assert kind == "_UnprintableError" and message.startswith("<unprintable")
+    assert "_raises_unprintable" in tb
+    _assert_reaped(tmp_path, 2)
+
+
+def test_result_the_parent_cannot_load_is_a_rank_error(tmp_path):
+    # Before: the unpickling error escaped from run_local itself, naming no rank.
+    with pytest.raises(RankError) as info:
+        run_local(_unloadable_result, 2, str(tmp_path), backend="gloo", timeout=120)
+    assert set(info.value.failures) == {0, 1}
+    assert "ResultNotLoadable" in str(info.value) and "cannot be rebuilt here" in str(info.value)
+    _assert_reaped(tmp_path, 2)
+
+
+_NO_GUARD_SCRIPT = """
+import sys
+
+from packfwd.testing import run_local
+
+
+def count(rank, world_size, blob):
+    return len(blob)
+
+
+try:
+    print(run_local(count, 2, b"x" * {size}, backend="gloo", timeout={timeout}))
+except Exception as exc:
+    if __name__ != "__main__":
+        raise  # a rank re-importing this script (as __mp_main__): its own error goes to stderr
+    print(f"parent: {{type(exc).__name__}}: {{exc}}")
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("size", [10, 200_000], ids=["small-arg", "arg-over-64KB"])
+def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path, size):
+    # Before: an argument over the spawn pipe's 64 KB buffer hung the parent for good (it blocked writing to a
+    # child that had died re-importing the script); a small one gave "exited with code 1" or a bare timeout.
+    # Now each rank dies at once, and the parent raises RankError, well before the timeout, naming the guard.
+    timeout = 90
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent(_NO_GUARD_SCRIPT.format(size=size, timeout=timeout)))
+    try:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=2 * timeout,
+                              cwd=tmp_path)
+    except subprocess.TimeoutExpired:
+        pytest.fail("run_local hung past its timeout in a script without the main guard")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stdout.count("parent: ") == 1, proc.stdout
+    report = proc.stdout[proc.stdout.index("parent: "):]
+    assert report.startswith("parent: RankError: ")  # the deaths were seen, not waited out to the timeout
+    assert "while starting" in report and str(script) in report
+    assert 'under `if __name__ == "__main__":`' in report
+    # each rank's own error says the same
+    assert proc.stderr.count("run_local was called while a spawned rank re-imported the calling script") == 2
 
 
 def _closure_maker():

@@ -3,7 +3,13 @@
 ``run_local`` is the small launcher behind packfwd's multi-process tests and examples: it spawns the ranks,
 initialises the process group (gloo on CPU, NCCL with one GPU per rank), runs ``fn(rank, world_size, *args)``
 on each, and brings the results back in rank order.  It never hangs: a failing rank, a rank that dies without
-reporting (segfault, ``os._exit``) or the overall timeout end the whole run, and every child is reaped.
+reporting (segfault, ``os._exit``), a rank that dies while starting (a calling script without the
+``if __name__ == "__main__":`` guard) or the overall timeout end the whole run, and every child is reaped.
+
+Nothing large goes through the spawn pipe (whose writer blocks on a child that died before reading it): the
+pickled ``fn`` and ``args`` go to a file in a private temporary directory, which also holds the group's
+``FileStore`` rendezvous (no TCP port picked in advance, so nothing another process can take in between); the
+directory is removed when the call ends.
 
 (Over 300 lines on purpose: spawning, the result pipes, the watchdog and the reaping make the no-hang guarantee
 together, and read best in one file.)
@@ -15,9 +21,10 @@ import contextlib
 import io
 import os
 import pickle
+import shutil
 import signal
-import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -34,6 +41,7 @@ _EXIT_GRACE_S = 1.0
 # Children terminated with SIGTERM get this long before SIGKILL.
 _TERM_GRACE_S = 1.0
 _ENV_LOCK = threading.Lock()
+_GUARD = 'if __name__ == "__main__":'
 
 
 class RankError(RuntimeError):
@@ -64,44 +72,60 @@ def run_local(
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the results by rank.
 
-    Each child calls ``torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)`` on a
-    free localhost port, runs ``fn``, destroys the group and sends its result back (through ``torch.save``, so
-    tensors work; CUDA tensors arrive on the CPU).  ``backend=None`` picks ``"nccl"`` with one GPU per rank
-    (``torch.cuda.set_device(rank)``) when CUDA is available, else ``"gloo"``.
+    Each child joins ``torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)``
+    through a ``FileStore`` in a private temporary directory, runs ``fn``, destroys the group and sends its
+    result back (through ``torch.save``, so tensors work; CUDA tensors arrive on the CPU).  ``backend=None``
+    picks ``"nccl"`` with one GPU per rank (``torch.cuda.set_device(rank)``) when CUDA is available, else
+    ``"gloo"``.
 
     ``fn`` must be a module-level function of an importable module: lambdas, closures and functions defined in
     a notebook or an interactive ``__main__`` cannot reach the spawned children and raise ``TypeError`` here.
-    A script that calls ``run_local`` at top level needs an ``if __name__ == "__main__":`` guard (spawn
-    re-imports it).  ``args`` must be picklable (they are copied to each child).  The children's stdout and
-    stderr are those of this process (from a notebook, they show in the kernel's terminal, not the cell).
+    ``args`` must be picklable (they are copied to each child, through a file, so their size does not matter).
+    A script that calls ``run_local`` needs the main guard, because every spawned child first re-imports the
+    calling script and runs its top-level code again::
 
-    The children's environment is this process's, plus ``env``, plus ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``NCCL_NVLS_ENABLE=0`` and, unless set,
-    ``OMP_NUM_THREADS=1`` (as torchrun does, to avoid oversubscribing the cores).
+        if __name__ == "__main__":
+            print(run_local(fn, 2))
+
+    Without it, each child's re-import calls ``run_local`` again, which raises ``RuntimeError`` there (naming
+    the guard); the child dies before it starts, and this call raises ``RankError`` within a second or two,
+    saying so and naming the guard.  The children's stdout and stderr are those of this process (from a
+    notebook, they show in the kernel's terminal, not the cell).
+
+    The children's environment is this process's, plus ``env``, plus ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``NCCL_NVLS_ENABLE=0`` and, unless set, ``OMP_NUM_THREADS=1`` (as torchrun does, to
+    avoid oversubscribing the cores); there is no ``MASTER_PORT`` (no TCP rendezvous).
 
     Raises ``RankError`` when a rank raises or dies (it names the rank and carries the child's traceback; the
-    other ranks are killed after a short grace), ``TimeoutError`` naming the unfinished ranks when ``timeout``
-    seconds pass.  No child outlives the call.
+    other ranks are killed after a short grace), and ``TimeoutError`` naming the unfinished ranks when
+    ``timeout`` seconds pass (also naming the main guard when some never got past starting).  The call never
+    outlasts ``timeout`` by more than a few seconds of clean-up, and no child outlives it.
 
     >>> from packfwd.testing.launch import run_local, _example_all_reduce
     >>> run_local(_example_all_reduce, 2, 10.0, backend="gloo")
     [21.0, 21.0]
     """
+    _refuse_while_bootstrapping()
     world_size, backend, timeout = _check_arguments(fn, world_size, backend, timeout, env)
     payload = _pickle_payload(fn, args)
     deadline = time.monotonic() + timeout
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    run_dir = tempfile.mkdtemp(prefix="packfwd-run-local-")  # private (0700): the payload and the FileStore
     procs, conns = [], []
     try:
+        with open(os.path.join(run_dir, "payload.pkl"), "wb") as f:
+            f.write(payload)
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
+            # The process object stays small (a path, not the payload): spawn writes it into a pipe the child
+            # reads only after re-importing the main script, and that write would block forever on a child that
+            # died in the re-import once it is over the pipe's 64 KB buffer.
             proc = ctx.Process(
-                target=_child_main, args=(rank, world_size, backend, payload, writer), name=f"packfwd-rank{rank}"
+                target=_child_main, args=(rank, world_size, backend, run_dir, writer), name=f"packfwd-rank{rank}"
             )
-            with _child_env(_rank_env(rank, world_size, port, env)):
+            with _child_env(_rank_env(rank, world_size, env)):
                 proc.start()
             writer.close()  # the parent's copy: with it closed, a dead child shows as EOF on `reader`
             procs.append(proc)
@@ -111,6 +135,17 @@ def run_local(
         _stop(procs)
         for c in conns:
             c.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _refuse_while_bootstrapping() -> None:
+    import multiprocessing as mp
+
+    if getattr(mp.current_process(), "_inheriting", False):  # set by spawn while it re-imports the main module
+        raise RuntimeError(
+            "run_local was called while a spawned rank re-imported the calling script: the script calls it at "
+            f"top level. Put that call under `{_GUARD}` (spawn runs the script's top-level code in every rank)"
+        )
 
 
 def _check_arguments(fn, world_size, backend, timeout, env) -> tuple[int, str, float]:
@@ -168,18 +203,10 @@ def _pickle_payload(fn, args) -> bytes:
         raise TypeError(f"args of run_local are not picklable ({exc}); pass tensors, numbers, strings...") from exc
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_env(rank: int, world_size: int, port: int, env: dict[str, str] | None) -> dict[str, str]:
+def _rank_env(rank: int, world_size: int, env: dict[str, str] | None) -> dict[str, str]:
     out = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": "1"}
     out.update(env or {})
     out.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -210,6 +237,7 @@ def _collect(procs, conns, deadline: float, timeout: float) -> list:
     n = len(procs)
     results: dict[int, Any] = {}
     failures: dict[int, tuple[str, str, str]] = {}  # in the order the failures were seen
+    started: set[int] = set()  # ranks whose bootstrap (the re-import of the main script) is over
     eof: set[int] = set()
     dead_since: dict[int, float] = {}
     first_failure_at = None
@@ -220,51 +248,76 @@ def _collect(procs, conns, deadline: float, timeout: float) -> list:
         if now > deadline:
             if failures:
                 break
-            pending = [r for r in range(n) if r not in results]
-            raise TimeoutError(f"run_local timed out after {timeout:g} s; ranks {pending} did not finish")
+            raise TimeoutError(_timeout_message(timeout, [r for r in range(n) if r not in results], started))
         running = [r for r in range(n) if r not in results and r not in failures]
         waitables = [conns[r] for r in running if r not in eof] + [procs[r].sentinel for r in running]
         connection.wait(waitables, timeout=min(0.2, max(deadline - now, 0.0)))
         for r in running:
-            if r not in eof and conns[r].poll():
-                _receive(r, conns[r], results, failures, eof)
+            while r not in eof and r not in results and r not in failures and conns[r].poll():
+                _receive(r, conns[r], results, failures, eof, started)
             if r not in results and r not in failures and not procs[r].is_alive():
                 # A report written before exit is already in the pipe; give it a moment before calling it lost.
                 dead_since.setdefault(r, time.monotonic())
                 if r in eof or time.monotonic() - dead_since[r] > _EXIT_GRACE_S:
-                    failures[r] = ("ProcessDied", _exit_description(procs[r].exitcode), "")
+                    failures[r] = ("ProcessDied", _exit_description(procs[r].exitcode, r in started), "")
             if r in failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
     if failures:
-        raise _rank_error(failures, n, [r for r in range(n) if r not in results and r not in failures])
+        killed = [r for r in range(n) if r not in results and r not in failures]
+        raise _rank_error(failures, n, killed, started)
     return [results[r] for r in range(n)]
 
 
-def _receive(rank: int, conn, results: dict, failures: dict, eof: set) -> None:
+def _receive(rank: int, conn, results: dict, failures: dict, eof: set, started: set) -> None:
     try:
-        msg = pickle.loads(conn.recv_bytes())
+        data = conn.recv_bytes()
     except (EOFError, OSError):
         eof.add(rank)  # closed without a report: the exit-code path reports it
         return
-    if msg[0] == "ok":
-        import torch
+    try:
+        msg = pickle.loads(data)
+        if msg[0] == "started":
+            started.add(rank)
+        elif msg[0] == "ok":
+            import torch
 
-        results[rank] = torch.load(io.BytesIO(msg[1]), map_location="cpu", weights_only=False)
-    else:
-        failures[rank] = msg[1:]
+            results[rank] = torch.load(io.BytesIO(msg[1]), map_location="cpu", weights_only=False)
+        else:
+            failures[rank] = tuple(msg[1:])
+    except Exception as exc:  # noqa: BLE001 - a result this process cannot load is that rank's failure
+        failures[rank] = ("ResultNotLoadable", f"its report could not be loaded here: {type(exc).__name__}: {exc}",
+                          traceback.format_exc())
 
 
-def _exit_description(code: int | None) -> str:
+def _exit_description(code: int | None, started: bool) -> str:
+    when = "" if started else " while starting (before run_local's code ran in it)"
     if code is not None and code < 0:
         try:
             sig = signal.Signals(-code).name
         except ValueError:
             sig = f"signal {-code}"
-        return f"process was killed by {sig} without reporting a result"
-    return f"process exited with code {code} without reporting a result"
+        return f"process was killed by {sig}{when} without reporting a result"
+    return f"process exited with code {code}{when} without reporting a result"
 
 
-def _rank_error(failures: dict, world_size: int, killed: list[int]) -> RankError:
+def _startup_hint() -> str:
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    script = f"the calling script ({main})" if main else "the calling script"
+    return (
+        f"each spawned rank first re-imports {script} and runs its top-level code again, so a script that calls "
+        f"run_local must do so under `{_GUARD}`; the rank's own error, if any, is on stderr above"
+    )
+
+
+def _timeout_message(timeout: float, pending: list[int], started: set[int]) -> str:
+    msg = f"run_local timed out after {timeout:g} s; ranks {pending} did not finish"
+    never = [r for r in pending if r not in started]
+    if never:
+        msg += f"; ranks {never} never got past starting: {_startup_hint()} (or raise timeout if it is just slow)"
+    return msg
+
+
+def _rank_error(failures: dict, world_size: int, killed: list[int], started: set[int]) -> RankError:
     rank = next(iter(failures))  # the first failure seen: later ones are often its echo in a collective
     kind, message, tb = failures[rank]
     head = f"rank {rank} of {world_size} failed: {kind}: {message}"
@@ -275,6 +328,8 @@ def _rank_error(failures: dict, world_size: int, killed: list[int]) -> RankError
         head += f" (ranks {sorted(failures)} failed)"
     if killed:
         head += f"; ranks {killed} were still running and were killed"
+    if any(f[0] == "ProcessDied" and r not in started for r, f in failures.items()):
+        head += f".\nLikely cause: {_startup_hint()}"
     body = f"\n\n--- traceback of rank {rank} ---\n{tb}" if tb else ""
     return RankError(head + body, rank, tb, dict(failures))
 
@@ -297,17 +352,21 @@ def _stop(procs) -> None:
 # ----------------------------------------------------------------------------------------------- child side
 
 
-def _child_main(rank: int, world_size: int, backend: str, payload: bytes, conn) -> None:
+def _child_main(rank: int, world_size: int, backend: str, run_dir: str, conn) -> None:
     _exit_with_parent()
+    _send(conn, ("started",))  # the re-import of the main script is over: a death from here on is not the guard
     failed = False
     try:
         import torch
         import torch.distributed as dist
 
-        fn, args = pickle.loads(payload)
+        with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
+            fn, args = pickle.load(f)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        _wait_for_every_rank(store, world_size)
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
         buf = io.BytesIO()
@@ -315,11 +374,37 @@ def _child_main(rank: int, world_size: int, backend: str, payload: bytes, conn) 
         msg = ("ok", buf.getvalue())
     except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
         failed = True
-        msg = ("err", type(exc).__name__, str(exc), traceback.format_exc())
-    conn.send_bytes(pickle.dumps(msg))  # report first: tearing down a broken group may block
+        msg = ("err", *_describe(exc))  # strings only: the exception object itself may hold a lock or a group
+    _send(conn, msg)  # report first: tearing down a broken group may block
     conn.close()
     if failed:
         _best_effort_destroy()
+
+
+def _wait_for_every_rank(store, world_size: int) -> None:
+    """Return once every rank's ``init_process_group`` has returned.  gloo's init can return on one rank while a
+    peer is still connecting to it; a rank that then ran a quick ``fn`` and exited would fail that peer's init
+    ("connectFullMesh failed ... Connection closed by peer").  Through the store, so no backend is involved."""
+    store.add("packfwd/joined", 1)
+    while store.add("packfwd/joined", 0) < world_size:  # the parent's timeout bounds this wait
+        time.sleep(0.01)
+
+
+def _describe(exc: BaseException) -> tuple[str, str, str]:
+    def text(make) -> str:
+        try:
+            return str(make())
+        except BaseException as inner:  # noqa: BLE001 - a broken __str__ must not lose the report
+            return f"<unprintable: {type(inner).__name__}>"
+
+    return type(exc).__name__, text(lambda: exc), text(traceback.format_exc)
+
+
+def _send(conn, msg: tuple) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(msg))
+    except OSError:  # the parent is gone or stopped listening: nobody to tell
+        pass
 
 
 def _best_effort_destroy() -> None:
