@@ -86,28 +86,23 @@ class MicroBatchPlan:
         >>> plan.restore([[["b", "d"], ["a"]], [["e"], ["c"]]])
         ['a', 'b', 'c', 'd', 'e']
         """
-        nesting = ("restore takes outputs[dp_rank][micro_batch][k], the result of sequence "
-                   "plan.micro_batches[dp_rank][micro_batch][k]: one list per rank, of one list (or tensor) per "
-                   "micro-batch")
+        nesting = ("restore takes outputs[dp_rank][micro_batch][k], the result of sequence plan.micro_batches"
+                   "[dp_rank][micro_batch][k]: a list per rank of a list (or tensor) per micro-batch")
         if _length(outputs) != self.dp_size:
             raise ValueError(f"outputs has {_describe(outputs)} for {self.dp_size} DP ranks; {nesting}")
         out: list = [None] * len(self.seqlens)
         for r, (ranks_mbs, ranks_out) in enumerate(zip(self.micro_batches, outputs)):
             if _length(ranks_out) != len(ranks_mbs):
                 flat = " (a flat list of the rank's results?)" if _length(ranks_out) == len(self.rows(r)) else ""
-                raise ValueError(
-                    f"outputs[{r}] has {_describe(ranks_out)}{flat}; the plan has {len(ranks_mbs)} micro-batches "
-                    f"per rank; {nesting}"
-                )
+                raise ValueError(f"outputs[{r}] has {_describe(ranks_out)}{flat}; the plan has {len(ranks_mbs)} "
+                                 f"micro-batches per rank; {nesting}")
             for m, (indices, values) in enumerate(zip(ranks_mbs, ranks_out)):
                 if _length(values) is None:
                     raise TypeError(f"outputs[{r}][{m}] is {_describe(values)}, not one entry per sequence of "
                                     f"micro-batch {m}; {nesting}")
                 if len(values) != len(indices):
-                    raise ValueError(
-                        f"outputs[{r}][{m}] has {len(values)} entries for the {len(indices)} sequences of that "
-                        f"micro-batch; give one entry per sequence, in the order of plan.micro_batches ({nesting})"
-                    )
+                    raise ValueError(f"outputs[{r}][{m}] has {len(values)} entries for the {len(indices)} sequences "
+                                     f"of that micro-batch; give one entry per sequence, in their order ({nesting})")
                 for i, v in zip(indices, values):
                     out[i] = v
         return out
@@ -171,8 +166,7 @@ def plan_micro_batches(
     layout = dict(seq_align=align, tp_size=tp, cp_size=cp)
     padded = rules.round_up(lengths, align)
     cap = _capacity(max_tokens, **layout)
-    group = _check_group_size(group_size, len(lengths))
-    _check_each_fits(lengths, padded, group, cap, max_tokens, layout)
+    group = _check_each_fits(lengths, padded, group_size, cap, max_tokens, layout)
     weights = _costs(cost, padded)
     if group > 1:  # the items: groups of sequences
         weights, padded = (a.reshape(-1, group).sum(axis=1) for a in (weights, padded))
@@ -239,16 +233,12 @@ def _capacity(max_tokens: int, *, seq_align: int, tp_size: int, cp_size: int) ->
     return max_tokens * cp_size // period * period
 
 
-def _check_group_size(group_size, n: int) -> int:
-    g = check_positive_int("group_size", group_size, "pass 1 for no groups")
-    if n % g:
-        raise ValueError(f"group_size={g} does not divide the {n} sequences; pass whole groups of {g} consecutive "
-                         "sequences (or the group_size the batch was built with)")
-    return g
-
-
-def _check_each_fits(lengths, padded, group, cap, max_tokens, layout) -> None:
-    """Every sequence, then every group, fits a micro-batch alone; else the largest that does not is named."""
+def _check_each_fits(lengths, padded, group_size, cap, max_tokens, layout) -> int:
+    """``group_size``, checked; each sequence, then each group, fits alone, or the largest that does not is named."""
+    group = check_positive_int("group_size", group_size, "pass 1 for no groups")
+    if len(lengths) % group:
+        raise ValueError(f"group_size={group} does not divide the {len(lengths)} sequences; pass whole groups of "
+                         f"{group} consecutive sequences (or the group_size the batch was built with)")
     checks = [(1, "sequence", "truncate the sequence")] + [(group, "group", "use a smaller group_size")] * (group > 1)
     for g, name, fix in checks:
         totals = padded.reshape(-1, g).sum(axis=1) if g > 1 else padded
@@ -266,6 +256,7 @@ def _check_each_fits(lengths, padded, group, cap, max_tokens, layout) -> None:
             f"cp_size={layout['cp_size']}, seq_align={layout['seq_align']}), more than max_tokens={max_tokens}; "
             f"raise max_tokens to at least {need} (or {fix}){more}"
         )
+    return group
 
 
 def _check_seqlens(seqlens) -> np.ndarray:
