@@ -202,6 +202,37 @@ def test_wrong_cp_rank_is_refused(cp):
         assert f"its rank {rank}" in group_error and f"cp_rank={(rank + 1) % cp}" in group_error
 
 
+def _cp_sources_worker(rank: int, world: int):
+    """World of 4, CP groups {0, 1} and {2, 3} (the model's), and {0, 2}, {1, 3} of the same size (not the model's):
+    ``check_cp`` accepts the model's group and refuses the other, whose gather would mix other ranks' outputs."""
+    from types import SimpleNamespace
+
+    from packfwd.models.facts import check_cp
+
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}
+    mine = groups[(0, 1) if rank < 2 else (2, 3)]
+    other = groups[(0, 2) if rank % 2 == 0 else (1, 3)]
+    model = SimpleNamespace(config=SimpleNamespace(context_parallel_size=2), pg_collection=SimpleNamespace(cp=mine))
+    check_cp(model, 2, mine.rank(), mine)
+    errors = []
+    for args in ((2, mine.rank(), other), (2, 1 - mine.rank(), mine)):
+        try:
+            check_cp(model, *args)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors, other.rank() == mine.rank()
+
+
+def test_the_gather_group_must_be_the_attentions():
+    results = run_local(_cp_sources_worker, 4, backend="gloo", timeout=120)
+    for errors, same_rank in results:
+        assert len(errors) == 2
+        # where this process has the same rank in both groups, only the group's members tell them apart
+        assert ("the model's attention communicates over ranks" if same_rank else "cp_group has 2 ranks") in errors[0]
+        assert "but the model's attention runs as CP rank" in errors[1]
+    assert [same for _, same in results] == [True, False, False, True]
+
+
 # ------------------------------------------------------------------------------------ single-process tests
 
 

@@ -101,6 +101,27 @@ def test_the_model_checks_positions_as_make_forward_does():
             call(positions)
 
 
+def test_the_cp_place_rides_from_the_plan_to_the_attention():
+    """The plan's CP place travels in its ``PackedSeqParams`` (``.cp``); the model checks it against the CP group
+    its attention runs in (here one rank), where it used to run a rank's zigzag share as whole sequences."""
+    from packfwd import plan_thd
+
+    model = build_model(ARGS, init=False)
+    ids, mask = torch.randint(0, 128, (2, 8)), torch.ones(2, 8, dtype=torch.bool)
+    info = plan_thd(mask, cp_size=2, cp_rank=1)
+    assert (info.packed_seq_params().cp.size, info.packed_seq_params().cp.rank) == (2, 1)
+    packed = to_thd(ids, info)[0][None]
+    with pytest.raises(ValueError, match="packed for context-parallel rank 1 of 2, but this model's attention runs "
+                                         "as rank 0 of 1"):
+        model(packed, None, None, packed_seq_params=info.packed_seq_params())
+    model.config.context_parallel_size = 2  # a config that disagrees with the group the attention runs in
+    try:
+        with pytest.raises(ValueError, match="context_parallel_size=2 but its attention's CP group has 1 ranks"):
+            make_forward("thd", cp_size=2, cp_rank=0, cp_group=object())(model, ids, mask)
+    finally:
+        model.config.context_parallel_size = 1
+
+
 # ----------------------------------------------------------------------------------------------- runtime
 
 

@@ -108,18 +108,11 @@ class ThdInfo(PlanOfSource):
         return pack_positions(positions, self)[..., None, :]
 
     def packed_seq_params(self):
-        """Megatron-Core's ``PackedSeqParams`` (``qkv_format="thd"``) for this batch."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        """Megatron-Core's ``PackedSeqParams`` (``qkv_format="thd"``) for this batch, carrying this rank's CP place
+        (``.cp``) to the model's attention (:func:`packfwd.layout.params.thd_params`)."""
+        from .params import thd_params
 
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens,
-            cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens_padded,
-            cu_seqlens_kv_padded=self.cu_seqlens_padded,
-            max_seqlen_q=self.max_seqlen,
-            max_seqlen_kv=self.max_seqlen,
-        )
+        return thd_params(self)
 
 
 def plan_thd(

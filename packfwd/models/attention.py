@@ -29,9 +29,10 @@ class CoreAttention(torch.nn.Module):
 
     * THD (``packed_seq_params.qkv_format == "thd"``): ``[t, h, d]`` (or ``[t, 1, h, d]``) -> ``[t, h*d]``.
       Sequences are cut at ``cu_seqlens_q_padded`` (pads sit at each sequence's tail, so real tokens never see
-      them). When the context-parallel group has more than one rank (``packed_seq_params.cp_group``, else the
-      group Megatron passes in ``pg_collection.cp``), ``packfwd.parallel.context.context_parallel_attention``
-      computes it over the zigzag split.
+      them). Under context parallelism (the CP place ``packed_seq_params.cp`` the plan carries, which the model
+      checked against its group; params without one: the group's size and rank), over the group
+      ``packed_seq_params.cp_group``, else the one Megatron passes in ``pg_collection.cp``,
+      ``packfwd.parallel.context.context_parallel_attention`` computes it over the zigzag split.
     * BSHD (``packed_seq_params is None``): ``[s, b, h, d]`` -> ``[s, b, h*d]``, each row one sequence of length
       ``s`` (real tokens first, as ``packfwd.to_bshd`` lays them out).
 
@@ -97,10 +98,11 @@ class CoreAttention(torch.nn.Module):
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         group = params.cp_group if getattr(params, "cp_group", None) is not None else self.cp_group
-        cp_size = _group_size(group)
+        place = getattr(params, "cp", None)  # the plan's CP place (packfwd.layout.params), checked by the model
+        cp_size = place.size if place is not None else _group_size(group)
+        cp_rank = place.rank if place is not None else group.rank() if cp_size > 1 else 0
         if self.rope is not None:
-            q, k = self.rope(q, k, cu_q, cp_size, group.rank() if cp_size > 1 else 0,
-                             positions=getattr(params, "position_ids", None))
+            q, k = self.rope(q, k, cu_q, cp_size, cp_rank, positions=getattr(params, "position_ids", None))
         attn = functools.partial(varlen_attention, backend=self.backend)
         if cp_size > 1:
             if not causal:
@@ -108,7 +110,7 @@ class CoreAttention(torch.nn.Module):
             from packfwd.parallel.context import context_parallel_attention
 
             out = context_parallel_attention(
-                q, k, v, cu_q, params.max_seqlen_q, cp_size=cp_size, cp_rank=group.rank(), cp_group=group,
+                q, k, v, cu_q, params.max_seqlen_q, cp_size=cp_size, cp_rank=cp_rank, cp_group=group,
                 attn_fn=attn, softmax_scale=self.softmax_scale,
             )
         else:

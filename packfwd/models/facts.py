@@ -65,23 +65,42 @@ def model_facts(model, tp_size: int, cp_size: int) -> ModelFacts:
 
 
 def check_cp(model, cp_size: int, cp_rank: int, cp_group) -> None:
-    """Under context parallelism the batch is packed for ``cp_rank`` and the outputs gathered over ``cp_group``:
-    both must be this process's place in the CP group the model's attention uses, or the numbers are another
-    rank's.  Host-side checks, no collective."""
-    if cp_size == 1:
-        return
+    """The three sources of a forward's context-parallel place must agree, checked once per call on the host (no
+    collective): the forward's ``cp_size``/``cp_rank`` (the batch is packed for that rank), the model
+    (``config.context_parallel_size``, and the CP group its attention communicates over, ``pg_collection.cp``),
+    and ``cp_group``, over which the outputs are gathered (the same ranks as the model's).  Any disagreement gives
+    another rank's numbers, so it raises.  (``model_facts`` compares ``cp_size`` with the config; the plan then
+    carries the place to the attention, which the model checks against its group: ``packfwd.layout.params``.)"""
     import torch.distributed as dist
 
+    gpt = unwrap(model)
+    model_group = getattr(getattr(gpt, "pg_collection", None), "cp", None)
+    if model_group is not None and dist.is_available() and dist.is_initialized():
+        size = model_group.size()
+        rank = model_group.rank() if size > 1 else 0
+        config_cp = getattr(getattr(gpt, "config", None), "context_parallel_size", size)
+        if size != config_cp:
+            raise ValueError(
+                f"the model's config says context_parallel_size={config_cp} but its attention's CP group has {size} "
+                "ranks; build the model under the parallel state it runs in (packfwd.models.build_model reads it)"
+            )
+        if (size, rank) != (cp_size, cp_rank):
+            raise ValueError(f"cp_size={cp_size}, cp_rank={cp_rank} but the model's attention runs as CP rank {rank} "
+                             f"of {size}; pass cp_size={size}, cp_rank={rank} (and that CP group)")
+    if cp_size == 1:
+        return
     if dist.get_world_size(cp_group) != cp_size or dist.get_rank(cp_group) != cp_rank:
         raise ValueError(
             f"cp_group has {dist.get_world_size(cp_group)} ranks and this process is its rank "
             f"{dist.get_rank(cp_group)}, but make_forward was given cp_size={cp_size}, cp_rank={cp_rank}; pass the "
             "context-parallel group (parallel_state.get_context_parallel_group()) and this process's rank in it"
         )
-    model_group = getattr(getattr(unwrap(model), "pg_collection", None), "cp", None)
-    if model_group is not None and model_group.rank() != cp_rank:
+    if model_group is not None and dist.get_process_group_ranks(cp_group) != dist.get_process_group_ranks(model_group):
         raise ValueError(
-            f"cp_rank={cp_rank} but the model's attention runs as CP rank {model_group.rank()}; pass that rank"
+            f"cp_group holds ranks {dist.get_process_group_ranks(cp_group)} but the model's attention communicates "
+            f"over ranks {dist.get_process_group_ranks(model_group)}: the outputs would be gathered from other ranks "
+            "than the attention split the sequences over; pass the model's CP group "
+            "(parallel_state.get_context_parallel_group())"
         )
 
 

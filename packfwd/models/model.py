@@ -25,13 +25,13 @@ buffers.  This module imports Megatron-Core; ``packfwd.models`` imports it only 
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Sequence
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from packfwd._validate import check_positions
+from packfwd.layout.params import CpPlace, cp_place, with_cp, with_positions
 
 from .cpu import host_collectives, is_host
 from . import mtp
@@ -152,9 +152,11 @@ class PackedGPTModel(GPTModel):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd and attention_mask is not None:
             raise ValueError("a THD batch takes attention_mask=None: its sequences are given by packed_seq_params")
-        cp = _cp_place(packed_seq_params, self.pg_collection.cp) if thd else (1, 0)
-        if thd:  # [1, t] read; verl's default [b, s] not read (None); anything else raises (positions.py)
-            position_ids = thd_positions(position_ids, packed_seq_params, self._packed_tokens(input_ids, kwargs), *cp)
+        if thd:  # one CP place from here to the attention; [1, t] positions read, verl's default [b, s] not read
+            cp = self._cp_place(packed_seq_params)
+            packed_seq_params = with_cp(packed_seq_params, cp)
+            position_ids = thd_positions(position_ids, packed_seq_params, self._packed_tokens(input_ids, kwargs),
+                                         cp.size, cp.rank)
         if self.position_embedding_type == "mrope":  # [3, b, s]; [b, s] or none: three equal coordinates
             position_ids = mrope_positions(position_ids, input_ids if self.pre_process else None,
                                            fill=not thd and attention_mask is None)
@@ -168,7 +170,7 @@ class PackedGPTModel(GPTModel):
                 packed_seq_params = with_positions(packed_seq_params, position_ids.flatten(-2))
                 position_ids = None if self.position_embedding_type == "mrope" else position_ids  # read there
             else:  # Megatron-Core's own THD RoPE reads no positions: they must be the ones it computes
-                assert_per_sequence(position_ids.reshape(-1), packed_seq_params, *cp)
+                assert_per_sequence(position_ids.reshape(-1), packed_seq_params, cp.size, cp.rank)
         kwargs = dict(kwargs, packed_seq_params=packed_seq_params)
         if mtp_input_ids is not None:  # stacked under the main ids: how they reach the MTP block (mtp.py)
             main = input_ids if input_ids is not None else torch.zeros_like(mtp_input_ids[0])
@@ -176,6 +178,21 @@ class PackedGPTModel(GPTModel):
         with host_collectives() if self.forward_on_host else contextlib.nullcontext():
             out = super().forward(input_ids, position_ids, None, **kwargs)
             return out if mtp_input_ids is None else mtp.with_logits(self, out, detach_head=mtp_detach_head)
+
+    def _cp_place(self, params) -> CpPlace:
+        """The context-parallel place of a THD batch: the one its params carry (``ThdInfo.packed_seq_params()``),
+        checked once against the CP group the attention communicates over (``params.cp_group``, else the model's);
+        params without one (verl's) take the group's."""
+        group = getattr(params, "cp_group", None) or self.pg_collection.cp
+        size = group.size() if group is not None and torch.distributed.is_initialized() else 1
+        place, carried = CpPlace(size, group.rank() if size > 1 else 0), cp_place(params)
+        if carried is not None and carried != place:
+            raise ValueError(
+                f"the batch was packed for context-parallel rank {carried.rank} of {carried.size}, but this model's "
+                f"attention runs as rank {place.rank} of {place.size} of its CP group; pack it with cp_size="
+                f"{place.size}, cp_rank={place.rank} (plan_thd / make_forward), or run the model in that CP group"
+            )
+        return place
 
     def _packed_tokens(self, input_ids, kwargs) -> int | None:
         """``t``, this rank's packed tokens of a THD batch: from the ids ``[1, t]`` (or ``decoder_input``) on the
@@ -233,28 +250,3 @@ class PackedGPTModel(GPTModel):
         if getattr(self, "mtp_process", False) and (labels is None or input_ids.dim() == 3):
             return mtp.postprocess(self, hidden_states, input_ids, position_ids=position_ids, **kwargs)
         return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-
-
-def _cp_place(params, model_cp_group) -> tuple[int, int]:
-    """(cp_size, cp_rank) of a THD batch: the group its ``PackedSeqParams`` carry, else the model's CP group."""
-    group = getattr(params, "cp_group", None) or model_cp_group
-    size = group.size() if group is not None and torch.distributed.is_initialized() else 1
-    return size, group.rank() if size > 1 else 0
-
-
-def with_positions(params, positions: torch.Tensor):
-    """``params`` (Megatron-Core's ``PackedSeqParams``) carrying ``position_ids [t]`` for packfwd's core
-    attention: a subclass instance with the same fields, plus that one."""
-    import dataclasses
-
-    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
-    return _positioned_class(type(params))(**fields, position_ids=positions)
-
-
-@functools.lru_cache(maxsize=None)
-def _positioned_class(base: type) -> type:
-    import dataclasses
-
-    return dataclasses.make_dataclass(
-        f"Positioned{base.__name__}", [("position_ids", torch.Tensor, dataclasses.field(default=None))], bases=(base,)
-    )
