@@ -672,8 +672,10 @@ def _check_temperature_values(temperature: Tensor, ok: Tensor, checked: Tensor |
         "False: make_forward passes real_tokens to packfwd.logits' processors; a processor of your own that calls "
         "them should take real_tokens and pass it on), may hold anything"
     )
-    if bad.device.type != "cpu":
-        torch._assert_async(~bad.any(), message)
+    if bad.device.type != "cpu":  # CUDA takes a message of under 255 characters
+        torch._assert_async(~bad.any(), "temperature must be positive and finite at every real token it scales (a "
+                            "value <= 0, NaN or inf was found); only token_mask=False or real_tokens=False tokens "
+                            "may hold anything")
     elif bad.any():
         where = int(bad.reshape(-1).nonzero()[0])
         value = temperature.reshape(-1)[where].item() if temperature.dim() else temperature.item()

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .._validate import check_positions as _check_positions
+from .._validate import unwrap
 from ..models.facts import ModelFacts as ModelFacts
 from ..models.facts import check_cp as check_cp
 from ..models.facts import empty_output as empty_output
@@ -136,8 +137,6 @@ def _vocab_size(model) -> int | None:
     """The model's (padded) vocabulary size, or None when it does not say (a plain module)."""
     if model is None:
         return None
-    from ..models.gpt import unwrap  # imports no Megatron-Core
-
     vocab = getattr(unwrap(model), "vocab_size", None)
     return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
 

@@ -158,6 +158,7 @@ def padded_source(src: Lengths, cu_seqlens: Tensor) -> TokenSource:
 
 COMPILE_MESSAGE = ("packfwd plans a layout on the host, which torch.compile cannot trace: plan outside the compiled "
                    "function (info = plan_thd(mask), or plan_bshd / plan_unpad) and pass the plan in (to_thd(x, info))")
+_BREAK_MESSAGE = {"msg": COMPILE_MESSAGE} if torch.__version__ >= (2, 11) else {}  # msg: seen in 2.11, not in every older torch
 
 
 def plan(
@@ -178,9 +179,8 @@ def plan(
     """
     if torch.compiler.is_compiling():  # False in eager code: no cost, and torch._dynamo is not imported
         import torch._dynamo as dynamo
-
-        dynamo.graph_break(msg=COMPILE_MESSAGE)  # numpy and the host read of the lengths cannot be traced
-        return torch.compiler.disable(plan, reason=COMPILE_MESSAGE)(
+        dynamo.graph_break(**_BREAK_MESSAGE)  # numpy and the host read of the lengths cannot be traced
+        return torch.compiler.disable(plan)(
             x, attention_mask, seqlens, host_layout=host_layout, build=build, device_plan=device_plan)
     if x is not None and is_nested(x):
         if attention_mask is not None:
