@@ -158,7 +158,7 @@ def padded_source(src: Lengths, cu_seqlens: Tensor) -> TokenSource:
 
 COMPILE_MESSAGE = ("packfwd plans a layout on the host, which torch.compile cannot trace: plan outside the compiled "
                    "function (info = plan_thd(mask), or plan_bshd / plan_unpad) and pass the plan in (to_thd(x, info))")
-_BREAK_MESSAGE = {"msg": COMPILE_MESSAGE} if torch.__version__ >= (2, 11) else {}  # msg: seen in 2.11, not in every older torch
+_BREAK_MESSAGE = {"msg": COMPILE_MESSAGE} if torch.__version__ >= (2, 11) else {}  # seen in 2.11
 
 
 def plan(
