@@ -213,3 +213,20 @@ def test_packed_positions_are_still_read(model):
         default = model(packed, positions, None, packed_seq_params=params)
     assert torch.equal(plain[0][packed[0] != 0], default[0][packed[0] != 0])
     assert not torch.allclose(plain, doubled)
+
+
+def test_device_checks_name_the_fix_in_torchs_limit(monkeypatch):
+    """On CUDA the checks are ``torch._assert_async`` (no host sync), whose message torch caps under 255
+    characters: the checks are run on meta tensors (no values, any device but the CPU) and their messages read."""
+    from packfwd.models.positions import assert_per_sequence, check_default_positions
+
+    said = []
+    monkeypatch.setattr(torch, "_assert_async", lambda ok, message: said.append(message))
+    ids, mask, positions = make_batch("verl")
+    _, params = verl_call(ids, mask)
+    meta = dataclasses.replace(params, cu_seqlens_q=params.cu_seqlens_q.to("meta"),
+                               cu_seqlens_q_padded=params.cu_seqlens_q_padded.to("meta"))
+    check_default_positions(positions.to("meta"), meta)
+    assert_per_sequence(torch.zeros(8, dtype=torch.long, device="meta"), meta, 1, 0)
+    assert len(said) == 2 and all(len(m) < 255 for m in said), said
+    assert "verl's default" in said[0] and "packed_rope=True" in said[1]

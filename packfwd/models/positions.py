@@ -104,7 +104,8 @@ def check_default_positions(position_ids: Tensor, params, tokens: int | None = N
         f"not read): pass the packed positions [1, t] = {want} (packfwd.pack_positions(position_ids, plan), or "
         "make_forward('thd')), or None for each token's position in its own sequence"
     )
-    _raise_unless(ok, message)
+    _raise_unless(ok, message, "position_ids [b, s] beside a THD batch are not verl's default positions; pass the "
+                  "packed [1, t] (packfwd.pack_positions), None, or verl's default")
 
 
 def assert_per_sequence(positions: Tensor, params, cp_size: int, cp_rank: int) -> None:
@@ -114,9 +115,9 @@ def assert_per_sequence(positions: Tensor, params, cp_size: int, cp_rank: int) -
     from packfwd.layout.rules import local_positions
 
     want = local_positions(_cu_padded(params), positions.shape[0], cp_size, cp_rank).to(positions.device)
-    _raise_unless((positions == want).all(), (
-        "this model was built with packed_rope=False: Megatron-Core's THD RoPE uses each token's position in its "
-        "own sequence and cannot take other position_ids; build it with packed_rope=True"))
+    message = ("this model was built with packed_rope=False: Megatron-Core's THD RoPE uses each token's position "
+               "in its own sequence and cannot take other position_ids; build it with packed_rope=True")
+    _raise_unless((positions == want).all(), message, message)
 
 
 def _unless_left_padded_default(position_ids: Tensor, params, cp_size: int, cp_rank: int) -> Tensor:
@@ -139,9 +140,11 @@ def _sequences(params) -> int:
     return _cu_padded(params).shape[0] - 1
 
 
-def _raise_unless(ok: Tensor, message: str) -> None:
+def _raise_unless(ok: Tensor, message: str, short: str) -> None:
+    """ValueError(``message``) unless ``ok``: at once on the CPU; on CUDA a device assert with ``short`` (torch
+    takes under 255 characters), no host sync."""
     if ok.device.type == "cpu":
         if not bool(ok):
             raise ValueError(message)
     else:
-        torch._assert_async(ok, message)
+        torch._assert_async(ok, short)
