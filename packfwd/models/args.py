@@ -1,8 +1,9 @@
-"""The architecture of a Llama/Qwen2-style decoder in one frozen dataclass (:class:`ModelArgs`), and
-Megatron-Core's ``TransformerConfig`` from it (:func:`transformer_config`).
+"""The architecture of one decoder in one frozen dataclass (:class:`ModelArgs`: its family's entry and its
+numbers), and Megatron-Core's ``TransformerConfig`` from it (:func:`transformer_config`).
 
-The bottom of :mod:`packfwd.models`: it imports no other module of the package but :mod:`packfwd.models.cpu`
-(inside :func:`transformer_config`), and Megatron-Core only inside that function.
+Near the bottom of :mod:`packfwd.models`: it imports :mod:`packfwd.models.family` (the families and MLP kinds)
+and :mod:`packfwd.models.cpu` (inside :func:`transformer_config`) only, and Megatron-Core only inside that
+function.
 """
 
 from __future__ import annotations
@@ -11,17 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
+from .family import Moe, family, mlp_kind
+
 __all__ = ["ModelArgs", "check_mrope_section", "transformer_config"]
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The architecture of a Llama/Qwen2-style decoder.
+    """The architecture of a decoder: ``family`` names its entry of :data:`packfwd.models.family.FAMILIES` (which
+    linears carry a bias, the HF weight names), the other fields its numbers and per-model choices.
 
     >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
     ...                  num_query_groups=2)
     >>> args.kv_channels, args.query_groups
     (16, 2)
+    >>> ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=4,
+    ...           family="qwen2").qkv_bias
+    True
     """
 
     vocab_size: int
@@ -34,7 +41,7 @@ class ModelArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling_factor: float | None = None  # Llama-3.x frequency scaling (low 1, high 4, original 8192)
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool | None = None  # a bias on q, k, v only; None: the family's (Qwen2: True)
     linear_bias: bool = False  # a bias on every linear (Llama with attention_bias and mlp_bias)
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
@@ -43,8 +50,13 @@ class ModelArgs:
     mtp_num_layers: int = 0  # multi-token prediction depths (DeepSeek-V3's MTP), built on the last stage
     mtp_loss_scaling_factor: float = 0.1  # Megatron-Core's weight of the MTP loss (Megatron's default)
     mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
+    family: str = "llama"  # the entry of packfwd.models.family.FAMILIES
+    moe: Moe | None = None  # a Mixture-of-Experts MLP (but on moe.dense_layers); None: dense SwiGLU everywhere
 
     def __post_init__(self):
+        entry = family(self.family)
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", entry.qkv_bias)
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                      "max_position_embeddings"):
             value = getattr(self, name)
@@ -65,6 +77,16 @@ class ModelArgs:
             if self.rope_scaling_factor is not None or self.mtp_num_layers:
                 raise ValueError("mrope_section with rope_scaling_factor or mtp_num_layers: multimodal RoPE is built "
                                  "without Llama-3 scaling and without MTP layers; drop one of them")
+        if self.moe is not None:
+            if not isinstance(self.moe, Moe):
+                raise TypeError(f"ModelArgs.moe must be a packfwd.models.family.Moe or None, got {type(self.moe)}")
+            if self.moe.dense_layers and self.moe.dense_layers[-1] >= self.num_layers:
+                raise ValueError(f"Moe.dense_layers={self.moe.dense_layers} names a layer beyond num_layers="
+                                 f"{self.num_layers}")
+
+    def dense_mlp(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) has a dense SwiGLU MLP (else the MLP ``moe`` describes)."""
+        return self.moe is None or layer in self.moe.dense_layers
 
     @property
     def kv_channels(self) -> int:
@@ -127,7 +149,7 @@ def transformer_config(
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.query_groups,
         kv_channels=args.kv_channels,
-        normalization="RMSNorm",
+        normalization={"rmsnorm": "RMSNorm"}[family(args.family).norm],
         layernorm_epsilon=args.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -157,4 +179,5 @@ def transformer_config(
         mrope_section=list(args.mrope_section) if args.mrope_section is not None else None,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         **config_overrides(device),
+        **(mlp_kind(args.moe).config_fields(args) if args.moe is not None else {}),
     )

@@ -1,4 +1,5 @@
-"""Llama/Qwen2-style decoders as Megatron-Core ``GPTModel`` s: whole models, pipeline stages, value models.
+"""Decoders of packfwd's families (:mod:`packfwd.models.family`) as Megatron-Core ``GPTModel`` s: whole models,
+pipeline stages, value models.
 
 The model is :class:`packfwd.models.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers of
 :mod:`packfwd.models.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias, tied or untied
@@ -125,12 +126,13 @@ def _check_divisible(args: ModelArgs, tp: int) -> None:
 
 
 def model_args(model: torch.nn.Module) -> ModelArgs:
-    """The :class:`ModelArgs` a built model (or stage) was made from, read back from its config and modules.
+    """The :class:`ModelArgs` a built model (or stage) was made from, read back from its config and modules (its
+    ``family`` and ``moe`` from what the constructor keeps; a model built by other means reads as a Llama).
 
     The model does not keep ``rope_scaling_factor``: it reads back as None (the weights do not depend on it).
 
     >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
-    ...                  num_query_groups=2, head_dim=16, tie_embeddings=True)
+    ...                  num_query_groups=2, head_dim=16, tie_embeddings=True, family="qwen2")
     >>> model_args(build_model(args, init=False)) == args
     True
     """
@@ -158,4 +160,6 @@ def model_args(model: torch.nn.Module) -> ModelArgs:
         mtp_num_layers=cfg.mtp_num_layers or 0,
         mrope_section=tuple(cfg.mrope_section) if cfg.mrope_section is not None else None,
         mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
+        family=getattr(gpt, "family", "llama"),
+        moe=getattr(gpt, "moe", None),
     )

@@ -1,8 +1,9 @@
-"""HF transformers Llama/Qwen2 <-> packfwd's Megatron-Core models: configs, and weights loaded into modules.
+"""HF transformers models <-> packfwd's Megatron-Core models: configs, and weights loaded into modules.
 
-:func:`args_from_hf_config` reads a transformers config; :func:`from_hf` builds a model (TP-sharded, any
-pipeline stage) with a transformers model's weights and :func:`to_hf_state_dict` reads them back, through the
-pure state-dict conversions of :mod:`packfwd.models.hf_weights` (which also describes the weight layout).
+The families converted are the entries of :data:`packfwd.models.family.FAMILIES` (Llama, Qwen2, ...).
+:func:`args_from_hf_config` reads a transformers config through its family's entry; :func:`from_hf` builds a
+model (TP-sharded, any pipeline stage) with a transformers model's weights and :func:`to_hf_state_dict` reads them
+back, through the pure state-dict conversions of :mod:`packfwd.models.hf_weights` (which also describes the weight layout).
 """
 
 from __future__ import annotations
@@ -13,77 +14,29 @@ import torch
 from torch import Tensor
 
 from .args import ModelArgs
+from .family import family_of_hf_config
 from .hf_weights import hf_to_megatron, megatron_to_hf
 
 __all__ = ["args_from_hf_config", "from_hf", "load_weights", "to_hf_state_dict"]
 
-_SUPPORTED = ("llama", "qwen2")
-
 
 def args_from_hf_config(hf_config, *, value_head: bool = False) -> ModelArgs:
-    """:class:`ModelArgs` of a transformers ``LlamaConfig`` or ``Qwen2Config`` (``value_head``: width-1 head).
+    """:class:`ModelArgs` of a transformers config of one of packfwd's families (``LlamaConfig``,
+    ``Qwen2Config``, ...: :data:`packfwd.models.family.FAMILIES`, read by the family's entry);
+    ``value_head``: a width-1 head.
 
     >>> from transformers import Qwen2Config
     >>> args = args_from_hf_config(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     ...                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
-    >>> args.num_query_groups, args.qkv_bias, args.rope_theta
-    (2, True, 10000.0)
+    >>> args.family, args.num_query_groups, args.qkv_bias, args.rope_theta
+    ('qwen2', 2, True, 10000.0)
     """
-    kind = getattr(hf_config, "model_type", None)
-    if kind not in _SUPPORTED:
-        raise ValueError(f"model_type={kind!r} is not supported; packfwd converts {_SUPPORTED}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: packfwd's MLP is SwiGLU (silu); use 'silu'")
-    if kind == "qwen2" and getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True: packfwd's attention is full causal; set it to False")
-    qkv_bias, linear_bias = _biases(hf_config, kind)
-    theta, factor = _rope(hf_config)
-    heads = hf_config.num_attention_heads
+    fields = family_of_hf_config(hf_config).hf_fields(hf_config)
     return ModelArgs(
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_layers=hf_config.num_hidden_layers,
-        num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        norm_eps=hf_config.rms_norm_eps,
-        rope_theta=theta,
-        rope_scaling_factor=factor,
-        qkv_bias=qkv_bias,
-        linear_bias=linear_bias,
-        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        max_position_embeddings=hf_config.max_position_embeddings,
+        **fields,
         value_head=value_head,
         value_head_bias=value_head and bool(getattr(hf_config, "token_classification_bias", True)),
     )
-
-
-def _biases(cfg, kind: str) -> tuple[bool, bool]:
-    if kind == "qwen2":
-        return True, False
-    attention, mlp = bool(getattr(cfg, "attention_bias", False)), bool(getattr(cfg, "mlp_bias", False))
-    if attention != mlp:
-        raise ValueError(
-            f"attention_bias={attention}, mlp_bias={mlp}: Megatron-Core puts a bias on all linears or on none "
-            "(add_bias_linear), so both must be equal"
-        )
-    return False, attention
-
-
-def _rope(cfg) -> tuple[float, float | None]:
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind == "llama3":
-        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        if any(float(params.get(k, v)) != v for k, v in expected.items()):
-            raise ValueError(f"llama3 RoPE scaling {params}: Megatron-Core supports low_freq_factor=1, "
-                             "high_freq_factor=4, original_max_position_embeddings=8192 only")
-        return theta, float(params["factor"])
-    raise ValueError(f"rope_type={kind!r} is not supported; packfwd converts 'default' and 'llama3' RoPE")
 
 
 # ----------------------------------------------------------------------------------------------- modules
@@ -127,8 +80,9 @@ def from_hf(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
 ):
-    """packfwd's Megatron-Core model (or pipeline stage) with the weights of a transformers ``LlamaForCausalLM``
-    / ``Qwen2ForCausalLM`` (or their ``...ForTokenClassification`` with one label, as a value model).
+    """packfwd's Megatron-Core model (or pipeline stage) with the weights of a transformers causal LM of one of
+    packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.family.FAMILIES`),
+    or its ``...ForTokenClassification`` with one label, as a value model.
 
     Works in a fresh Python process: when ``torch.distributed`` is not initialised it creates a single-process
     gloo world and Megatron-Core's model-parallel state (sizes 1) itself; under a real launcher it uses the

@@ -1,4 +1,5 @@
-"""HF transformers Llama/Qwen2 state dicts <-> packfwd's Megatron-Core state dicts, TP-sharded: pure functions.
+"""HF transformers state dicts <-> packfwd's Megatron-Core state dicts, TP-sharded: pure functions, for the
+families of :mod:`packfwd.models.family` (the names below; a layer's non-dense MLP is converted by its MLP kind).
 
 Weight layout (Megatron-Core's, per layer; ``ng`` query groups = kv heads, ``r = heads / ng``, ``d`` head dim)::
 
@@ -20,14 +21,15 @@ import torch
 from torch import Tensor
 
 from .args import ModelArgs
+from .family import mlp_kind
 
 __all__ = ["hf_to_megatron", "megatron_to_hf"]
 
 
-def _hf_names(args: ModelArgs, i: int) -> dict[str, str]:
+def _hf_names(i: int) -> dict[str, str]:
     p = f"model.layers.{i}."
     return {
-        "q": p + "self_attn.q_proj", "k": p + "self_attn.k_proj", "v": p + "self_attn.v_proj",
+        "layer": p, "q": p + "self_attn.q_proj", "k": p + "self_attn.k_proj", "v": p + "self_attn.v_proj",
         "o": p + "self_attn.o_proj", "gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj",
         "down": p + "mlp.down_proj", "ln1": p + "input_layernorm.weight", "ln2": p + "post_attention_layernorm.weight",
     }
@@ -36,10 +38,15 @@ def _hf_names(args: ModelArgs, i: int) -> dict[str, str]:
 def _mg_names(local: int) -> dict[str, str]:
     p = f"decoder.layers.{local}."
     return {
-        "qkv": p + "self_attention.linear_qkv", "proj": p + "self_attention.linear_proj",
+        "layer": p, "qkv": p + "self_attention.linear_qkv", "proj": p + "self_attention.linear_proj",
         "fc1": p + "mlp.linear_fc1", "fc2": p + "mlp.linear_fc2",
         "ln1": p + "input_layernorm.weight", "ln2": p + "pre_mlp_layernorm.weight",
     }
+
+
+def _norms(args: ModelArgs) -> tuple[str, ...]:
+    """The replicated norm weights of a layer (keys of :func:`_hf_names` / :func:`_mg_names`)."""
+    return ("ln1", "ln2")
 
 
 def hf_to_megatron(
@@ -79,16 +86,21 @@ def hf_to_megatron(
     if pre_process:
         out["embedding.word_embeddings.weight"] = rows(sd["model.embed_tokens.weight"])
     for local, i in enumerate(layers):
-        h, m = _hf_names(args, i), _mg_names(local)
-        out[m["ln1"]], out[m["ln2"]] = sd[h["ln1"]].clone(), sd[h["ln2"]].clone()
+        h, m = _hf_names(i), _mg_names(local)
+        out.update({m[n]: sd[h[n]].clone() for n in _norms(args)})
         out[m["qkv"] + ".weight"] = _fuse_qkv(args, [sd[h[x] + ".weight"] for x in "qkv"], tp_size, tp_rank)
         if args.qkv_bias or args.linear_bias:
             out[m["qkv"] + ".bias"] = _fuse_qkv(args, [sd[h[x] + ".bias"] for x in "qkv"], tp_size, tp_rank)
         out[m["proj"] + ".weight"] = _shard_cols(sd[h["o"] + ".weight"], tp_size, tp_rank)
+        if args.linear_bias:
+            out[m["proj"] + ".bias"] = sd[h["o"] + ".bias"].clone()
+        if not args.dense_mlp(i):
+            out.update(mlp_kind(args.moe).hf_to_megatron(args, sd, h["layer"], m["layer"], tp_size=tp_size,
+                                                         tp_rank=tp_rank))
+            continue
         out[m["fc1"] + ".weight"] = torch.cat([rows(sd[h["gate"] + ".weight"]), rows(sd[h["up"] + ".weight"])])
         out[m["fc2"] + ".weight"] = _shard_cols(sd[h["down"] + ".weight"], tp_size, tp_rank)
         if args.linear_bias:
-            out[m["proj"] + ".bias"] = sd[h["o"] + ".bias"].clone()
             out[m["fc1"] + ".bias"] = torch.cat([rows(sd[h["gate"] + ".bias"]), rows(sd[h["up"] + ".bias"])])
             out[m["fc2"] + ".bias"] = sd[h["down"] + ".bias"].clone()
     if post_process:
@@ -145,20 +157,24 @@ def megatron_to_hf(
     if pre_process:
         out["model.embed_tokens.weight"] = rows("embedding.word_embeddings.weight")
     for local, i in enumerate(layers):
-        h, m = _hf_names(args, i), _mg_names(local)
+        h, m = _hf_names(i), _mg_names(local)
         suffixes = ("weight", "bias") if (args.qkv_bias or args.linear_bias) else ("weight",)
         for suffix in suffixes:
             q, k, v = _split_qkv(args, [s[f"{m['qkv']}.{suffix}"] for s in shards])
             out[f"{h['q']}.{suffix}"], out[f"{h['k']}.{suffix}"], out[f"{h['v']}.{suffix}"] = q, k, v
         out[h["o"] + ".weight"] = cols(m["proj"] + ".weight")
-        for suffix in ("weight", "bias") if args.linear_bias else ("weight",):
-            gates, ups = zip(*(s[f"{m['fc1']}.{suffix}"].chunk(2, dim=0) for s in shards))
-            out[f"{h['gate']}.{suffix}"], out[f"{h['up']}.{suffix}"] = torch.cat(gates), torch.cat(ups)
-        out[h["down"] + ".weight"] = cols(m["fc2"] + ".weight")
         if args.linear_bias:
             out[h["o"] + ".bias"] = first[m["proj"] + ".bias"].clone()
-            out[h["down"] + ".bias"] = first[m["fc2"] + ".bias"].clone()
-        out[h["ln1"]], out[h["ln2"]] = first[m["ln1"]].clone(), first[m["ln2"]].clone()
+        if args.dense_mlp(i):
+            for suffix in ("weight", "bias") if args.linear_bias else ("weight",):
+                gates, ups = zip(*(s[f"{m['fc1']}.{suffix}"].chunk(2, dim=0) for s in shards))
+                out[f"{h['gate']}.{suffix}"], out[f"{h['up']}.{suffix}"] = torch.cat(gates), torch.cat(ups)
+            out[h["down"] + ".weight"] = cols(m["fc2"] + ".weight")
+            if args.linear_bias:
+                out[h["down"] + ".bias"] = first[m["fc2"] + ".bias"].clone()
+        else:
+            out.update(mlp_kind(args.moe).megatron_to_hf(args, shards, m["layer"], h["layer"]))
+        out.update({h[n]: first[m[n]].clone() for n in _norms(args)})
     if post_process:
         out["model.norm.weight"] = first["decoder.final_layernorm.weight"].clone()
         if args.value_head:

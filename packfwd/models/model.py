@@ -3,7 +3,8 @@
 ``PackedGPTModel(config, args, layers=..., device=...)`` is what :func:`packfwd.models.build_model` returns.
 Beyond what Megatron-Core's ``GPTModel`` constructor builds, it chooses, once, at construction:
 
-* the decoder: :func:`packfwd.models.spec.block_spec`, whose core attention
+* the decoder: :func:`packfwd.models.spec.block_spec` of ``args`` (its family's entry, the MLP kind of each
+  layer), whose core attention
   (:class:`~packfwd.models.attention.CoreAttention`) gets the attention backend and the model's THD RoPE
   (:class:`~packfwd.models.rope.PackedRope`) as spec params;
 * the rotary module: :class:`~packfwd.models.rope.PackedRotaryEmbedding`, the one ``PackedRope`` reads its
@@ -90,10 +91,11 @@ class PackedGPTModel(GPTModel):
         # plain RoPE, or with args.mrope_section multimodal RoPE (mrope.py)
         rotary, rope = rotary_modules(config, args, packed=packed_rope, cp_group=getattr(pg_collection, "cp", None),
                                       **rotary_kwargs)
-        spec = block_spec(len(layers), attention_backend=attention_backend, rope=rope)
+        spec = block_spec(layers, args=args, attention_backend=attention_backend, rope=rope)
         mtp_spec = None
         if args.mtp_num_layers and post_process:  # Megatron-Core's rule: the MTP block on the last stage
-            mtp_spec = mtp.mtp_block_spec(args.mtp_num_layers, attention_backend=attention_backend, rope=rope)
+            mtp_spec = mtp.mtp_block_spec(args.mtp_num_layers, args=args, attention_backend=attention_backend,
+                                          rope=rope)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             super().__init__(
                 config, spec, vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
@@ -103,6 +105,7 @@ class PackedGPTModel(GPTModel):
                 mtp_block_spec=mtp_spec, **rotary_kwargs,
             )
         self.rotary_pos_emb = rotary
+        self.family, self.moe = args.family, args.moe  # what model_args reads back beside the config
         if args.mrope_section is not None:  # what the constructor's "mrope" branch sets (mrope.py says why not it)
             self.position_embedding_type, self.mrope_section = "mrope", list(args.mrope_section)
         numbers = [layer.layer_number - 1 for layer in self.decoder.layers]

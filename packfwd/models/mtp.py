@@ -75,10 +75,10 @@ class PackedMtpLayer(MultiTokenPredictionLayer):
         return input_ids[1:], position_ids, decoder_input, hidden_states
 
 
-def mtp_block_spec(num_layers: int, *, attention_backend: str | None = None, rope=None) -> ModuleSpec:
+def mtp_block_spec(num_layers: int, *, args=None, attention_backend: str | None = None, rope=None) -> ModuleSpec:
     """The ``ModuleSpec`` of an MTP block of ``num_layers`` depths: :class:`PackedMtpLayer` s whose norms are
     packfwd's RMSNorm, ``eh_proj`` Megatron's ``ColumnParallelLinear``, and inner layer packfwd's decoder layer
-    (:func:`packfwd.models.spec.layer_spec`: its core attention and THD RoPE).
+    (:func:`packfwd.models.spec.layer_spec` of ``args``, the model's: its core attention and THD RoPE).
 
     >>> spec = mtp_block_spec(2, attention_backend="reference")
     >>> [s.module.__name__ for s in spec.submodules.layer_specs]
@@ -86,7 +86,8 @@ def mtp_block_spec(num_layers: int, *, attention_backend: str | None = None, rop
     """
     submodules = MultiTokenPredictionLayerSubmodules(
         enorm=RMSNorm, hnorm=RMSNorm, layer_norm=RMSNorm, eh_proj=ColumnParallelLinear,
-        **{_INNER: layer_spec(attention_backend=attention_backend, rope=rope)},
+        **{_INNER: layer_spec(args, args.num_layers if args is not None else 0, attention_backend=attention_backend,
+                              rope=rope)},
     )
     layer = ModuleSpec(module=PackedMtpLayer, submodules=submodules)
     return ModuleSpec(module=MultiTokenPredictionBlock,

@@ -1,6 +1,7 @@
-"""The layer spec of packfwd's Llama/Qwen2 models: Megatron-Core's own ``TransformerLayer`` and ``SelfAttention``
-with Megatron's tensor-parallel linears, and packfwd's :class:`~packfwd.models.attention.CoreAttention` as the
-one swapped-in submodule; its spec params carry the attention backend and the model's THD RoPE
+"""The layer spec of packfwd's models, derived from their :class:`~packfwd.models.args.ModelArgs` (its family's
+entry, :mod:`packfwd.models.family`): Megatron-Core's own ``TransformerLayer`` and ``SelfAttention`` with
+Megatron's tensor-parallel linears, and packfwd's :class:`~packfwd.models.attention.CoreAttention` as the one
+swapped-in submodule; its spec params carry the attention backend and the model's THD RoPE
 (:class:`~packfwd.models.rope.PackedRope`).
 
 Per layer (names as in the state dict)::
@@ -11,7 +12,8 @@ Per layer (names as in the state dict)::
       core_attention       packfwd CoreAttention (THD via PackedSeqParams, or BSHD); params: backend, rope
       linear_proj          RowParallelLinear
     pre_mlp_layernorm      RMSNorm
-    mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...
+    mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...;
+                           a layer with a Mixture of Experts (args.moe): the spec of its registered MLP kind
 
 Megatron-Core is imported inside the functions only.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RMSNorm", "block_spec", "layer_spec"]
+__all__ = ["RMSNorm", "block_spec", "layer_spec", "mlp_spec"]
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -44,8 +46,9 @@ class RMSNorm(torch.nn.RMSNorm):
                 p.sequence_parallel = True
 
 
-def layer_spec(*, attention_backend: str | None = None, rope=None):
-    """The ``ModuleSpec`` of one decoder layer (see the module docstring).
+def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = None, rope=None):
+    """The ``ModuleSpec`` of global decoder layer ``layer`` (0-based) of a model of ``args`` (see the module
+    docstring; None: a Llama layer, with a dense MLP).
 
     ``attention_backend`` and ``rope`` are the params of :class:`~packfwd.models.attention.CoreAttention`: its
     varlen backend (None: automatic) and the RoPE it applies to THD batches (a
@@ -61,7 +64,6 @@ def layer_spec(*, attention_backend: str | None = None, rope=None):
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
@@ -78,9 +80,6 @@ def layer_spec(*, attention_backend: str | None = None, rope=None):
             k_layernorm=IdentityOp,
         ),
     )
-    mlp = ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    )
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -88,18 +87,41 @@ def layer_spec(*, attention_backend: str | None = None, rope=None):
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
-            mlp=mlp,
+            mlp=mlp_spec(args, layer),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def block_spec(num_local_layers: int, *, attention_backend: str | None = None, rope=None):
-    """``TransformerBlockSubmodules`` with ``num_local_layers`` layers (:func:`layer_spec`) and the final RMSNorm.
+def mlp_spec(args=None, layer: int = 0):
+    """The ``ModuleSpec`` of global layer ``layer``'s MLP: gated SwiGLU where ``args.dense_mlp(layer)`` (or
+    ``args`` is None), else what the MLP kind registered for ``args.moe`` builds
+    (:func:`packfwd.models.family.mlp_kind`).
+
+    >>> mlp_spec().submodules.linear_fc1.__name__
+    'ColumnParallelLinear'
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .family import mlp_kind
+
+    if args is None or args.dense_mlp(layer):
+        return ModuleSpec(
+            module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        )
+    return mlp_kind(args.moe).layer_spec(args, layer)
+
+
+def block_spec(layers, *, args=None, attention_backend: str | None = None, rope=None):
+    """``TransformerBlockSubmodules`` with the global layers ``layers`` (0-based; an int ``n``: ``range(n)``) of a
+    model of ``args`` (:func:`layer_spec`), and the final RMSNorm.
 
     Giving the block its layers explicitly (instead of one layer spec that Megatron-Core repeats) fixes the
-    final norm to :class:`RMSNorm` whatever extensions are installed, and lets the pipeline-stage builder state
-    the layer count it expects from ``packfwd.layers.layer_partition``.
+    final norm to :class:`RMSNorm` whatever extensions are installed, lets each layer be built from its own
+    spec (a dense layer among Mixture-of-Experts ones), and lets the pipeline-stage builder state the layer
+    count it expects from ``packfwd.layers.layer_partition``.
 
     >>> block = block_spec(3)
     >>> len(block.layer_specs), block.layer_norm.__name__
@@ -107,5 +129,6 @@ def block_spec(num_local_layers: int, *, attention_backend: str | None = None, r
     """
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = layer_spec(attention_backend=attention_backend, rope=rope)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=RMSNorm)
+    layers = range(layers) if isinstance(layers, int) else layers
+    specs = [layer_spec(args, i, attention_backend=attention_backend, rope=rope) for i in layers]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)

@@ -1,0 +1,256 @@
+"""A model family as one declarative entry: what its layers are, and how to read them from a transformers config.
+
+A :class:`Family` says what every model of a transformers ``model_type`` shares (the norm, which linears carry
+a bias, the RoPE scalings it converts, whether its MLP is a Mixture of Experts and how to read
+that) and :meth:`Family.hf_fields` reads one model's numbers from its HF config.  The entries live in one table,
+:data:`FAMILIES`; everything else is derived from an entry and the model's numbers (a :class:`ModelArgs
+<packfwd.models.args.ModelArgs>` naming the entry in ``family``):
+
+* Megatron-Core's ``TransformerConfig``: :func:`packfwd.models.args.transformer_config`;
+* packfwd's ``ModuleSpec`` of each layer: :func:`packfwd.models.spec.layer_spec`;
+* the weight mapping both ways: :mod:`packfwd.models.hf_weights`;
+* ``from_hf`` / ``args_from_hf_config`` / ``to_hf_state_dict``: :mod:`packfwd.models.hf`.
+
+**Adding a dense family** whose layers are built from the choices below is one entry in :data:`FAMILIES`.
+
+**MLP kinds.**  A dense SwiGLU MLP (``ModelArgs.moe=None``, and the layers ``Moe.dense_layers``) is built in
+:mod:`packfwd.models.spec`.  Any other MLP is described by a frozen dataclass (:class:`Moe`) and built by the
+:class:`MlpKind` registered for its type with :func:`register_mlp_kind`: its Megatron-Core config fields, its
+layer spec and its weight mapping.  :func:`mlp_kind` looks it up (``NotImplementedError`` naming the fix when
+none is registered).  Megatron-Core is not imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+__all__ = ["FAMILIES", "Family", "MlpKind", "Moe", "family", "family_of_hf_config", "mlp_kind", "register_mlp_kind"]
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A Mixture-of-Experts MLP: a router choosing ``top_k`` of ``num_experts`` SwiGLU experts per token, dropless
+    (no capacity factor: a token's output never depends on its batch).
+
+    >>> Moe(num_experts=8, top_k=2, ffn_hidden_size=32, dense_layers=[0]).dense_layers
+    (0,)
+    """
+
+    num_experts: int  # routed experts (HF num_experts / num_local_experts / n_routed_experts)
+    top_k: int  # experts per token (num_experts_per_tok)
+    ffn_hidden_size: int  # each routed expert's hidden width (moe_intermediate_size; Mixtral: intermediate_size)
+    score_function: str = "softmax"  # "softmax" (Qwen3-MoE, Mixtral) or "sigmoid" (DeepSeek-V3)
+    normalize_top_k: bool = True  # the k chosen probabilities rescaled to sum to 1 (norm_topk_prob)
+    shared_ffn_hidden_size: int = 0  # hidden width of the shared expert(s) every token also goes through; 0: none
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # 0-based layers whose MLP is dense SwiGLU (ModelArgs.ffn_hidden_size)
+    expert_bias: bool = False  # a routing-only bias added to the scores (DeepSeek-V3's e_score_correction_bias)
+    num_groups: int | None = None  # group-limited routing: experts in num_groups groups (n_group) ...
+    group_top_k: int | None = None  # ... of which each token searches its best group_top_k (topk_group)
+    scaling_factor: float | None = None  # the routed probabilities times this (routed_scaling_factor)
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "ffn_hidden_size"):
+            _check_int(f"Moe.{name}", getattr(self, name), 1)
+        _check_int("Moe.shared_ffn_hidden_size", self.shared_ffn_hidden_size, 0)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"Moe.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"Moe.score_function={self.score_function!r}: pass 'softmax' or 'sigmoid'")
+        layers = tuple(self.dense_layers)
+        for i in layers:
+            _check_int("Moe.dense_layers entry", i, 0)
+        if list(layers) != sorted(set(layers)):
+            raise ValueError(f"Moe.dense_layers={self.dense_layers!r}: pass increasing layer indices")
+        object.__setattr__(self, "dense_layers", layers)
+        if (self.num_groups is None) != (self.group_top_k is None):
+            raise ValueError("Moe.num_groups and Moe.group_top_k come together (group-limited routing) or not at all")
+        if self.num_groups is not None:
+            _check_int("Moe.num_groups", self.num_groups, 1)
+            _check_int("Moe.group_top_k", self.group_top_k, 1)
+            if self.num_experts % self.num_groups or self.group_top_k > self.num_groups:
+                raise ValueError(f"Moe.num_groups={self.num_groups} must divide num_experts={self.num_experts} and "
+                                 f"be at least group_top_k={self.group_top_k}")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What every model of one transformers family shares, and how to read a model's numbers from its config.
+
+    ``head_dim`` is read the same way for every family: the config's ``head_dim`` when set (``heads * head_dim``
+    need not be ``hidden_size``), else ``hidden_size // num_attention_heads``; tied embeddings from
+    ``tie_word_embeddings``, else ``tie_embeddings``.
+
+    >>> FAMILIES["qwen2"].qkv_bias, FAMILIES["llama"].linear_bias_flags
+    (True, ('attention_bias', 'mlp_bias'))
+    """
+
+    name: str  # the key in FAMILIES, and ModelArgs.family
+    hf_model_types: tuple[str, ...]  # the transformers config model_type(s) it converts
+    norm: str = "rmsnorm"  # every norm (packfwd builds RMSNorm only)
+    qkv_bias: bool = False  # a bias on q, k and v only, always (Qwen2)
+    linear_bias_flags: tuple[str, ...] = ()  # HF flags putting a bias on every linear (must be equal: Megatron's
+    #                                          add_bias_linear is one switch)
+    unsupported: tuple[tuple[str, str], ...] = ()  # (HF flag, why and what to do): refused when the flag is set
+    rope_scalings: tuple[str, ...] = ("default", "llama3")  # HF rope_type values it converts
+    tie_embeddings: bool = False  # when the config does not say (tie_word_embeddings)
+    read_moe: Callable[[Any], Moe] | None = None  # the MoE description of a config; None: dense SwiGLU MLPs
+
+    def __post_init__(self):
+        if self.norm != "rmsnorm":
+            raise ValueError(f"Family {self.name!r}: norm={self.norm!r}; packfwd builds 'rmsnorm' only")
+
+    def hf_fields(self, cfg) -> dict:
+        """The :class:`~packfwd.models.args.ModelArgs` fields of the transformers config ``cfg`` (all but the
+        value head's); ValueError for what packfwd cannot build.
+
+        >>> from transformers import LlamaConfig
+        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        ...                   num_key_value_heads=2, vocab_size=64, attention_bias=True, mlp_bias=True)
+        >>> fields = FAMILIES["llama"].hf_fields(cfg)
+        >>> fields["family"], fields["head_dim"], fields["qkv_bias"], fields["linear_bias"]
+        ('llama', 8, False, True)
+        """
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg.hidden_act!r}: packfwd's MLP is SwiGLU (silu); use 'silu'")
+        for flag, why in self.unsupported:
+            if getattr(cfg, flag, False):
+                raise ValueError(f"{flag}={getattr(cfg, flag)!r}: {why}")
+        theta, factor = self._rope(cfg)
+        heads = cfg.num_attention_heads
+        return dict(
+            family=self.name,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            ffn_hidden_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_attention_heads=heads,
+            num_query_groups=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            norm_eps=cfg.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling_factor=factor,
+            qkv_bias=self.qkv_bias,
+            linear_bias=self._linear_bias(cfg),
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", self.tie_embeddings)),
+            max_position_embeddings=cfg.max_position_embeddings,
+            moe=self.read_moe(cfg) if self.read_moe is not None else None,
+        )
+
+    def _linear_bias(self, cfg) -> bool:
+        values = {flag: bool(getattr(cfg, flag, False)) for flag in self.linear_bias_flags}
+        if len(set(values.values())) > 1:
+            raise ValueError(
+                f"{', '.join(f'{k}={v}' for k, v in values.items())}: Megatron-Core puts a bias on all linears or on "
+                "none (add_bias_linear), so both must be equal"
+            )
+        return any(values.values())
+
+    def _rope(self, cfg) -> tuple[float, float | None]:
+        """(theta, Llama-3 scaling factor or None) of the config's RoPE."""
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in self.rope_scalings:
+            raise ValueError(f"rope_type={kind!r} is not supported; packfwd converts "
+                             f"{' and '.join(repr(k) for k in self.rope_scalings)} RoPE for {self.name}")
+        if kind == "default":
+            return theta, None
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        if any(float(params.get(k, v)) != v for k, v in expected.items()):
+            raise ValueError(f"llama3 RoPE scaling {params}: Megatron-Core supports low_freq_factor=1, "
+                             "high_freq_factor=4, original_max_position_embeddings=8192 only")
+        return theta, float(params["factor"])
+
+
+_FULL_CAUSAL = ("use_sliding_window", "packfwd's attention is full causal; set it to False")
+
+# The families packfwd builds and converts, one entry each.
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", ("llama",), linear_bias_flags=("attention_bias", "mlp_bias")),
+        Family("qwen2", ("qwen2",), qkv_bias=True, unsupported=(_FULL_CAUSAL,)),
+    )
+}
+
+
+def family(name: str) -> Family:
+    """The entry of :data:`FAMILIES` called ``name``.
+
+    >>> family("qwen2").hf_model_types
+    ('qwen2',)
+    """
+    if name not in FAMILIES:
+        raise ValueError(f"family={name!r} is not one of packfwd's model families {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of_hf_config(cfg) -> Family:
+    """The entry whose ``hf_model_types`` holds the transformers config's ``model_type``.
+
+    >>> from transformers import LlamaConfig
+    >>> family_of_hf_config(LlamaConfig()).name
+    'llama'
+    """
+    kind = getattr(cfg, "model_type", None)
+    for entry in FAMILIES.values():
+        if kind in entry.hf_model_types:
+            return entry
+    supported = tuple(t for entry in FAMILIES.values() for t in entry.hf_model_types)
+    raise ValueError(f"model_type={kind!r} is not supported; packfwd converts {supported}")
+
+
+class MlpKind(Protocol):
+    """How packfwd builds and converts the MLPs one description type (:class:`Moe`) describes: what
+    :func:`register_mlp_kind` takes.  ``args`` is the model's :class:`~packfwd.models.args.ModelArgs`, its
+    ``moe`` the description; a layer in ``args.moe.dense_layers`` never reaches the kind."""
+
+    def config_fields(self, args) -> dict:
+        """Megatron-Core ``TransformerConfig`` fields for ``args`` (added to :func:`transformer_config`'s)."""
+
+    def layer_spec(self, args, layer: int):
+        """The ``ModuleSpec`` of the MLP of global layer ``layer`` (0-based; an MTP layer is ``num_layers``)."""
+
+    def hf_to_megatron(self, args, hf_state_dict: Mapping, hf_layer: str, mg_layer: str, *, tp_size: int,
+                       tp_rank: int) -> dict:
+        """TP rank ``tp_rank``'s Megatron tensors of one layer's MLP: names under ``hf_layer``
+        (``"model.layers.3."``) become names under ``mg_layer`` (``"decoder.layers.1."``); new tensors."""
+
+    def megatron_to_hf(self, args, shards: Sequence[Mapping], mg_layer: str, hf_layer: str) -> dict:
+        """The inverse: the HF tensors of one layer's MLP from every TP rank's state dict, in rank order."""
+
+
+_MLP_KINDS: dict[type, MlpKind] = {}
+
+
+def register_mlp_kind(description: type, kind: MlpKind) -> None:
+    """Build and convert MLPs described by instances of ``description`` (e.g. :class:`Moe`) with ``kind``.
+
+    >>> register_mlp_kind(int, object())
+    Traceback (most recent call last):
+    TypeError: register_mlp_kind(int, ...): pass a frozen dataclass type of MLP description, e.g. Moe
+    """
+    params = getattr(description, "__dataclass_params__", None)
+    if not isinstance(description, type) or params is None or not params.frozen:
+        raise TypeError(f"register_mlp_kind({getattr(description, '__name__', description)}, ...): pass a frozen "
+                        "dataclass type of MLP description, e.g. Moe")
+    _MLP_KINDS[description] = kind
+
+
+def mlp_kind(description) -> MlpKind:
+    """The :class:`MlpKind` registered for ``type(description)``; NotImplementedError when there is none."""
+    try:
+        return _MLP_KINDS[type(description)]
+    except KeyError:
+        raise NotImplementedError(
+            f"packfwd builds no {type(description).__name__} MLP yet: no MLP kind is registered for it "
+            f"(packfwd.models.family.register_mlp_kind; Mixture-of-Experts layers come with packfwd.models.moe). "
+            "Build the model with dense MLPs (moe=None) meanwhile"
+        ) from None
