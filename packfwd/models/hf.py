@@ -3,7 +3,8 @@
 The families converted are the entries of :data:`packfwd.models.family.FAMILIES` (Llama, Qwen2, ...).
 :func:`args_from_hf_config` reads a transformers config through its family's entry; :func:`from_hf` builds a
 model (TP-sharded, any pipeline stage) with a transformers model's weights and :func:`to_hf_state_dict` reads them
-back, through the pure state-dict conversions of :mod:`packfwd.models.hf_weights` (which also describes the weight layout).
+back, through the pure state-dict conversions of :mod:`packfwd.models.hf_weights` (which also describes the
+weight layout).
 """
 
 from __future__ import annotations
