@@ -42,6 +42,11 @@ def launches(monkeypatch):
     return calls
 
 
+def padding(temperature):
+    """The packed layout's padding slots, as ``make_forward`` marks them: where a tensor temperature holds 0."""
+    return {"real_tokens": temperature != 0} if isinstance(temperature, torch.Tensor) else {}
+
+
 def reference(logits, labels, temperature, g_lp, g_ent):
     """float64 log-probs, entropy and d(sum g_lp logp + g_ent ent)/dlogits by plain autograd."""
     x = logits.detach().double().requires_grad_(True)
@@ -62,7 +67,7 @@ def make(t, v, dtype, seed, scale=3.0):
     labels = torch.randint(0, v, (t,), generator=g, device=DEVICE)
     labels[::5] = -100
     temperature = torch.rand(t, generator=g, device=DEVICE) * 1.5 + 0.25
-    temperature[3::11] = 0.0  # padding slots: read as 1
+    temperature[3::11] = 0.0  # padding slots (real_tokens False): computed at 1, never checked
     g_lp, g_ent = torch.randn(t, generator=g, device=DEVICE), torch.randn(t, generator=g, device=DEVICE)
     return logits, labels, temperature, g_lp, g_ent
 
@@ -84,7 +89,7 @@ def test_kernel_against_float64(dtype, v, temp_kind, launches):
     logits, labels, temperature, g_lp, g_ent = make(t, v, dtype, seed=v + len(temp_kind))
     temperature = {"float": 0.7, "tensor": temperature, "one": 1.0}[temp_kind]
     x = logits.clone().requires_grad_(True)
-    out = L.log_probs_and_entropy(x, labels, temperature=temperature)
+    out = L.log_probs_and_entropy(x, labels, temperature=temperature, **padding(temperature))
     ((out["log_probs"] * g_lp).sum() + (out["entropy"] * g_ent).sum()).backward()
     assert launches
     lp, ent, grad = reference(logits, labels, temperature, g_lp, g_ent)
@@ -105,7 +110,7 @@ def test_kernel_over_many_blocks(temperature, launches, monkeypatch):
     logits, labels, _, g_lp, g_ent = make(19, 203, torch.float32, seed=3)
     logits[:4] = torch.linspace(-20, 20, 203, device=DEVICE)  # the max grows at every block
     x = logits.clone().requires_grad_(True)
-    out = L.log_probs_and_entropy(x, labels, temperature=temperature)
+    out = L.log_probs_and_entropy(x, labels, temperature=temperature, **padding(temperature))
     ((out["log_probs"] * g_lp).sum() + (out["entropy"] * g_ent).sum()).backward()
     assert launches
     lp, ent, grad = reference(logits, labels, temperature, g_lp, g_ent)
@@ -119,16 +124,16 @@ def test_kernel_logp_only_and_entropy_only(dtype, launches):
     logits, labels, temperature, g_lp, g_ent = make(64 if ON_GPU else 24, 5003, dtype, seed=11)
     zero = torch.zeros_like(g_lp)
     x = logits.clone().requires_grad_(True)
-    (L.log_probs(x, labels, temperature=temperature) * g_lp).sum().backward()
+    (L.log_probs(x, labels, temperature=temperature, **padding(temperature)) * g_lp).sum().backward()
     lp, _, grad = reference(logits, labels, temperature, g_lp, zero)
-    torch.testing.assert_close(L.log_probs(logits, labels, temperature=temperature).double(), lp, rtol=1e-5, atol=3e-5)
+    torch.testing.assert_close(L.log_probs(logits, labels, temperature=temperature, **padding(temperature)).double(), lp, rtol=1e-5, atol=3e-5)
     assert (x.grad.double() - grad).abs().max() <= tols(dtype)[1] * grad.abs().max() + 1e-7
     assert (x.grad[labels < 0] == 0).all()  # ignored labels send no gradient
 
     x = logits.clone().requires_grad_(True)
-    (L.entropy(x, temperature=temperature) * g_ent).sum().backward()
+    (L.entropy(x, temperature=temperature, **padding(temperature)) * g_ent).sum().backward()
     _, ent, grad = reference(logits, labels, temperature, zero, g_ent)
-    torch.testing.assert_close(L.entropy(logits, temperature=temperature).double(), ent, rtol=1e-5, atol=3e-5)
+    torch.testing.assert_close(L.entropy(logits, temperature=temperature, **padding(temperature)).double(), ent, rtol=1e-5, atol=3e-5)
     assert (x.grad.double() - grad).abs().max() <= tols(dtype)[1] * grad.abs().max() + 1e-7
     assert launches
 
@@ -142,7 +147,7 @@ def test_kernel_matches_torch_blocks_and_masked_logits():
     outs, grads = [], []
     for kernel in (True, False):
         x = logits.clone().requires_grad_(True)
-        out = L._chunked(x, labels, temperature, None, 16, True, kernel=kernel)
+        out = L._chunked(x, labels, temperature, None, 16, True, kernel=kernel, **padding(temperature))
         ((out["log_probs"] * g_lp).sum() + (out["entropy"] * g_ent).sum()).backward()
         outs.append(out)
         grads.append(x.grad)
@@ -159,12 +164,12 @@ def test_non_contiguous_rows(launches):
     logits, labels, temperature, g_lp, g_ent = make(40 if ON_GPU else 12, 2 * 3001, torch.bfloat16, seed=9)
     view = logits[:, ::2]  # stride 2 in the vocab
     lp, ent, _ = reference(view, labels.clamp(max=3000), temperature, g_lp, g_ent)
-    out = L.log_probs_and_entropy(view, labels.clamp(max=3000), temperature=temperature)
+    out = L.log_probs_and_entropy(view, labels.clamp(max=3000), temperature=temperature, **padding(temperature))
     torch.testing.assert_close(out["log_probs"].double(), lp, rtol=1e-5, atol=3e-5)
     torch.testing.assert_close(out["entropy"].double(), ent, rtol=1e-5, atol=3e-5)
     wide = logits[:, :3001]  # row stride 6002, unit column stride: no copy
     lp, ent, _ = reference(wide, labels.clamp(max=3000), temperature, g_lp, g_ent)
-    out = L.log_probs_and_entropy(wide, labels.clamp(max=3000), temperature=temperature)
+    out = L.log_probs_and_entropy(wide, labels.clamp(max=3000), temperature=temperature, **padding(temperature))
     torch.testing.assert_close(out["log_probs"].double(), lp, rtol=1e-5, atol=3e-5)
     assert len(launches) == 2 and launches[1][1] == 3001
 
