@@ -5,7 +5,11 @@ O(1)-scale random weights (std 0.5 on every parameter, norms ``1 + 0.5 * noise``
 norm or bias shows far above rounding.  The reference is the transformers model run on each sequence alone;
 packfwd's model built by ``from_hf`` runs the whole ragged batch (right and left padding, a length-1 row) through
 ``make_forward("thd")``, ``make_forward("thd", seq_align=8)`` and ``make_forward("bshd")`` and must agree to
-``atol=1e-10`` (the largest difference seen is ~2e-14 on logits up to ~15).  One change to transformers for
+``atol=1e-10`` (the largest difference seen is ~2e-14 on logits up to ~15).  Qwen3 (QK-norm, an explicit
+``head_dim`` with ``heads * head_dim != hidden_size``, tied and untied) also runs TP=2 over gloo: the ranks' vocab
+slices of the logits equal the reference, their weight shards merge back to transformers' bit for bit, and their
+gradients merged (QK-norm gradients summed over the TP ranks, as Megatron-Core's ``finalize_model_grads`` does
+for ``qk_layernorm``) equal the one-process model's.  One change to transformers for
 this: its RMSNorm casts to float32 whatever the input dtype (a speed choice that costs float64 its precision), so
 the tests run it in the input's dtype (``hf_norm_in_input_dtype``).  Both sides compute RoPE's cos/sin in float32
 from the same float32 angles, so they agree exactly there.  The way back (``to_hf_state_dict``, and the TP=2
@@ -22,9 +26,10 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen3 import modeling_qwen3
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, build_model, from_hf, megatron_to_hf, to_hf_state_dict
@@ -33,6 +38,8 @@ from packfwd.models.family import FAMILIES, Family, Moe, family_of_hf_config
 from packfwd.models.gpt import model_args, transformer_config
 from packfwd.models.hf import args_from_hf_config
 from packfwd.models.hf_weights import hf_to_megatron
+from packfwd.models.spec import RMSNorm
+from packfwd.testing import run_local
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96)
 CASES = {  # name: (config class, model class, config fields)
@@ -40,8 +47,10 @@ CASES = {  # name: (config class, model class, config fields)
     "llama-tied-bias": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=4, tie_word_embeddings=True,
                                                              attention_bias=True, mlp_bias=True)),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_key_value_heads=2)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=24)),  # 4 x 24 != 32
+    "qwen3-tied": (Qwen3Config, Qwen3ForCausalLM, dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
 }
-NORMS = [modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm]
+NORMS = [modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm]
 LAYOUTS = {"thd": dict(data_format="thd"), "thd-align8": dict(data_format="thd", seq_align=8),
            "bshd": dict(data_format="bshd")}
 
@@ -123,6 +132,74 @@ def test_a_family_is_one_entry_read_from_the_hf_config():
         dataclasses.replace(qwen2, moe=Moe(num_experts=4, top_k=2, ffn_hidden_size=8, dense_layers=(1,)))
 
 
+def test_qwen3_is_built_with_qk_norm_and_its_head_dim():
+    hf = hf_model("qwen3")
+    model = from_hf(hf)
+    attention = model.decoder.layers[0].self_attention
+    assert model.config.qk_layernorm and model.config.kv_channels == 24  # Megatron sums QK-norm grads over TP
+    assert type(attention.q_layernorm) is RMSNorm and attention.k_layernorm.weight.shape == (24,)
+    assert attention.linear_proj.weight.shape == (32, 96)
+    with pytest.raises(ValueError, match="attention_bias=False"):
+        args_from_hf_config(Qwen3Config(**TINY, num_key_value_heads=2, attention_bias=True))
+    with pytest.raises(ValueError, match="sliding"):
+        args_from_hf_config(Qwen3Config(**TINY, num_key_value_heads=2, use_sliding_window=True))
+
+
+def _loss(logits, mask, vocab_slice=slice(None)):
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(*mask.shape, TINY["vocab_size"], generator=g, dtype=torch.float64)
+    return (logits * weights[..., vocab_slice] * mask[..., None]).sum()
+
+
+def tp_rank(rank: int, world_size: int, hf):
+    """This TP rank's logits (its vocab slice), weights and gradients of :func:`_loss`."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(tp_size=world_size)
+    model = from_hf(hf, tp_size=world_size, tp_rank=rank)
+    ids, mask = ragged_batch()
+    logits = make_forward("thd", tp_size=world_size)(model, ids, mask)
+    v = TINY["vocab_size"] // world_size
+    _loss(logits, mask, slice(rank * v, (rank + 1) * v)).backward()
+    out = {"logits": logits.detach(), "weights": {n: p.detach() for n, p in model.named_parameters()},
+           "grads": {n: p.grad for n, p in model.named_parameters()}}
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-tied"])
+def test_qwen3_tensor_parallel_over_gloo(name, hf_norm_in_input_dtype):
+    hf = hf_model(name)
+    ranks = run_local(tp_rank, 2, hf, backend="gloo", timeout=300)
+    args = args_from_hf_config(hf.config)
+    merged = megatron_to_hf([r["weights"] for r in ranks], args)
+    sd = hf.state_dict()
+    assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
+
+    ids, mask = ragged_batch()
+    logits = torch.cat([r["logits"] for r in ranks], dim=-1)
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            want = hf(ids[i][mask[i]][None]).logits[0]
+            torch.testing.assert_close(logits[i][mask[i]], want, atol=1e-10, rtol=0, msg=f"row {i}")
+    assert not logits[~mask].any()
+
+    model = from_hf(hf)
+    _loss(make_forward("thd")(model, ids, mask), mask).backward()
+    want = megatron_to_hf([{n: p.grad for n, p in model.named_parameters()}], args)
+    shards = [dict(r["grads"]) for r in ranks]
+    for n in shards[0]:
+        if "q_layernorm" in n or "k_layernorm" in n:  # each rank's heads' part
+            total = sum(s[n] for s in shards)
+            for s in shards:
+                s[n] = total
+    got = megatron_to_hf(shards, args)
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, atol=1e-10, rtol=1e-10, msg=n)
+
+
 # ------------------------------------------------------------------------------------------------ MLP kinds
 
 
@@ -159,7 +236,8 @@ def test_a_registered_mlp_kind_builds_and_converts_its_layers(monkeypatch):
     kind = OneExpert()
     monkeypatch.setitem(family_module._MLP_KINDS, Moe, kind)
     args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=3, num_attention_heads=4,
-                     num_query_groups=2, head_dim=8, moe=Moe(num_experts=1, top_k=1, ffn_hidden_size=64, dense_layers=(1,)))
+                     num_query_groups=2, head_dim=8,
+                     moe=Moe(num_experts=1, top_k=1, ffn_hidden_size=64, dense_layers=(1,)))
     model = build_model(args)
     assert kind.calls == ["config", ("spec", 0), ("spec", 2)]  # layer 1 is dense: built by packfwd's spec
     assert model_args(model) == args

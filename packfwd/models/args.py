@@ -19,8 +19,8 @@ __all__ = ["ModelArgs", "check_mrope_section", "transformer_config"]
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The architecture of a decoder: ``family`` names its entry of :data:`packfwd.models.family.FAMILIES` (which
-    linears carry a bias, the HF weight names), the other fields its numbers and per-model choices.
+    """The architecture of a decoder: ``family`` names its entry of :data:`packfwd.models.family.FAMILIES` (QK-norm,
+    which linears carry a bias, the HF weight names), the other fields its numbers and per-model choices.
 
     >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
     ...                  num_query_groups=2)
@@ -89,6 +89,11 @@ class ModelArgs:
         return self.moe is None or layer in self.moe.dense_layers
 
     @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over ``head_dim`` on q and k before RoPE (the family's: Qwen3)."""
+        return family(self.family).qk_norm
+
+    @property
     def kv_channels(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
@@ -150,6 +155,7 @@ def transformer_config(
         num_query_groups=args.query_groups,
         kv_channels=args.kv_channels,
         normalization={"rmsnorm": "RMSNorm"}[family(args.family).norm],
+        qk_layernorm=args.qk_norm,
         layernorm_epsilon=args.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,

@@ -1,7 +1,7 @@
 """A model family as one declarative entry: what its layers are, and how to read them from a transformers config.
 
-A :class:`Family` says what every model of a transformers ``model_type`` shares (the norm, which linears carry
-a bias, the RoPE scalings it converts, whether its MLP is a Mixture of Experts and how to read
+A :class:`Family` says what every model of a transformers ``model_type`` shares (the norm, QK-norm, which
+linears carry a bias, the RoPE scalings it converts, whether its MLP is a Mixture of Experts and how to read
 that) and :meth:`Family.hf_fields` reads one model's numbers from its HF config.  The entries live in one table,
 :data:`FAMILIES`; everything else is derived from an entry and the model's numbers (a :class:`ModelArgs
 <packfwd.models.args.ModelArgs>` naming the entry in ``family``):
@@ -83,9 +83,9 @@ def _check_int(name: str, value, low: int) -> None:
 class Family:
     """What every model of one transformers family shares, and how to read a model's numbers from its config.
 
-    ``head_dim`` is read the same way for every family: the config's ``head_dim`` when set (``heads * head_dim``
-    need not be ``hidden_size``), else ``hidden_size // num_attention_heads``; tied embeddings from
-    ``tie_word_embeddings``, else ``tie_embeddings``.
+    ``head_dim`` is read the same way for every family: the config's ``head_dim`` when set (Qwen3's is explicit,
+    and ``heads * head_dim`` need not be ``hidden_size``), else ``hidden_size // num_attention_heads``; tied
+    embeddings from ``tie_word_embeddings``, else ``tie_embeddings``.
 
     >>> FAMILIES["qwen2"].qkv_bias, FAMILIES["llama"].linear_bias_flags
     (True, ('attention_bias', 'mlp_bias'))
@@ -94,6 +94,7 @@ class Family:
     name: str  # the key in FAMILIES, and ModelArgs.family
     hf_model_types: tuple[str, ...]  # the transformers config model_type(s) it converts
     norm: str = "rmsnorm"  # every norm (packfwd builds RMSNorm only)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (HF q_norm/k_norm; Megatron qk_layernorm)
     qkv_bias: bool = False  # a bias on q, k and v only, always (Qwen2)
     linear_bias_flags: tuple[str, ...] = ()  # HF flags putting a bias on every linear (must be equal: Megatron's
     #                                          add_bias_linear is one switch)
@@ -177,6 +178,9 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("llama", ("llama",), linear_bias_flags=("attention_bias", "mlp_bias")),
         Family("qwen2", ("qwen2",), qkv_bias=True, unsupported=(_FULL_CAUSAL,)),
+        Family("qwen3", ("qwen3",), qk_norm=True, unsupported=(_FULL_CAUSAL, (
+            "attention_bias", "Qwen3's attention_bias puts a bias on q, k, v and o but none on the MLP; Megatron-Core "
+            "biases all linears or none (add_bias_linear), so packfwd builds Qwen3 with attention_bias=False"))),
     )
 }
 

@@ -2,8 +2,8 @@
 pipeline stages, value models.
 
 The model is :class:`packfwd.models.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers of
-:mod:`packfwd.models.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias, tied or untied
-embeddings), with Megatron's tensor-parallel linears and embeddings, and packfwd's parts chosen by its
+:mod:`packfwd.models.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias and QK-norm, tied
+or untied embeddings), with Megatron's tensor-parallel linears and embeddings, and packfwd's parts chosen by its
 constructor (THD RoPE without host syncs, the value head).  This module is the builder, the top of
 :mod:`packfwd.models` below its HF conversion:
 

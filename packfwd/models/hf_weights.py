@@ -4,13 +4,14 @@ families of :mod:`packfwd.models.family` (the names below; a layer's non-dense M
 Weight layout (Megatron-Core's, per layer; ``ng`` query groups = kv heads, ``r = heads / ng``, ``d`` head dim)::
 
     linear_qkv.weight  [ng * (r + 2) * d, hidden]  for each group g: its r query heads, then k_g, then v_g
+    q_layernorm.weight [d]                         QK-norm (Qwen3's self_attn.q_norm; k_layernorm: k_norm)
     linear_fc1.weight  [2 * ffn, hidden]           [gate; up]
 
 A TP rank holds a contiguous block of rows of the column-parallel weights (``linear_qkv``: ``ng / tp`` whole
 groups; ``linear_fc1``: ``[gate_rank; up_rank]``; the embedding and output layer: ``vocab / tp`` rows) and of
-columns of the row-parallel ones (``linear_proj``, ``linear_fc2``); norms, row-parallel biases and a value head
-are replicated.  :func:`hf_to_megatron` and :func:`megatron_to_hf` work on state dicts (one dict per TP rank);
-:mod:`packfwd.models.hf` applies them to modules.
+columns of the row-parallel ones (``linear_proj``, ``linear_fc2``); norms (QK-norms too: every head has the same
+one), row-parallel biases and a value head are replicated.  :func:`hf_to_megatron` and :func:`megatron_to_hf`
+work on state dicts (one dict per TP rank); :mod:`packfwd.models.hf` applies them to modules.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _hf_names(i: int) -> dict[str, str]:
         "layer": p, "q": p + "self_attn.q_proj", "k": p + "self_attn.k_proj", "v": p + "self_attn.v_proj",
         "o": p + "self_attn.o_proj", "gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj",
         "down": p + "mlp.down_proj", "ln1": p + "input_layernorm.weight", "ln2": p + "post_attention_layernorm.weight",
+        "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
     }
 
 
@@ -41,12 +43,13 @@ def _mg_names(local: int) -> dict[str, str]:
         "layer": p, "qkv": p + "self_attention.linear_qkv", "proj": p + "self_attention.linear_proj",
         "fc1": p + "mlp.linear_fc1", "fc2": p + "mlp.linear_fc2",
         "ln1": p + "input_layernorm.weight", "ln2": p + "pre_mlp_layernorm.weight",
+        "q_norm": p + "self_attention.q_layernorm.weight", "k_norm": p + "self_attention.k_layernorm.weight",
     }
 
 
 def _norms(args: ModelArgs) -> tuple[str, ...]:
     """The replicated norm weights of a layer (keys of :func:`_hf_names` / :func:`_mg_names`)."""
-    return ("ln1", "ln2")
+    return ("ln1", "ln2", "q_norm", "k_norm") if args.qk_norm else ("ln1", "ln2")
 
 
 def hf_to_megatron(

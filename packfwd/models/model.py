@@ -3,8 +3,8 @@
 ``PackedGPTModel(config, args, layers=..., device=...)`` is what :func:`packfwd.models.build_model` returns.
 Beyond what Megatron-Core's ``GPTModel`` constructor builds, it chooses, once, at construction:
 
-* the decoder: :func:`packfwd.models.spec.block_spec` of ``args`` (its family's entry, the MLP kind of each
-  layer), whose core attention
+* the decoder: :func:`packfwd.models.spec.block_spec` of ``args`` (its family's entry: QK-norm, the MLP kind of
+  each layer), whose core attention
   (:class:`~packfwd.models.attention.CoreAttention`) gets the attention backend and the model's THD RoPE
   (:class:`~packfwd.models.rope.PackedRope`) as spec params;
 * the rotary module: :class:`~packfwd.models.rope.PackedRotaryEmbedding`, the one ``PackedRope`` reads its

@@ -9,6 +9,8 @@ Per layer (names as in the state dict)::
     input_layernorm        RMSNorm
     self_attention         SelfAttention (causal)
       linear_qkv           ColumnParallelLinear, fused [q, k, v] grouped by query group (bias: add_qkv_bias)
+      q_layernorm          RMSNorm over head_dim with QK-norm (args.qk_norm: Qwen3), else IdentityOp
+      k_layernorm          likewise
       core_attention       packfwd CoreAttention (THD via PackedSeqParams, or BSHD); params: backend, rope
       linear_proj          RowParallelLinear
     pre_mlp_layernorm      RMSNorm
@@ -48,7 +50,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
 def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = None, rope=None):
     """The ``ModuleSpec`` of global decoder layer ``layer`` (0-based) of a model of ``args`` (see the module
-    docstring; None: a Llama layer, with a dense MLP).
+    docstring; None: a Llama layer, no QK-norm and a dense MLP).
 
     ``attention_backend`` and ``rope`` are the params of :class:`~packfwd.models.attention.CoreAttention`: its
     varlen backend (None: automatic) and the RoPE it applies to THD batches (a
@@ -69,6 +71,8 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
 
     from .attention import CoreAttention
 
+    qk_norm = RMSNorm if args is not None and args.qk_norm else IdentityOp
+
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -76,8 +80,8 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
             linear_qkv=ColumnParallelLinear,
             core_attention=ModuleSpec(module=CoreAttention, params={"backend": attention_backend, "rope": rope}),
             linear_proj=RowParallelLinear,
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
+            q_layernorm=qk_norm,
+            k_layernorm=qk_norm,
         ),
     )
     return ModuleSpec(
