@@ -171,6 +171,26 @@ class Family:
 
 
 _FULL_CAUSAL = ("use_sliding_window", "packfwd's attention is full causal; set it to False")
+_QWEN3_ATTENTION_BIAS = (
+    "attention_bias", "Qwen3's attention_bias puts a bias on q, k, v and o but none on the MLP; Megatron-Core "
+    "biases all linears or none (add_bias_linear), so packfwd builds Qwen3 with attention_bias=False")
+
+
+def _qwen3_moe(cfg) -> Moe | None:
+    """Qwen3-MoE's MLPs: layer ``i`` is dense when in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``."""
+    dense = tuple(i for i in range(cfg.num_hidden_layers)
+                  if i in (cfg.mlp_only_layers or ()) or (i + 1) % cfg.decoder_sparse_step)
+    if not cfg.num_experts or len(dense) == cfg.num_hidden_layers:
+        return None  # every MLP dense
+    return Moe(num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, ffn_hidden_size=cfg.moe_intermediate_size,
+               normalize_top_k=bool(cfg.norm_topk_prob), dense_layers=dense)
+
+
+def _mixtral(cfg) -> Moe:
+    """Mixtral's MLPs: every layer softmax top-k, renormalised, experts as wide as ``intermediate_size``."""
+    return Moe(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
+               ffn_hidden_size=cfg.intermediate_size)
+
 
 # The families packfwd builds and converts, one entry each.
 FAMILIES: dict[str, Family] = {
@@ -178,9 +198,13 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("llama", ("llama",), linear_bias_flags=("attention_bias", "mlp_bias")),
         Family("qwen2", ("qwen2",), qkv_bias=True, unsupported=(_FULL_CAUSAL,)),
-        Family("qwen3", ("qwen3",), qk_norm=True, unsupported=(_FULL_CAUSAL, (
-            "attention_bias", "Qwen3's attention_bias puts a bias on q, k, v and o but none on the MLP; Megatron-Core "
-            "biases all linears or none (add_bias_linear), so packfwd builds Qwen3 with attention_bias=False"))),
+        Family("qwen3", ("qwen3",), qk_norm=True, unsupported=(_FULL_CAUSAL, _QWEN3_ATTENTION_BIAS)),
+        Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, unsupported=(_FULL_CAUSAL, _QWEN3_ATTENTION_BIAS),
+               read_moe=_qwen3_moe),
+        Family("mixtral", ("mixtral",), read_moe=_mixtral, unsupported=(
+            ("sliding_window", "packfwd's attention is full causal; set sliding_window=None"),
+            ("router_jitter_noise", "packfwd's router adds no jitter (Megatron-Core's would also jitter in eval); "
+                                    "set router_jitter_noise=0.0"))),
     )
 }
 
@@ -231,7 +255,16 @@ class MlpKind(Protocol):
         """The inverse: the HF tensors of one layer's MLP from every TP rank's state dict, in rank order."""
 
 
-_MLP_KINDS: dict[type, MlpKind] = {}
+class _MoeKindOnUse:
+    """The built-in kind of :class:`Moe`: :class:`packfwd.models.moe.MoeKind`, imported when first used."""
+
+    def __getattr__(self, name: str):
+        from .moe import MoeKind
+
+        return getattr(MoeKind(), name)
+
+
+_MLP_KINDS: dict[type, MlpKind] = {Moe: _MoeKindOnUse()}
 
 
 def register_mlp_kind(description: type, kind: MlpKind) -> None:

@@ -1,0 +1,218 @@
+"""Mixture-of-Experts layers for packfwd's models: Megatron-Core's ``MoELayer`` with a router that never routes a
+layout pad, and the load-balancing loss of the real tokens.
+
+The layer is Megatron-Core's own (``MoELayer``: router, token dispatcher, experts), dropless (no capacity factor:
+a token's output depends on its own routing only, never on its batch), with Megatron's local modules, no
+TransformerEngine::
+
+    mlp                    MoELayer
+      router               PackedRouter (Megatron's TopKRouter; weight [E, hidden])
+      experts              SequentialMLP: local_experts.{e}: MLP, linear_fc1 = [gate; up], linear_fc2
+
+What :class:`~packfwd.models.router.PackedRouter` changes in Megatron-Core's ``TopKRouter``:
+
+* the gate is a plain linear on the input's device, in ``config.moe_router_dtype`` (else the input's dtype):
+  Megatron's moves its weight to CUDA on every call and takes TransformerEngine's GEMM;
+* ``padding_mask`` (Megatron-Core's convention: ``[b, s]``, True at a padding slot; ``GPTModel.forward`` passes it
+  down, ``make_forward`` gives it from the batch's plan): Megatron masks those tokens out of its auxiliary losses
+  only; here they are routed to no expert at all (their routing-map row is empty, their probabilities 0), so they
+  count nowhere: not in the experts' load, not in any statistic, not in the load-balancing loss
+  (:func:`packfwd.models.routing.load_balancing_loss`);
+* inside :func:`routing_stats`, every routing appends its layer's
+  :class:`~packfwd.models.routing.RoutingStats` (real tokens only).
+
+Megatron-Core's own auxiliary losses stay off (``moe_router_load_balancing_type="none"``): a packfwd model adds no
+hidden gradient.  Ask the forward for the loss (``make_forward(..., moe_aux_loss=True)``) and add it, scaled, to
+yours.  The MLP kind of :class:`packfwd.models.family.Moe` is :class:`MoeKind` (``family.mlp_kind`` finds it).
+Megatron-Core is imported inside the functions (and by :mod:`packfwd.models.router`, which they import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from .routing import RoutingStats, load_balancing_loss
+
+__all__ = ["MoeKind", "check_aux_loss_model", "is_moe", "model_aux_loss", "moe_config_fields", "moe_spec",
+           "router_kwargs", "routing_stats"]
+
+
+def moe_config_fields(moe, num_layers: int) -> dict:
+    """Megatron-Core ``TransformerConfig`` fields of the MoE MLP ``moe`` (a :class:`packfwd.models.family.Moe`) in
+    a model of ``num_layers`` layers: softmax top-k, dropless, Megatron's auxiliary losses off.
+
+    ``moe.normalize_top_k``: the k kept probabilities renormalised to sum 1 (Megatron: softmax over the top-k
+    logits, ``moe_router_pre_softmax=False``), or not (softmax over all experts, then top-k: ``pre_softmax``).
+    ``moe_layer_freq``: per layer 1 (MoE) or 0 (dense, ``moe.dense_layers``).  The token dispatcher is
+    ``"allgather"``, which runs on the CPU and on CUDA (Megatron's ``"alltoall"`` needs CUDA streams).
+
+    >>> from packfwd.models.family import Moe
+    >>> fields = moe_config_fields(Moe(num_experts=4, top_k=2, ffn_hidden_size=16, dense_layers=[0]), 2)
+    >>> fields["moe_layer_freq"], fields["moe_router_pre_softmax"], fields["moe_ffn_hidden_size"]
+    ([0, 1], False, 16)
+    """
+    unsupported = {
+        "score_function": moe.score_function != "softmax", "shared_ffn_hidden_size": moe.shared_ffn_hidden_size,
+        "shared_expert_gate": moe.shared_expert_gate, "expert_bias": moe.expert_bias,
+        "num_groups": moe.num_groups is not None, "scaling_factor": moe.scaling_factor is not None,
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise NotImplementedError(f"packfwd builds softmax top-k MoE layers (Qwen3-MoE, Mixtral); Moe.{named[0]}="
+                                  f"{getattr(moe, named[0])!r} is not built yet: leave it at its default")
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.normalize_top_k,
+        moe_router_load_balancing_type="none",  # packfwd returns the loss instead (module docstring)
+        moe_aux_loss_coeff=0.0,
+        moe_layer_freq=[int(i not in moe.dense_layers) for i in range(num_layers)],
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+    )
+
+
+class MoeKind:
+    """The MLP kind of :class:`packfwd.models.family.Moe` (:class:`packfwd.models.family.MlpKind`): config
+    fields, layer spec and HF weights of an MoE layer (this module and :mod:`packfwd.models.hf_moe`)."""
+
+    def config_fields(self, args) -> dict:
+        return moe_config_fields(args.moe, args.num_layers)
+
+    def layer_spec(self, args, layer: int):
+        return moe_spec()
+
+    def hf_to_megatron(self, args, hf_state_dict, hf_layer: str, mg_layer: str, *, tp_size: int, tp_rank: int):
+        from .hf_moe import moe_from_hf
+
+        return moe_from_hf(hf_state_dict, hf_layer + "mlp.", mg_layer + "mlp.", range(args.moe.num_experts),
+                           tp_size=tp_size, tp_rank=tp_rank)
+
+    def megatron_to_hf(self, args, shards, mg_layer: str, hf_layer: str):
+        from .hf_moe import moe_to_hf
+
+        return moe_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts)
+
+
+def moe_spec():
+    """The ``ModuleSpec`` of an MoE MLP: Megatron-Core's ``MoELayer`` with
+    :class:`~packfwd.models.router.PackedRouter` and ``SequentialMLP`` experts of tensor-parallel linears
+    (Megatron's local spec; no TransformerEngine).
+
+    >>> spec = moe_spec()
+    >>> spec.module.__name__, spec.submodules.router.__name__, spec.submodules.experts.module.__name__
+    ('MoELayer', 'PackedRouter', 'SequentialMLP')
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .router import PackedRouter
+
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears),  # built only when configured
+            router=PackedRouter,
+        ),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
+def routers(model: torch.nn.Module) -> list:
+    """The :class:`~packfwd.models.router.PackedRouter` s of ``model`` (any wrapper), in layer order.
+
+    >>> routers(torch.nn.Linear(2, 2))
+    []
+    """
+    from .router import PackedRouter
+
+    return [m for m in model.modules() if isinstance(m, PackedRouter)]
+
+
+@contextlib.contextmanager
+def routing_stats(model: torch.nn.Module) -> Iterator[list[RoutingStats]]:
+    """While open, every MoE layer of ``model`` appends its :class:`RoutingStats` to the yielded list, once per
+    routing (once per forward and layer: packfwd's models do not recompute activations).
+
+    >>> with routing_stats(torch.nn.Linear(2, 2)) as stats:   # a model without MoE layers records nothing
+    ...     pass
+    >>> stats
+    []
+    """
+    found = routers(model)
+    if any(r.record is not None for r in found):
+        raise RuntimeError("routing_stats is already open on this model; open it once per forward")
+    stats: list[RoutingStats] = []
+    for r in found:
+        r.record = stats
+    try:
+        yield stats
+    finally:
+        for r in found:
+            r.record = None
+
+
+def is_moe(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (any wrapper) has MoE layers (its config's ``num_moe_experts``).
+
+    >>> is_moe(torch.nn.Linear(2, 2))
+    False
+    """
+    from packfwd._validate import unwrap
+
+    return bool(getattr(getattr(unwrap(model), "config", None), "num_moe_experts", None))
+
+
+def router_kwargs(model: torch.nn.Module, plan) -> dict:
+    """The model keywords that keep a batch's layout pads from its routers: ``{"padding_mask": plan.padding_mask()}``
+    for an MoE model (the plan knows its padding slots: ``ThdInfo`` / ``BshdInfo``), ``{}`` for any other.
+
+    >>> router_kwargs(torch.nn.Linear(2, 2), plan=None)
+    {}
+    """
+    return {"padding_mask": plan.padding_mask()} if is_moe(model) else {}
+
+
+def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device=None) -> Tensor:
+    """:func:`load_balancing_loss` of one forward of ``model`` (the whole model: every MoE layer), its token sums
+    all-reduced over the model's context-parallel group, and tensor-parallel group under sequence parallelism."""
+    gpt = check_aux_loss_model(model)
+    config, groups = gpt.config, gpt.pg_collection
+    reduce = [groups.cp] if config.context_parallel_size > 1 else []
+    if config.sequence_parallel and config.tensor_model_parallel_size > 1:
+        reduce.append(groups.tp)
+    loss = load_balancing_loss(stats, config.num_moe_experts, groups=reduce)
+    return loss.to(device) if device is not None else loss
+
+
+def check_aux_loss_model(model: torch.nn.Module):
+    """The model inside ``model``'s wrappers, if it can give :func:`model_aux_loss`: an MoE model, all of it in
+    this stage; else a ValueError naming the fix.
+
+    >>> check_aux_loss_model(torch.nn.Linear(2, 2))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: moe_aux_loss=True on a model without MoE layers (config.num_moe_experts is None); ...
+    """
+    from packfwd._validate import unwrap
+
+    gpt = unwrap(model)
+    if not is_moe(gpt):
+        raise ValueError("moe_aux_loss=True on a model without MoE layers (config.num_moe_experts is None); "
+                         "drop moe_aux_loss, or build an MoE model")
+    if not (gpt.pre_process and gpt.post_process):
+        raise ValueError("moe_aux_loss=True needs the whole model in one stage: the loss pools every layer's "
+                         "routing, and pipeline stages do not exchange theirs (not built); use pp_size=1")
+    return gpt

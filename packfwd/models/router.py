@@ -1,0 +1,88 @@
+"""packfwd's MoE router: Megatron-Core's ``TopKRouter`` that routes no layout pad and can record its routing.
+
+See :mod:`packfwd.models.moe` for what it changes and why.  This module imports Megatron-Core;
+:func:`packfwd.models.moe.moe_spec` imports it only when a model is built.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from torch import Tensor
+
+from .routing import RoutingStats
+
+__all__ = ["PackedRouter"]
+
+
+class PackedRouter(TopKRouter):
+    """Megatron-Core's ``TopKRouter`` whose padding slots are routed to no expert (:mod:`packfwd.models.moe`).
+
+    >>> from packfwd.models.runtime import ensure_model_parallel
+    >>> from megatron.core.transformer.transformer_config import TransformerConfig
+    >>> from megatron.core.process_groups_config import ProcessGroupCollection
+    >>> ensure_model_parallel()
+    >>> config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=4,
+    ...                            moe_router_topk=2, moe_ffn_hidden_size=8, moe_router_load_balancing_type="none",
+    ...                            use_cpu_initialization=True)
+    >>> router = PackedRouter(config, ProcessGroupCollection.use_mpu_process_groups())
+    >>> pads = torch.tensor([[False, True, False]])             # [b, s]: the middle slot is padding
+    >>> probs, routing_map = router(torch.randn(3, 1, 8), pads.T)  # MoELayer hands it [s, b]
+    >>> routing_map.sum(-1).tolist(), (probs[1] == 0).all().item()
+    ([2, 0, 2], True)
+    """
+
+    record: list | None = None  # set by packfwd.models.moe.routing_stats while it is open
+
+    def gating(self, input: Tensor) -> Tensor:
+        """The router logits ``[s, b, E]``: a plain linear on the input's device, in ``config.moe_router_dtype``
+        (``"fp32"``, ``"fp64"``) or else the input's dtype."""
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+    def forward(self, input: Tensor, padding_mask: Tensor | None = None):
+        """Megatron-Core's routing of ``input [s, b, h]``; ``padding_mask [s, b]`` True at padding slots (this
+        rank's tokens; a full-length mask on a later pipeline stage under sequence parallelism, which
+        Megatron-Core does not scatter there, is cut to this rank's share)."""
+        if padding_mask is not None:
+            padding_mask = self._local(padding_mask, input.shape[:2])
+        return super().forward(input, padding_mask)
+
+    def routing(self, logits: Tensor, padding_mask: Tensor | None = None):
+        """Megatron-Core's top-k routing, then the padding rows emptied; records :class:`RoutingStats`."""
+        probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        real = None if padding_mask is None else ~padding_mask.reshape(-1, 1)
+        if real is not None:
+            routing_map = routing_map.bool() & real
+            probs = probs * real
+        if self.record is not None:
+            self.record.append(self._stats(logits.reshape(-1, self.num_experts), routing_map, real))
+        return probs, routing_map
+
+    def _stats(self, logits: Tensor, routing_map: Tensor, real: Tensor | None) -> RoutingStats:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        if self.score_function == "sigmoid":  # Megatron's scores for its auxiliary loss
+            scores = torch.sigmoid(logits.to(dtype))
+            scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        else:
+            scores = torch.softmax(logits.to(dtype), dim=-1)
+        if real is None:
+            tokens = torch.tensor(float(logits.shape[0]), dtype=dtype, device=logits.device)
+        else:
+            scores, tokens = scores * real, real.sum().to(dtype)
+        return RoutingStats(routing_map.sum(0).to(dtype), scores.sum(0), tokens)
+
+    def _local(self, mask: Tensor, shape) -> Tensor:
+        s, b = shape
+        if mask.dim() != 2 or mask.shape[1] != b or mask.dtype != torch.bool:
+            raise ValueError(f"padding_mask has shape {tuple(mask.shape)} and dtype {mask.dtype} at an MoE layer "
+                             f"of {s} x {b} tokens; pass a bool [b, s] mask like input_ids, True at padding")
+        tp = self.tp_group.size() if self.config.sequence_parallel else 1
+        if mask.shape[0] == s * tp and tp > 1:
+            rank = self.tp_group.rank()
+            return mask[rank * s:(rank + 1) * s]
+        if mask.shape[0] != s:
+            raise ValueError(f"padding_mask covers {mask.shape[0]} tokens per row but this MoE layer routes {s}; "
+                             "pass a [b, s] mask like input_ids, True at padding")
+        return mask

@@ -1,0 +1,62 @@
+"""The routing of an MoE forward, over its real tokens, and the load-balancing loss of it: pure torch.
+
+:class:`packfwd.models.router.PackedRouter` records one :class:`RoutingStats` per MoE layer and forward (inside
+:func:`packfwd.models.moe.routing_stats`); :func:`load_balancing_loss` pools them the way transformers'
+``load_balancing_loss_func`` pools its layers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["RoutingStats", "load_balancing_loss"]
+
+
+class RoutingStats(NamedTuple):
+    """One MoE layer's routing of one forward, over its real tokens (this rank's share of them).
+
+    ``tokens_per_expert [E]``: top-k assignments to each expert; ``probs_per_expert [E]``: the sum of each
+    expert's router score (softmax over all experts), differentiable; ``tokens``: the real tokens routed (0-d)."""
+
+    tokens_per_expert: Tensor
+    probs_per_expert: Tensor
+    tokens: Tensor
+
+
+def load_balancing_loss(stats: Sequence[RoutingStats], num_experts: int, *, groups: Sequence = ()) -> Tensor:
+    """The load-balancing loss of the routed real tokens, unscaled: transformers' ``load_balancing_loss_func``.
+
+    Summed over layers the way transformers does it (it concatenates all layers' router logits): the counts and
+    the score sums of every layer are pooled, then ``E * sum_e (count_e / N) * (score_e / N)`` with ``N`` the real
+    tokens times the layers.  ``groups``: process groups whose ranks hold other tokens of the same batch (context
+    parallelism, sequence parallelism); their sums are all-reduced first, and the backward keeps this rank's
+    share (every rank computes the same loss).  No routed token: 0.
+
+    >>> stats = [RoutingStats(torch.tensor([2.0, 0.0]), torch.tensor([1.5, 0.5]), torch.tensor(2.0))]
+    >>> load_balancing_loss(stats, 2)   # 2 * (1 * 0.75 + 0 * 0.25)
+    tensor(1.5000)
+    """
+    if not stats:
+        return torch.zeros(())
+    counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0)
+    scores = torch.stack([s.probs_per_expert for s in stats]).sum(0)
+    tokens = torch.stack([s.tokens for s in stats]).sum()
+    if counts.shape != (num_experts,):
+        raise ValueError(f"the routing statistics have {counts.shape[-1]} experts, num_experts={num_experts}")
+    for group in groups:
+        counts, tokens, scores = _all_reduce(counts, tokens, scores, group)
+    n = tokens.clamp(min=1)  # no token: counts and scores are 0, and so is the loss
+    return num_experts * ((counts / n) * (scores / n)).sum()
+
+
+def _all_reduce(counts: Tensor, tokens: Tensor, scores: Tensor, group):
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    if group is None or group.size() == 1:
+        return counts, tokens, scores
+    both = torch.cat([counts, tokens[None].to(counts.dtype)])
+    torch.distributed.all_reduce(both, group=group)
+    return both[:-1], both[-1], reduce_from_tensor_model_parallel_region(scores, group)
