@@ -6,6 +6,10 @@ each sequence alone; packfwd runs the whole ragged batch (left and right padding
 also with alignment padding) or compacted (BSHD).  Both sides compute the routing softmax in float32
 (transformers' routers and Megatron-Core's ``topk_routing_with_score_function`` do), so logits agree to ~1e-6,
 not to float64 precision.  Weights convert both ways bit for bit.
+
+MoE under packing: the experts' load (the tokens each expert is handed, read off Megatron-Core's
+``SequentialMLP``), the load-balancing loss and its gradients do not change when padding columns, rows or
+alignment slots are added, and the loss equals transformers' ``load_balancing_loss_func`` on the padded batch.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from packfwd.forward import make_forward
+from packfwd.layout import plan_bshd, plan_thd, to_bshd, to_thd
 from packfwd.models import from_hf, to_hf_state_dict
 from packfwd.models.gpt import model_args
 from packfwd.models.hf import args_from_hf_config
@@ -121,8 +127,106 @@ def test_mixtral_choices_packfwd_cannot_build_are_refused(flag, value):
         args_from_hf_config(MixtralConfig(**TINY, **{**CONFIGS["mixtral"][1], flag: value}))
 
 
+@pytest.mark.parametrize("layout", [dict(seq_align=8), dict(cp_size=2, cp_rank=1), dict(tp_size=4)])
+def test_plans_know_their_padding_slots(layout):
+    """The plan's ``padding_mask()`` is True exactly where packing the mask itself gives False (a pad slot)."""
+    ids, mask = ragged_batch()
+    info = plan_thd(mask, **layout)
+    assert torch.equal(info.padding_mask(), ~to_thd(mask, info)[0][None])
+    wide = plan_bshd(mask, tp_size=layout.get("tp_size", 1))
+    assert torch.equal(wide.padding_mask(), ~to_bshd(mask, wide)[0])
+
+
 def test_the_router_names_a_mask_of_the_wrong_shape():
     """Megatron-Core checks the mask's shape on the first pipeline stage only; the router checks it everywhere."""
     router = from_hf(hf_model("mixtral")).decoder.layers[0].mlp.router
     with pytest.raises(ValueError, match="padding_mask covers 6 tokens per row but this MoE layer routes 5"):
         router(torch.randn(5, 2, 32, dtype=torch.float64), torch.zeros(6, 2, dtype=torch.bool))
+
+
+def expert_load(model, forward, ids, mask):
+    """Tokens handed to each expert of each MoE layer ([layers, E]), read where Megatron-Core's experts run."""
+    loads = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: loads.append(a[1].clone()))
+             for m in model.modules() if type(m).__name__ == "SequentialMLP"]
+    try:
+        with torch.no_grad():
+            forward(model, ids, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(loads)
+
+
+def test_padding_is_never_routed():
+    """Without the plan's mask every slot is routed: 256 at seq_align=64 for the batch's 21 real tokens."""
+    model = from_hf(hf_model("qwen3_moe-norm"))
+    ids, mask = ragged_batch()
+    want = expert_load(model, make_forward("thd"), ids, mask)
+    assert want.sum() == 2 * 2 * mask.sum()  # two MoE layers, top-2, real tokens only
+    wide_ids, wide_mask = more_padding(ids, mask)
+    for data_format, layout in [("thd", {"seq_align": 8}), ("thd", {"seq_align": 64}), ("bshd", {})]:
+        for batch in ((ids, mask), (wide_ids, wide_mask)):
+            got = expert_load(model, make_forward(data_format, **layout), *batch)
+            assert torch.equal(got, want), (data_format, layout)
+
+
+def hf_aux_loss(hf, ids, mask):
+    out = hf(ids, attention_mask=mask.long(), output_router_logits=True)
+    return load_balancing_loss_func(out.router_logits, hf.config.num_experts, 2, mask.long())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_aux_loss_equals_transformers_and_ignores_padding(name):
+    hf = hf_model(name)
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        want = hf_aux_loss(hf, ids, mask).double()
+        assert torch.allclose(hf_aux_loss(hf, *more_padding(ids, mask)).double(), want, rtol=1e-6)
+        for data_format, layout in [*LAYOUTS, ("thd", {"seq_align": 64})]:
+            forward = make_forward(data_format, moe_aux_loss=True, **layout)
+            out = forward(model, ids, mask)
+            assert sorted(out) == ["logits", "moe_aux_loss"]
+            torch.testing.assert_close(out["moe_aux_loss"], want, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(forward(model, *more_padding(ids, mask))["moe_aux_loss"], out["moe_aux_loss"],
+                                       atol=1e-12, rtol=1e-12)
+
+
+def test_aux_loss_gradients_equal_transformers():
+    hf = hf_model("mixtral")
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    hf_aux_loss(hf, ids, mask).backward()
+    make_forward("thd", seq_align=8, moe_aux_loss=True)(model, ids, mask)["moe_aux_loss"].backward()
+    for i in range(3):
+        want = hf.model.layers[i].mlp.gate.weight.grad
+        got = model.decoder.layers[i].mlp.router.weight.grad
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    want = hf.model.layers[0].self_attn.q_proj.weight.grad  # flows back through the router's input
+    got = model.decoder.layers[0].self_attention.linear_qkv.weight.grad
+    assert got.abs().sum() > 0 and want.abs().sum() > 0
+
+
+def test_aux_loss_with_a_processor_and_the_refusals():
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+
+    def hit(logits, labels):
+        return {"hit": logits.gather(-1, labels[:, None])[:, 0]}
+
+    out = make_forward("bshd", logits_processor=hit, moe_aux_loss=True)(model, ids, mask, labels=ids)
+    assert sorted(out) == ["hit", "moe_aux_loss"] and out["hit"].shape == ids.shape
+    dense = from_hf(randomise(Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY, intermediate_size=48, num_experts=4,
+                                                                   mlp_only_layers=[0, 1, 2]))))
+    with pytest.raises(ValueError, match="without MoE layers"):
+        make_forward("thd", moe_aux_loss=True)(dense, ids, mask)
+    with pytest.raises(ValueError, match="mtp=True or vision=True"):
+        make_forward("thd", mtp=True, moe_aux_loss=True)
+
+
+def test_an_empty_batch_has_zero_aux_loss():
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    out = make_forward("thd", moe_aux_loss=True)(model, ids, torch.zeros_like(mask))
+    assert out["moe_aux_loss"].item() == 0.0 and not out["logits"].any()

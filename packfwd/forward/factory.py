@@ -33,6 +33,7 @@ checks a plan against.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -40,6 +41,7 @@ from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
 from ..layout import rules
+from ..models.moe import check_aux_loss_model, model_aux_loss, router_kwargs, routing_stats
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
 from .head import fused_head
@@ -103,6 +105,7 @@ def make_forward(
     check_group=None,
     mtp: bool = False,
     head: str = "logits",
+    moe_aux_loss: bool = False,
 ) -> Callable:
     """A pure ``forward(model, input_ids, attention_mask, position_ids=None, multi_modal_inputs=None, *,
     seqlens=None, **processor_args)`` (see the module docstring).
@@ -124,6 +127,12 @@ def make_forward(
     ``head="fused"``: the last stage returns hidden states and the processor's fused form computes its numbers
     from them and the output weight, without ``[t, v]`` logits (``logits_processor=log_probs_and_entropy``; its
     ``token_mask`` argument limits the work to those tokens): see :mod:`packfwd.forward.head`.
+
+    ``moe_aux_loss=True`` (a Mixture-of-Experts model, whole in one stage): the outputs are a dict (without a
+    processor the logits are ``"logits"``) with ``"moe_aux_loss"``, the load-balancing loss of the batch's real
+    tokens, unscaled, every MoE layer pooled as transformers' ``load_balancing_loss_func`` pools them
+    (:func:`packfwd.models.routing.load_balancing_loss`).  With it or not, an MoE model's routers never route a
+    layout pad (the plan's ``padding_mask()``, passed as the model's ``padding_mask``).
 
     ``check_group``: a process group whose ranks must all get the same batch (e.g. Megatron-Core's
     tensor-and-context-parallel group).  With it, each call validates its inputs and plans the packing on every
@@ -168,6 +177,8 @@ def make_forward(
     if vision and mtp:  # the MTP forward packs ids before the model; a vision model embeds first (the hook)
         raise ValueError("mtp=True with vision=True is not built: the MTP forward has no packing hook for a model "
                          "that embeds first; use one of them")
+    if moe_aux_loss and (mtp or vision):
+        raise ValueError("moe_aux_loss=True with mtp=True or vision=True is not built; use it with neither")
     if mtp:  # multi-token prediction: every depth's ids, labels and loss mask packed with the batch (mtp.py)
         from .mtp import make_mtp_forward
 
@@ -187,24 +198,34 @@ def make_forward(
             if fused is not None:
                 fused.check_model(model, facts)
             check_ids(input_ids, attention_mask, model)
+            if moe_aux_loss:
+                check_aux_loss_model(model)
             plan, ids = layout.pack(input_ids, attention_mask, seqlens)
             if vision:  # the model embeds first and packs with the `packing` hook (vision.py)
                 call = vision_call(model, layout, plan, ids, input_ids, attention_mask, position_ids)
             else:
                 call = dict(input_ids=ids, position_ids=layout.positions(plan, ids, position_ids, input_ids),
-                            attention_mask=None, **layout.model_kwargs(plan))
+                            attention_mask=None, **layout.model_kwargs(plan), **router_kwargs(model, plan))
             args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}
             return dict(facts=facts, processor=processor, plan=plan, call=call, args=args)
 
         got = checked_call(check_group, layout, prepare)
         facts, processor, plan, call, args = (got[k] for k in ("facts", "processor", "plan", "call", "args"))
         head_kwargs = fused.model_kwargs if fused is not None else {}
-        if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
-            out, head_kwargs = empty_output(model, facts, layout.empty_shape(plan, facts.post_process)), {}
-        else:
-            out = model(**call, **head_kwargs, **dict(multi_modal_inputs or {}))
+        with routing_stats(model) if moe_aux_loss else contextlib.nullcontext([]) as stats:
+            if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
+                out, head_kwargs = empty_output(model, facts, layout.empty_shape(plan, facts.post_process)), {}
+            else:
+                out = model(**call, **head_kwargs, **dict(multi_modal_inputs or {}))
         if not facts.post_process:
             return out  # a middle pipeline stage: hidden states for the next one
+        results = outputs(model, out, facts, processor, plan, args, head_kwargs)
+        if not moe_aux_loss:
+            return results
+        results = results if isinstance(results, dict) else {"logits": results}
+        return {**results, "moe_aux_loss": model_aux_loss(model, stats, device=out.device)}
+
+    def outputs(model, out, facts, processor, plan, args, head_kwargs):  # the last stage's, unpacked
         if head_kwargs:  # the fused head: out holds the last stage's hidden states [s, b, h]
             results, t = fused.run(processor, model, facts, out, args)
             return {k: layout.unpack(v, plan) for k, v in check_results(results, t).items()}

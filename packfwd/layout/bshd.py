@@ -73,6 +73,10 @@ class BshdInfo(PlanOfSource):
                              f"compacted ids it was given: [3, {want[0]}, {want[1]}] or {list(want)}")
         return positions
 
+    def padding_mask(self) -> Tensor:
+        """[b, width] bool, True at padding slots: Megatron-Core's MoE ``padding_mask`` (no sync)."""
+        return ~self.attention_mask
+
 
 def plan_bshd(
     attention_mask: Tensor | None, *, tp_size: int = 1, seqlens: Sequence[int] | None = None, x: Tensor | None = None

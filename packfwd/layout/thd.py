@@ -114,6 +114,10 @@ class ThdInfo(PlanOfSource):
 
         return thd_params(self)
 
+    def padding_mask(self) -> Tensor:
+        """[1, t_local] bool, True at this rank's padding slots: Megatron-Core's MoE ``padding_mask`` (no sync)."""
+        return (self.gather_index < 0)[None]
+
 
 def plan_thd(
     attention_mask: Tensor | None, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0,
