@@ -230,3 +230,51 @@ def test_an_empty_batch_has_zero_aux_loss():
     ids, mask = ragged_batch()
     out = make_forward("thd", moe_aux_loss=True)(model, ids, torch.zeros_like(mask))
     assert out["moe_aux_loss"].item() == 0.0 and not out["logits"].any()
+
+
+def _parallel_worker(rank: int, world: int, hf, layouts):
+    """Per layout ``(name, tp, cp)`` (TP with sequence parallelism): this rank's logits, aux loss, router grads."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime import ensure_model_parallel
+
+    results = {}
+    for name, tp, cp in layouts:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ensure_model_parallel(tp_size=tp, cp_size=cp)
+        tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
+        model = from_hf(hf, tp_size=tp, tp_rank=tp_rank, sequence_parallel=tp > 1)
+        forward = make_forward("thd", tp_size=tp, cp_size=cp, cp_rank=cp_rank, moe_aux_loss=True,
+                               cp_group=ps.get_context_parallel_group() if cp > 1 else None)
+        out = forward(model, *ragged_batch())
+        with host_collectives():
+            out["moe_aux_loss"].backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
+        results[name] = dict(logits=out["logits"].detach(), loss=out["moe_aux_loss"].detach(), grads=grads)
+    ps.destroy_model_parallel()
+    return results
+
+
+def test_tp2_sp_and_cp2_over_gloo_equal_one_process():
+    """Sequence-parallel TP=2 routes each rank's half of the tokens (the plan's pads cut with them), CP=2 each
+    rank's zigzag share: logits and aux loss equal the single process's, router gradients sum to its."""
+    from packfwd.testing import run_local
+
+    hf = hf_model("qwen3_moe-norm")
+    model = from_hf(hf)
+    out = make_forward("thd", moe_aux_loss=True)(model, *ragged_batch())
+    out["moe_aux_loss"].backward()
+    want = {n: p.grad for n, p in model.named_parameters() if n.endswith("router.weight")}
+    ranks = run_local(_parallel_worker, 2, hf, [("tp2_sp", 2, 1), ("cp2", 1, 2)], backend="gloo", timeout=300)
+    tp = [r["tp2_sp"] for r in ranks]
+    torch.testing.assert_close(torch.cat([r["logits"] for r in tp], -1), out["logits"].detach(), atol=1e-10, rtol=0)
+    for layout in ("tp2_sp", "cp2"):
+        got = [r[layout] for r in ranks]
+        for r in got:
+            torch.testing.assert_close(r["loss"], out["moe_aux_loss"].detach(), atol=1e-12, rtol=1e-12)
+        for name, grad in want.items():
+            torch.testing.assert_close(got[0]["grads"][name] + got[1]["grads"][name], grad, atol=1e-12, rtol=1e-10)
+    for r in ranks:
+        torch.testing.assert_close(r["cp2"]["logits"], out["logits"].detach(), atol=1e-10, rtol=0)
