@@ -278,3 +278,39 @@ def test_tp2_sp_and_cp2_over_gloo_equal_one_process():
             torch.testing.assert_close(got[0]["grads"][name] + got[1]["grads"][name], grad, atol=1e-12, rtol=1e-10)
     for r in ranks:
         torch.testing.assert_close(r["cp2"]["logits"], out["logits"].detach(), atol=1e-10, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_logits_load_and_aux_loss():
+    """The same model on a GPU (float32): Megatron-Core's MoE layer, packfwd's router and the loss run there."""
+    hf = hf_model("qwen3_moe-norm").float().cuda()
+    model = from_hf(hf)
+    ids, mask = (x.cuda() for x in ragged_batch())
+    with torch.no_grad():
+        out = make_forward("thd", seq_align=8, moe_aux_loss=True)(model, ids, mask)
+        for i in range(ids.shape[0]):
+            want = hf(ids[i][mask[i]][None]).logits[0]
+            torch.testing.assert_close(out["logits"][i][mask[i]], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out["moe_aux_loss"], hf_aux_loss(hf, ids, mask), atol=1e-5, rtol=1e-5)
+    load = expert_load(model, make_forward("thd", seq_align=64), ids, mask)
+    assert load.sum() == 2 * 2 * mask.sum()
+
+
+def test_verls_engine_forward_honours_router_padding_mask():
+    """packfwd.verl's nested forward hands verl's ``router_padding_mask`` [1, t] to the model: those slots are
+    routed nowhere (verl sets it for dynamic CP's padding); the logits of the other tokens do not change."""
+    from packfwd.verl import gptmodel_forward_model_engine
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    nested = torch.nested.nested_tensor([ids[i][mask[i]] for i in range(4)], layout=torch.jagged)
+    pads = torch.zeros(1, int(mask.sum()), dtype=torch.bool)
+    pads[0, 9:14] = True  # the second sequence's 5 tokens
+    with torch.no_grad():
+        plain = gptmodel_forward_model_engine(model, nested, {})
+        masked = gptmodel_forward_model_engine(model, nested, {}, router_padding_mask=pads)
+    load = expert_load(model, lambda m, *_: gptmodel_forward_model_engine(m, nested, {}, router_padding_mask=pads),
+                       None, None)
+    assert load.sum() == 3 * 2 * (mask.sum() - 5)  # three MoE layers, top-2
+    for i in (0, 2, 3):
+        torch.testing.assert_close(masked[i], plain[i], atol=1e-12, rtol=0)
