@@ -314,3 +314,31 @@ def test_verls_engine_forward_honours_router_padding_mask():
     assert load.sum() == 3 * 2 * (mask.sum() - 5)  # three MoE layers, top-2
     for i in (0, 2, 3):
         torch.testing.assert_close(masked[i], plain[i], atol=1e-12, rtol=0)
+
+
+def test_run_micro_batches_weighs_each_micro_batch_by_its_tokens():
+    """``StepResult.moe_aux_loss`` is ``sum_m loss_m * n_m / N`` (the loss does not split over micro-batches: it
+    pools counts and scores); one micro-batch gives the whole batch's loss.  A ``loss_fn`` that adds it to every
+    token backpropagates exactly that."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", moe_aux_loss=True)
+    whole = forward(model, ids, mask)["moe_aux_loss"]
+    one = plan_micro_batches(mask.sum(1).tolist(), max_tokens=64, **forward.layout.plan_args)
+    got = run_micro_batches(forward, model, one, ids, mask, dp_rank=0)
+    torch.testing.assert_close(got.moe_aux_loss, whole.detach())
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=10, **forward.layout.plan_args)
+    groups = [g for g in plan.micro_batches[0] if g]
+    assert len(groups) > 1
+    want = sum(forward(model, ids[g], mask[g])["moe_aux_loss"] * mask[g].sum() for g in groups) / mask.sum()
+    want.backward()
+    want_grad = model.decoder.layers[1].mlp.router.weight.grad.clone()
+    model.zero_grad()
+    got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0,
+                            loss_fn=lambda out: out["moe_aux_loss"].expand(out["logits"].shape[:2]))
+    torch.testing.assert_close(got.moe_aux_loss, want.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got.loss, want.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(model.decoder.layers[1].mlp.router.weight.grad, want_grad, atol=1e-12, rtol=1e-10)
+    assert "moe_aux_loss" not in got.outputs and got.outputs["logits"].shape == (*ids.shape, V)

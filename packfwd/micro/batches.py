@@ -6,7 +6,9 @@ module imports neither.
 An MTP forward's ``"mtp_loss" [D]`` is one number per depth for the whole call, not a row: the result holds the
 global batch's token-weighted MTP loss per depth instead (``StepResult.mtp_loss``), each micro-batch's loss weighted
 by its MTP loss-token count per depth over the count of the whole global batch, so that with one DP rank it is the
-``mtp_loss`` of one forward over the whole batch, and over DP ranks the ranks' values add up to it.
+``mtp_loss`` of one forward over the whole batch, and over DP ranks the ranks' values add up to it.  A
+``moe_aux_loss=True`` forward's ``"moe_aux_loss"`` (one number per call) likewise becomes the token-weighted
+``StepResult.moe_aux_loss``: each micro-batch's loss weighted by its real tokens over the global batch's.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ class StepResult:
     ``k`` for global index ``rows[k]`` (ascending; with one DP rank, the caller's order); None when the rank ran
     no sequence.  ``loss``: the rank's share of the global loss (a detached 0-d tensor; 0 without ``loss_fn``).
     ``mtp_loss`` (an ``mtp=True`` forward, else None): ``[D]``, the rank's share of the global batch's
-    token-weighted MTP loss per depth (module docstring); the per-row ``outputs`` then hold no ``"mtp_loss"``."""
+    token-weighted MTP loss per depth (module docstring); the per-row ``outputs`` then hold no ``"mtp_loss"``.
+    ``moe_aux_loss`` (a ``moe_aux_loss=True`` forward, else None): 0-d, the rank's share of the global batch's
+    token-weighted load-balancing loss (module docstring), likewise taken out of ``outputs``."""
 
     outputs: Any
     rows: list
     loss: Tensor
     mtp_loss: Tensor | None = None
+    moe_aux_loss: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,13 @@ def step_result(pieces: list, mbs: list, loss: Tensor, batch_masks: tuple) -> St
     if pieces and isinstance(pieces[0], Mapping) and {"mtp_loss", "mtp_log_probs"} <= pieces[0].keys():
         mtp = _global_mtp_loss([p["mtp_loss"] for p in pieces], mbs, *batch_masks)
         pieces = [{k: v for k, v in p.items() if k != "mtp_loss"} for p in pieces]
-    return StepResult(outputs=in_row_order(pieces, order), rows=sorted(order), loss=loss, mtp_loss=mtp)
+    moe = None
+    if pieces and isinstance(pieces[0], Mapping) and "moe_aux_loss" in pieces[0]:  # sum_m loss_m * n_m / N
+        total = sum(p["moe_aux_loss"].double() * mb.args[1].sum() for p, mb in zip(pieces, mbs))
+        moe = (total / batch_masks[1].sum().clamp(min=1)).to(pieces[0]["moe_aux_loss"].dtype)
+        pieces = [{k: v for k, v in p.items() if k != "moe_aux_loss"} for p in pieces]
+    return StepResult(outputs=in_row_order(pieces, order), rows=sorted(order), loss=loss, mtp_loss=mtp,
+                      moe_aux_loss=moe)
 
 
 def _global_mtp_loss(losses: list, mbs: list, loss_mask, attention_mask) -> Tensor:
