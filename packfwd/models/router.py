@@ -60,6 +60,17 @@ class PackedRouter(TopKRouter):
             self.record.append(self._stats(logits.reshape(-1, self.num_experts), routing_map, real))
         return probs, routing_map
 
+    def _apply_expert_bias(self, routing_map: Tensor, padding_mask: Tensor | None = None) -> None:
+        """Megatron-Core's count of each expert's tokens for its expert-bias update, eager: Megatron-Core compiles
+        this helper, and under torch 2.11 megatron-core 0.19.2's compiled one fails inside Dynamo even when the
+        expert bias is off.  Nothing to count without an expert bias."""
+        if not (self.enable_expert_bias and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(0)
+
     def _stats(self, logits: Tensor, routing_map: Tensor, real: Tensor | None) -> RoutingStats:
         dtype = torch.promote_types(logits.dtype, torch.float32)
         if self.score_function == "sigmoid":  # Megatron's scores for its auxiliary loss
