@@ -15,6 +15,7 @@ from __future__ import annotations
 from packfwd.layout import from_thd, pack_positions, plan_thd, position_ids, to_thd
 
 from .facts import empty_output, model_facts
+from .moe import router_kwargs
 
 __all__ = ["forward_masked_rows"]
 
@@ -23,7 +24,23 @@ def forward_masked_rows(model, input_ids, positions, attention_mask, mtp_input_i
     """``model`` on a BSHD batch with a ``[b, s]`` padding mask (True at real tokens), computed packed, with causal
     attention per row.  ``positions``: the caller's ``[b, s]`` / ``[3, b, s]``, else each token's index in its
     row's real tokens.  One host sync (planning).  A pipeline stage without the output layer returns THD hidden
-    states ``[t, 1, h]``; the next stage takes them through ``set_input_tensor`` and the same call."""
+    states ``[t, 1, h]``; the next stage takes them through ``set_input_tensor`` and the same call.
+
+    An MoE model's routers get the plan's ``padding_mask()`` (as ``make_forward`` gives it): the slots the packing
+    adds (sequence-parallel padding) reach no expert.  A caller's ``padding_mask [b, s]`` (Megatron-Core's: True
+    at a token to keep from the routers) is packed with the same plan and added to it.
+
+    >>> import torch
+    >>> from packfwd.models import ModelArgs, build_model
+    >>> model = build_model(ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1,
+    ...                               num_attention_heads=2))
+    >>> ids = torch.tensor([[0, 5, 6, 7], [8, 9, 0, 0]]); mask = ids != 0
+    >>> out = model(ids, None, mask)          # this function, through PackedGPTModel.forward
+    >>> out.shape, bool(out[~mask].any())
+    (torch.Size([2, 4, 64]), False)
+    >>> bool(torch.allclose(out[0, 1:], model(ids[:1, 1:], None, None)[0], atol=1e-6))  # the row alone
+    True
+    """
     config = model.config
     if getattr(config, "context_parallel_size", 1) > 1:
         raise ValueError(
@@ -42,6 +59,7 @@ def forward_masked_rows(model, input_ids, positions, attention_mask, mtp_input_i
         return out if mtp_input_ids is None else (out, out.expand(len(mtp_input_ids), *out.shape))
     ids = to_thd(input_ids, info)[0][None] if reads_ids else None  # a later stage does not read them
     packed = position_ids(info)[None] if positions is None else pack_positions(positions, info)[..., None, :]
+    kwargs.update(_router_padding(model, info, kwargs.pop("padding_mask", None)))
     if mtp_input_ids is not None:  # [D, b, s] -> [D, 1, t]
         kwargs["mtp_input_ids"] = to_thd(mtp_input_ids.permute(1, 2, 0), info)[0].T[:, None]
     out = model(ids, packed, None, packed_seq_params=info.packed_seq_params(), **kwargs)  # [1, t, *]
@@ -51,3 +69,16 @@ def forward_masked_rows(model, input_ids, positions, attention_mask, mtp_input_i
         return from_thd(out[0], info)
     logits, depths = out  # [1, t, v], [D, 1, t, v]
     return from_thd(logits[0], info), from_thd(depths[:, 0].transpose(0, 1), info).permute(2, 0, 1, 3)
+
+
+def _router_padding(model, info, padding_mask) -> dict:
+    """``{"padding_mask": [1, t]}``: the plan's pads (an MoE model) and the caller's ``[b, s]`` mask packed."""
+    if padding_mask is not None and tuple(padding_mask.shape) != (info.batch_size, info.seq_len):
+        raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)} but attention_mask has shape "
+                         f"{(info.batch_size, info.seq_len)}; pass a bool [b, s] mask like attention_mask, True at "
+                         "the tokens to keep from the routers")
+    given = {} if padding_mask is None else {"padding_mask": to_thd(padding_mask, info)[0][None]}
+    planned = router_kwargs(model, info)
+    if given and planned:
+        return {"padding_mask": given["padding_mask"] | planned["padding_mask"]}
+    return given or planned
