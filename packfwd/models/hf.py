@@ -44,14 +44,15 @@ def args_from_hf_config(hf_config, *, value_head: bool = False) -> ModelArgs:
 
 
 def load_weights(model: torch.nn.Module, weights: Mapping[str, Tensor]) -> torch.nn.Module:
-    """Copy ``weights`` into ``model``'s parameters (in place; returns ``model``).  The names must be exactly the
-    model's parameter names: a missing or extra name is a ValueError, a shape mismatch too.
+    """Copy ``weights`` into ``model``'s parameters and persistent buffers (an MoE router's ``expert_bias``; in
+    place; returns ``model``).  The names must be exactly theirs: a missing or extra name is a ValueError, a shape
+    mismatch too.
 
     >>> layer = torch.nn.Linear(2, 1)
     >>> load_weights(layer, {"weight": torch.ones(1, 2), "bias": torch.zeros(1)})(torch.ones(2)).item()
     2.0
     """
-    params = dict(model.named_parameters())
+    params = _weights(model)
     missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
     if missing or extra:
         raise ValueError(f"weights do not match the model's parameters: missing {missing}, unexpected {extra}")
@@ -175,8 +176,14 @@ def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
                          "state_dict and call packfwd.models.megatron_to_hf(shards, args)")
     args = model_args(gpt)
     layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
-    shard = {n: p.detach() for n, p in gpt.named_parameters()}
+    shard = {n: p.detach() for n, p in _weights(gpt).items()}
     return megatron_to_hf([shard], args, layers=layers, pre_process=gpt.pre_process, post_process=gpt.post_process)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, Tensor]:
+    """``model``'s parameters and persistent buffers (what its state dict holds besides extra state)."""
+    kept = set(model.state_dict(keep_vars=True))
+    return {**dict(model.named_parameters()), **{n: b for n, b in model.named_buffers() if n in kept}}
 
 
 def _replace(args: ModelArgs, **changes) -> ModelArgs:

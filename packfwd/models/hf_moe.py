@@ -1,17 +1,25 @@
-"""HF transformers MoE weights (Qwen3-MoE, Mixtral) <-> a packfwd MoE layer's, TP-sharded: pure functions.
+"""HF transformers MoE weights (Qwen3-MoE, Mixtral, DeepSeek-V3's MoE block) <-> a packfwd MoE layer's,
+TP-sharded, and the MoE description of a DeepSeek-V3-style config: pure functions.
 
 One MoE MLP, ``E`` experts of width ``f``, hidden ``h`` (transformers 5 stores the experts fused, as
-``Qwen3MoeExperts`` / ``MixtralExperts`` do; a checkpoint's per-expert names are read too)::
+``Qwen3MoeExperts`` / ``MixtralExperts`` / ``DeepseekV3Experts`` do; a checkpoint's per-expert names are read
+too)::
 
     HF                                          packfwd (Megatron-Core's MoELayer, SequentialMLP experts)
     mlp.gate.weight              [E, h]         mlp.router.weight                                [E, h]
     mlp.experts.gate_up_proj     [E, 2f, h]     mlp.experts.local_experts.{e}.linear_fc1.weight  [2f, h] [gate; up]
     mlp.experts.down_proj        [E, h, f]      mlp.experts.local_experts.{e}.linear_fc2.weight  [h, f]
     (mlp.experts.{e}.gate_proj / up_proj / down_proj .weight: [f, h], [f, h], [h, f])
+  with an expert bias (DeepSeek-V3's routing-only correction; a float32 buffer on both sides):
+    mlp.gate.e_score_correction_bias [E]        mlp.router.expert_bias                           [E]
+  with shared experts of width fs (every token also goes through them; Megatron's SharedExpertMLP):
+    mlp.shared_experts.gate_proj.weight [fs, h] mlp.shared_experts.linear_fc1.weight             [2fs, h] [gate; up]
+    mlp.shared_experts.up_proj.weight   [fs, h]
+    mlp.shared_experts.down_proj.weight [h, fs] mlp.shared_experts.linear_fc2.weight             [h, fs]
 
-A TP rank holds ``[gate_r; up_r]`` rows of ``linear_fc1`` and the matching columns of ``linear_fc2`` (the
-experts' tensor-parallel size is the model's); the router is replicated.  An expert-parallel rank holds the
-experts ``experts`` (global ids), numbered ``local_experts.0 ...`` in order.
+A TP rank holds ``[gate_r; up_r]`` rows of each ``linear_fc1`` and the matching columns of ``linear_fc2`` (the
+experts' tensor-parallel size is the model's); the router and its bias are replicated.  An expert-parallel rank
+holds the experts ``experts`` (global ids), numbered ``local_experts.0 ...`` in order.
 """
 
 from __future__ import annotations
@@ -21,16 +29,20 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["moe_from_hf", "moe_to_hf"]
+__all__ = ["deepseek_moe_fields", "moe_from_hf", "moe_to_hf"]
+
+_SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
 def moe_from_hf(
     sd: Mapping[str, Tensor], hf: str, mg: str, experts: Sequence[int], *, tp_size: int = 1, tp_rank: int = 0,
+    shared: bool = False, expert_bias: bool = False,
 ) -> dict[str, Tensor]:
     """TP rank ``tp_rank``'s tensors of the MoE MLP ``hf`` (a prefix such as ``"model.layers.1.mlp."``) under
-    Megatron's prefix ``mg`` (``"decoder.layers.1.mlp."``), for the global experts ``experts``.  New tensors.
+    Megatron's prefix ``mg`` (``"decoder.layers.1.mlp."``), for the global experts ``experts``; with the shared
+    experts (``shared``) and the router's expert bias (``expert_bias``).  New tensors.
 
-    >>> E, f, h = 2, 3, 4
+    >>> E, f, h = 2, 4, 4
     >>> sd = {"m.gate.weight": torch.randn(E, h), "m.experts.gate_up_proj": torch.randn(E, 2 * f, h),
     ...       "m.experts.down_proj": torch.randn(E, h, f)}
     >>> out = moe_from_hf(sd, "m.", "g.", range(E))
@@ -39,28 +51,99 @@ def moe_from_hf(
     >>> back = moe_to_hf([out], "m.", "g.", E)
     >>> sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
     True
+    >>> sd.update({"m.gate.e_score_correction_bias": torch.randn(E), "m.shared_experts.gate_proj.weight":
+    ...            torch.randn(f, h), "m.shared_experts.up_proj.weight": torch.randn(f, h),
+    ...            "m.shared_experts.down_proj.weight": torch.randn(h, f)})
+    >>> shards = [moe_from_hf(sd, "m.", "g.", range(E), tp_size=2, tp_rank=r, shared=True, expert_bias=True)
+    ...           for r in (0, 1)]
+    >>> tuple(shards[1]["g.shared_experts.linear_fc1.weight"].shape), tuple(shards[1]["g.router.expert_bias"].shape)
+    ((4, 4), (2,))
+    >>> back = moe_to_hf(shards, "m.", "g.", E, shared=True, expert_bias=True)
+    >>> sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+    True
     """
-    out = {mg + "router.weight": sd[hf + "gate.weight"].clone()}
+    out = {mg + "router.weight": _get(sd, hf + "gate.weight").clone()}
+    if expert_bias:
+        out[mg + "router.expert_bias"] = _get(sd, hf + "gate.e_score_correction_bias").clone()
     for local, e in enumerate(experts):
-        gate_up, down = _expert(sd, hf, e)
-        gate, up = gate_up.chunk(2, dim=0)
-        p = f"{mg}experts.local_experts.{local}."
-        out[p + "linear_fc1.weight"] = torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).clone()
-        out[p + "linear_fc2.weight"] = down.chunk(tp_size, dim=1)[tp_rank].clone()
+        out.update(_mlp_from_hf(*_expert(sd, hf, e), f"{mg}experts.local_experts.{local}.", tp_size, tp_rank))
+    if shared:
+        gate, up, down = (_get(sd, f"{hf}shared_experts.{n}.weight") for n in _SHARED)
+        out.update(_mlp_from_hf(torch.cat([gate, up]), down, mg + "shared_experts.", tp_size, tp_rank))
     return out
 
 
-def moe_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_experts: int) -> dict[str, Tensor]:
+def moe_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_experts: int, *, shared: bool = False,
+              expert_bias: bool = False) -> dict[str, Tensor]:
     """The inverse of :func:`moe_from_hf` for all ``num_experts`` experts (every TP rank's state dict, in rank
     order; no expert parallelism): the fused HF tensors transformers' own state dict holds.  New tensors."""
-    gate_up, down = [], []
-    for e in range(num_experts):
-        p = f"{mg}experts.local_experts.{e}."
-        gates, ups = zip(*(s[p + "linear_fc1.weight"].chunk(2, dim=0) for s in shards))
-        gate_up.append(torch.cat([*gates, *ups]))
-        down.append(torch.cat([s[p + "linear_fc2.weight"] for s in shards], dim=1))
-    return {hf + "gate.weight": shards[0][mg + "router.weight"].clone(),
-            hf + "experts.gate_up_proj": torch.stack(gate_up), hf + "experts.down_proj": torch.stack(down)}
+    experts = [_mlp_to_hf(shards, f"{mg}experts.local_experts.{e}.") for e in range(num_experts)]
+    out = {hf + "gate.weight": shards[0][mg + "router.weight"].clone(),
+           hf + "experts.gate_up_proj": torch.stack([torch.cat(gate_up) for *gate_up, _ in experts]),
+           hf + "experts.down_proj": torch.stack([down for *_, down in experts])}
+    if expert_bias:
+        out[hf + "gate.e_score_correction_bias"] = shards[0][mg + "router.expert_bias"].clone()
+    if shared:
+        tensors = _mlp_to_hf(shards, mg + "shared_experts.")
+        out.update({f"{hf}shared_experts.{n}.weight": t for n, t in zip(_SHARED, tensors)})
+    return out
+
+
+def deepseek_moe_fields(cfg) -> dict | None:
+    """The :class:`~packfwd.models.family.Moe` fields of a transformers config with DeepSeek-V3's MoE fields
+    (``DeepseekV3Config``; ``Glm4MoeConfig`` names them the same); None: every MLP dense.  Sigmoid scores plus the
+    routing-only ``e_score_correction_bias``; top-k among the best ``topk_group`` of ``n_group`` groups; times
+    ``routed_scaling_factor``; ``n_shared_experts`` shared experts of width ``moe_intermediate_size`` each; the
+    first ``first_k_dense_replace`` layers dense.  No family entry reads it yet: DeepSeek-V3's attention is
+    multi-head latent attention, GLM-4.5's RoPE is partial (``partial_rotary_factor``), neither built.
+
+    >>> from transformers import DeepseekV3Config
+    >>> fields = deepseek_moe_fields(DeepseekV3Config(num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4,
+    ...     n_group=4, topk_group=2, moe_intermediate_size=8, first_k_dense_replace=1))
+    >>> [fields[k] for k in ("score_function", "expert_bias", "num_groups", "group_top_k", "shared_ffn_hidden_size")]
+    ['sigmoid', True, 4, 2, 8]
+    >>> fields["scaling_factor"], fields["dense_layers"]
+    (2.5, (0,))
+    """
+    first_dense = cfg.first_k_dense_replace or 0
+    if not cfg.n_routed_experts or first_dense >= cfg.num_hidden_layers:
+        return None
+    top_k, groups, chosen = cfg.num_experts_per_tok, cfg.n_group or 1, cfg.topk_group or 1
+    limited = chosen < groups  # else every group is searched: plain top-k
+    if limited and top_k // chosen != 2:
+        raise ValueError(
+            f"n_group={groups}, topk_group={chosen}, num_experts_per_tok={top_k}: transformers scores a group by its "
+            f"best 2 experts, Megatron-Core by its best num_experts_per_tok // topk_group = {top_k // chosen}; packfwd "
+            "builds group-limited routing where both agree (num_experts_per_tok // topk_group == 2)")
+    scale = float(cfg.routed_scaling_factor)
+    return dict(num_experts=cfg.n_routed_experts, top_k=top_k, ffn_hidden_size=cfg.moe_intermediate_size,
+                score_function="sigmoid", normalize_top_k=bool(cfg.norm_topk_prob), expert_bias=True,
+                shared_ffn_hidden_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
+                num_groups=groups if limited else None, group_top_k=chosen if limited else None,
+                scaling_factor=None if scale == 1.0 else scale, dense_layers=tuple(range(first_dense)))
+
+
+def _mlp_from_hf(gate_up: Tensor, down: Tensor, mg: str, tp_size: int, tp_rank: int) -> dict[str, Tensor]:
+    """One SwiGLU MLP's ``[gate; up] [2f, h]`` and ``down [h, f]`` as TP rank ``tp_rank``'s linears under ``mg``."""
+    if down.shape[1] % tp_size:
+        raise ValueError(f"an MLP of width {down.shape[1]} under {mg!r} does not split over tp_size={tp_size}; pick "
+                         "a TP size that divides the experts' widths")
+    gate, up = gate_up.chunk(2, dim=0)
+    return {mg + "linear_fc1.weight": torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]]).clone(),
+            mg + "linear_fc2.weight": down.chunk(tp_size, dim=1)[tp_rank].clone()}
+
+
+def _mlp_to_hf(shards: Sequence[Mapping[str, Tensor]], mg: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(gate, up, down)`` of one MLP from every TP rank's linears under ``mg``."""
+    gates, ups = zip(*(s[mg + "linear_fc1.weight"].chunk(2, dim=0) for s in shards))
+    return torch.cat(gates), torch.cat(ups), torch.cat([s[mg + "linear_fc2.weight"] for s in shards], dim=1)
+
+
+def _get(sd: Mapping[str, Tensor], name: str) -> Tensor:
+    if name not in sd:
+        raise ValueError(f"no {name} in the HF state dict: the model's MoE description expects it (shared experts "
+                         "and the expert bias come from the config: n_shared_experts, e_score_correction_bias)")
+    return sd[name]
 
 
 def _expert(sd: Mapping[str, Tensor], hf: str, e: int) -> tuple[Tensor, Tensor]:

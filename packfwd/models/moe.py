@@ -8,6 +8,11 @@ TransformerEngine::
     mlp                    MoELayer
       router               PackedRouter (Megatron's TopKRouter; weight [E, hidden])
       experts              SequentialMLP: local_experts.{e}: MLP, linear_fc1 = [gate; up], linear_fc2
+      shared_experts       SharedExpertMLP (Moe.shared_ffn_hidden_size > 0; every token, pads too: harmless)
+
+Routing (:func:`moe_config_fields`): softmax top-k (Qwen3-MoE, Mixtral), or DeepSeek-V3's sigmoid scores with a
+routing-only expert bias (``router.expert_bias``, float32, a buffer in the state dict), group-limited top-k and a
+routed scaling factor, all Megatron-Core's own arithmetic.
 
 What :class:`~packfwd.models.router.PackedRouter` changes in Megatron-Core's ``TopKRouter``:
 
@@ -19,11 +24,15 @@ What :class:`~packfwd.models.router.PackedRouter` changes in Megatron-Core's ``T
   count nowhere: not in the experts' load, not in any statistic, not in the load-balancing loss
   (:func:`packfwd.models.routing.load_balancing_loss`);
 * inside :func:`routing_stats`, every routing appends its layer's
-  :class:`~packfwd.models.routing.RoutingStats` (real tokens only).
+  :class:`~packfwd.models.routing.RoutingStats` (real tokens only);
+* the expert bias and its token counts are made beside the weight (Megatron-Core makes them on CUDA); the counts
+  Megatron-Core's ``finalize_model_grads`` updates the bias from are of real tokens only, and eager (Megatron
+  compiles that helper).
 
 Megatron-Core's own auxiliary losses stay off (``moe_router_load_balancing_type="none"``): a packfwd model adds no
 hidden gradient.  Ask the forward for the loss (``make_forward(..., moe_aux_loss=True)``) and add it, scaled, to
-yours.  The MLP kind of :class:`packfwd.models.family.Moe` is :class:`MoeKind` (``family.mlp_kind`` finds it).
+yours; sigmoid routing has none (:func:`check_aux_loss_model`).  The MLP kind of
+:class:`packfwd.models.family.Moe` is :class:`MoeKind` (``family.mlp_kind`` finds it).
 Megatron-Core is imported inside the functions (and by :mod:`packfwd.models.router`, which they import).
 """
 
@@ -43,39 +52,63 @@ __all__ = ["MoeKind", "check_aux_loss_model", "is_moe", "model_aux_loss", "moe_c
 
 def moe_config_fields(moe, num_layers: int) -> dict:
     """Megatron-Core ``TransformerConfig`` fields of the MoE MLP ``moe`` (a :class:`packfwd.models.family.Moe`) in
-    a model of ``num_layers`` layers: softmax top-k, dropless, Megatron's auxiliary losses off.
+    a model of ``num_layers`` layers: top-k, dropless, Megatron's auxiliary losses off.
 
-    ``moe.normalize_top_k``: the k kept probabilities renormalised to sum 1 (Megatron: softmax over the top-k
-    logits, ``moe_router_pre_softmax=False``), or not (softmax over all experts, then top-k: ``pre_softmax``).
-    ``moe_layer_freq``: per layer 1 (MoE) or 0 (dense, ``moe.dense_layers``).  The token dispatcher is
-    ``"allgather"``, which runs on the CPU and on CUDA (Megatron's ``"alltoall"`` needs CUDA streams).
+    Softmax scores (Qwen3-MoE, Mixtral): ``moe.normalize_top_k`` renormalises the k kept probabilities (Megatron:
+    softmax over the top-k logits, ``moe_router_pre_softmax=False``), or not (softmax over all experts, then top-k:
+    ``pre_softmax``).  Sigmoid scores (DeepSeek-V3): Megatron-Core renormalises the k kept sigmoids exactly when
+    ``top_k > 1``, so ``normalize_top_k`` must say the same; ``moe.expert_bias`` is added to the scores for the
+    choice of experts only (``moe_router_enable_expert_bias``).  Group-limited routing, the routed scaling factor
+    and shared experts are Megatron-Core's fields of the same meaning.  ``moe_layer_freq``: per layer 1 (MoE) or 0
+    (dense, ``moe.dense_layers``).  The token dispatcher is ``"allgather"``, which runs on the CPU and on CUDA
+    (Megatron's ``"alltoall"`` needs CUDA streams).
 
     >>> from packfwd.models.family import Moe
     >>> fields = moe_config_fields(Moe(num_experts=4, top_k=2, ffn_hidden_size=16, dense_layers=[0]), 2)
     >>> fields["moe_layer_freq"], fields["moe_router_pre_softmax"], fields["moe_ffn_hidden_size"]
     ([0, 1], False, 16)
+    >>> moe_config_fields(Moe(num_experts=4, top_k=2, ffn_hidden_size=16, score_function="sigmoid",
+    ...                       normalize_top_k=False), 1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: Moe(score_function='sigmoid', top_k=2, normalize_top_k=False): Megatron-Core renormalises ...
     """
-    unsupported = {
-        "score_function": moe.score_function != "softmax", "shared_ffn_hidden_size": moe.shared_ffn_hidden_size,
-        "shared_expert_gate": moe.shared_expert_gate, "expert_bias": moe.expert_bias,
-        "num_groups": moe.num_groups is not None, "scaling_factor": moe.scaling_factor is not None,
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise NotImplementedError(f"packfwd builds softmax top-k MoE layers (Qwen3-MoE, Mixtral); Moe.{named[0]}="
-                                  f"{getattr(moe, named[0])!r} is not built yet: leave it at its default")
+    _check_buildable(moe)
     return dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not moe.normalize_top_k,
+        moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.normalize_top_k,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_top_k,
+        moe_router_topk_scaling_factor=moe.scaling_factor,
+        moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
         moe_router_load_balancing_type="none",  # packfwd returns the loss instead (module docstring)
         moe_aux_loss_coeff=0.0,
         moe_layer_freq=[int(i not in moe.dense_layers) for i in range(num_layers)],
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather",
     )
+
+
+def _check_buildable(moe) -> None:
+    """ValueError / NotImplementedError for a :class:`~packfwd.models.family.Moe` Megatron-Core cannot build as
+    described (no silent other routing)."""
+    if moe.shared_expert_gate:
+        raise NotImplementedError("Moe.shared_expert_gate=True (Qwen2-MoE's gated shared expert) is not built yet: "
+                                  "leave it False")
+    if moe.score_function == "sigmoid" and moe.normalize_top_k != (moe.top_k > 1):
+        raise ValueError(f"Moe(score_function='sigmoid', top_k={moe.top_k}, normalize_top_k={moe.normalize_top_k}): "
+                         "Megatron-Core renormalises the k chosen sigmoid scores exactly when top_k > 1; pass "
+                         f"normalize_top_k={moe.top_k > 1}")
+    if moe.expert_bias and moe.score_function != "sigmoid":
+        raise ValueError("Moe.expert_bias=True with softmax scores: Megatron-Core adds the routing-only expert bias "
+                         "to sigmoid scores only; pass score_function='sigmoid' or expert_bias=False")
+    if moe.num_groups is not None and moe.top_k < moe.group_top_k:
+        raise ValueError(f"Moe.top_k={moe.top_k} < group_top_k={moe.group_top_k}: a group's score sums its best "
+                         "top_k // group_top_k experts (Megatron-Core), none here; pass group_top_k <= top_k")
 
 
 class MoeKind:
@@ -92,12 +125,17 @@ class MoeKind:
         from .hf_moe import moe_from_hf
 
         return moe_from_hf(hf_state_dict, hf_layer + "mlp.", mg_layer + "mlp.", range(args.moe.num_experts),
-                           tp_size=tp_size, tp_rank=tp_rank)
+                           tp_size=tp_size, tp_rank=tp_rank, **_parts(args.moe))
 
     def megatron_to_hf(self, args, shards, mg_layer: str, hf_layer: str):
         from .hf_moe import moe_to_hf
 
-        return moe_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts)
+        return moe_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts, **_parts(args.moe))
+
+
+def _parts(moe) -> dict:
+    """The optional parts of an MoE layer's weights (:mod:`packfwd.models.hf_moe`)."""
+    return dict(shared=moe.shared_ffn_hidden_size > 0, expert_bias=moe.expert_bias)
 
 
 def moe_spec():
@@ -198,8 +236,9 @@ def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device
 
 
 def check_aux_loss_model(model: torch.nn.Module):
-    """The model inside ``model``'s wrappers, if it can give :func:`model_aux_loss`: an MoE model, all of it in
-    this stage; else a ValueError naming the fix.
+    """The model inside ``model``'s wrappers, if it can give :func:`model_aux_loss`: an MoE model with softmax
+    routing (DeepSeek-V3's sigmoid routing balances with its expert bias, no loss), all of it in this stage; else a
+    ValueError naming the fix.
 
     >>> check_aux_loss_model(torch.nn.Linear(2, 2))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -215,4 +254,9 @@ def check_aux_loss_model(model: torch.nn.Module):
     if not (gpt.pre_process and gpt.post_process):
         raise ValueError("moe_aux_loss=True needs the whole model in one stage: the loss pools every layer's "
                          "routing, and pipeline stages do not exchange theirs (not built); use pp_size=1")
+    if gpt.config.moe_router_score_function != "softmax":
+        raise ValueError("moe_aux_loss=True on a model with sigmoid routing (DeepSeek-V3 style): it balances its "
+                         "experts with the routing-only expert bias, without a load-balancing loss (transformers "
+                         "defines none for it), and packfwd defines none either; drop moe_aux_loss (the experts' "
+                         "load is in packfwd.models.moe.routing_stats)")
     return gpt

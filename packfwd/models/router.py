@@ -6,6 +6,8 @@ See :mod:`packfwd.models.moe` for what it changes and why.  This module imports 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import Tensor
@@ -33,6 +35,19 @@ class PackedRouter(TopKRouter):
     """
 
     record: list | None = None  # set by packfwd.models.moe.routing_stats while it is open
+
+    def __init__(self, config, *args, **kwargs):
+        """Megatron-Core's constructor; with ``config.moe_router_enable_expert_bias`` the ``expert_bias`` buffer
+        (float32, in the state dict) and its ``local_tokens_per_expert`` counts are made beside the weight:
+        Megatron-Core makes them on ``torch.cuda.current_device()``, which fails without CUDA."""
+        bias = config.moe_router_enable_expert_bias
+        super().__init__(_without_expert_bias(config) if bias else config, *args, **kwargs)
+        if bias:
+            self.config, self.enable_expert_bias = config, True
+            del self.expert_bias, self.local_tokens_per_expert  # Megatron's None attributes
+            for name in ("local_tokens_per_expert", "expert_bias"):
+                zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=self.weight.device)
+                self.register_buffer(name, zeros, persistent=name == "expert_bias")
 
     def gating(self, input: Tensor) -> Tensor:
         """The router logits ``[s, b, E]``: a plain linear on the input's device, in ``config.moe_router_dtype``
@@ -97,3 +112,9 @@ class PackedRouter(TopKRouter):
             raise ValueError(f"padding_mask covers {mask.shape[0]} tokens per row but this MoE layer routes {s}; "
                              "pass a [b, s] mask like input_ids, True at padding")
         return mask
+
+
+def _without_expert_bias(config):
+    config = copy.copy(config)  # shallow: Megatron-Core's own TransformerConfig, one flag changed
+    config.moe_router_enable_expert_bias = False
+    return config
