@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	# verl's own packing functions: a reference for tests and benchmarks only (it needs just torch + megatron-core)
 	$(PY) -m pip install -q --no-deps "verl==0.9.1"
+	# mbridge (verl's HF <-> Megatron-Core bridge): tests/test_bridge.py checks packfwd's weight mapping against it
+	# (pure Python; it needs only megatron-core, transformers, safetensors and einops, which it imports)
+	$(PY) -m pip install -q --no-deps "mbridge==0.15.1" "einops>=0.6"
 	touch $(STAMP)
 
 demo: $(STAMP)
