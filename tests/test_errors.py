@@ -93,6 +93,27 @@ def test_a_compiled_function_calling_the_forward_equals_eager(data_format):
     torch.testing.assert_close(torch.compile(loss, backend="eager")(ids, mask, temperature), loss(ids, mask, temperature))
 
 
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_a_compiled_function_calling_the_forward_of_a_megatron_model_equals_eager(data_format):
+    """The same with packfwd's Megatron-Core model, whose forward breaks the graph again inside Megatron-Core: the
+    forward must not hold a context manager open around the model call (dynamo could not resume it: "'ListVariable'
+    object is not iterable")."""
+    from packfwd import make_forward
+    from packfwd.logits import log_probs_and_entropy
+    from packfwd.models import ModelArgs, build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=1,
+                                  num_attention_heads=2))
+    ids, mask = torch.randint(0, 32, (2, 6)), torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]).bool()
+    forward = make_forward(data_format, logits_processor=log_probs_and_entropy)
+
+    def loss(ids, mask):
+        return forward(model, ids, mask, labels=next_token_labels(ids, mask))["log_probs"].sum(-1)
+
+    torch.testing.assert_close(torch.compile(loss, backend="eager")(ids, mask), loss(ids, mask))
+
+
 def test_fullgraph_planning_names_the_way_to_compile():
     """``to_thd(x, mask)`` plans on the host; under fullgraph=True it raises saying how to compile (torch >= 2.11:
     older ones take no message for a graph break, and raise dynamo's own words)."""

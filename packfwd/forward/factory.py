@@ -33,7 +33,6 @@ checks a plan against.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -212,11 +211,18 @@ def make_forward(
         got = checked_call(check_group, layout, prepare)
         facts, processor, plan, call, args = (got[k] for k in ("facts", "processor", "plan", "call", "args"))
         head_kwargs = fused.model_kwargs if fused is not None else {}
-        with routing_stats(model) if moe_aux_loss else contextlib.nullcontext([]) as stats:
+        def run():
             if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
-                out, head_kwargs = empty_output(model, facts, layout.empty_shape(plan, facts.post_process)), {}
-            else:
-                out = model(**call, **head_kwargs, **dict(multi_modal_inputs or {}))
+                return empty_output(model, facts, layout.empty_shape(plan, facts.post_process)), {}
+            return model(**call, **head_kwargs, **dict(multi_modal_inputs or {})), head_kwargs
+
+        # no `with` around the model call unless the routing statistics need one: torch.compile breaks the graph
+        # inside the model (Megatron-Core), and dynamo cannot resume a graph break inside a context manager
+        if moe_aux_loss:
+            with routing_stats(model) as stats:
+                out, head_kwargs = run()
+        else:
+            (out, head_kwargs), stats = run(), []
         if not facts.post_process:
             return out  # a middle pipeline stage: hidden states for the next one
         results = outputs(model, out, facts, processor, plan, args, head_kwargs)
