@@ -118,10 +118,10 @@ def checkpoint(hf, directory) -> dict:
 def load_and_export(hf, directory, **parallel) -> tuple[dict, dict, dict]:
     """(from_hf's parameters, mbridge's parameters loaded into a NaN model, mbridge's export of that model).
 
-    The model is built with ``init=True``: Megatron-Core sets a weight's TP attributes (``tensor_model_parallel``,
-    ``partition_dim``) only while initialising it, and mbridge's export gathers only weights that have them."""
+    The model is built for loading (``init=False``, as ``from_hf`` builds it): mbridge's export gathers only weights
+    with Megatron-Core's TP attributes, which packfwd sets on such a model too."""
     want = {n: p.detach() for n, p in from_hf(hf, **parallel).named_parameters()}
-    model = build_model(args_from_hf_config(hf.config), params_dtype=torch.float64)
+    model = build_model(args_from_hf_config(hf.config), params_dtype=torch.float64, init=False)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
@@ -248,9 +248,6 @@ def test_mbridge_configs_route_differently_from_transformers():
     assert packfwd_bridge(config).config.moe_layer_freq == 1 and ours.moe_layer_freq == [1, 0]
 
 
-@pytest.mark.xfail(strict=True, reason="packfwd: from_hf builds with init=False, and Megatron-Core sets the TP "
-                   "attributes only while initialising; mbridge's export (and Megatron's grad-norm duplicate check) "
-                   "read them")
 def test_from_hf_weights_carry_megatron_tp_attributes():
     model = from_hf(hf_model("qwen3"))
     assert all(getattr(p, "tensor_model_parallel", False) for n, p in model.named_parameters()

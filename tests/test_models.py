@@ -245,3 +245,22 @@ class _Functional(torch.nn.Module):
 
     def forward(self, **kwargs):
         return torch.func.functional_call(self.module, self.params, (), kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_a_model_built_for_loading_carries_megatron_tensor_parallel_tags(family):
+    """``init=False`` (what ``from_hf`` builds) tags every tensor-parallel weight as Megatron-Core's initialisation
+    does: its grad-norm clipping counts an untagged shard once, on the first TP rank only (a silently wrong norm)."""
+    from packfwd.models.family import Moe
+
+    moe = Moe(num_experts=4, top_k=2, ffn_hidden_size=16, dense_layers=(0,)) if family == "qwen3_moe" else None
+    args = ModelArgs(vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=2, num_attention_heads=2,
+                     family=family, moe=moe)
+
+    def tags(model):
+        return {n: tuple(getattr(p, a, None) for a in ("tensor_model_parallel", "partition_dim", "partition_stride"))
+                for n, p in model.named_parameters()}
+
+    loaded, initialised = tags(build_model(args, init=False)), tags(build_model(args))
+    assert loaded == initialised
+    assert sum(t[0] is True for t in loaded.values()) >= 6

@@ -109,12 +109,32 @@ def build_model(
         ensure_cuda_rng_tracker()
     elif sequence_parallel:
         ensure_host_rng_tracker()  # Megatron enters the RNG tracker in sequence-parallel regions (cpu.py)
-    return PackedGPTModel(
+    model = PackedGPTModel(
         config, args, layers=partition[pp_rank][vpp_rank], device=device, attention_backend=attention_backend,
         packed_rope=packed_rope, pre_process=pp_rank == 0 and vpp_rank == 0,
         post_process=pp_rank == pp_size - 1 and vpp_rank == vpp_size - 1,
         pg_collection=stage_process_groups(pp_rank, pp_size), vp_stage=vpp_rank if vpp_size > 1 else None,
     )
+    return model if init else _mark_tensor_parallel(model)
+
+
+def _mark_tensor_parallel(model):
+    """Megatron-Core tags a tensor-parallel weight (``tensor_model_parallel``, ``partition_dim``,
+    ``partition_stride``) only while it initialises it; a model built for loading (``init=False``) gets the same
+    tags here.  Megatron's grad-norm clipping reads them (an untagged shard counts as a duplicate on every TP rank
+    but the first), and so do checkpoint exporters."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    gated = model.config.gated_linear_unit
+    for name, module in model.named_modules():
+        dim = 1 if isinstance(module, RowParallelLinear) else 0
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) or weight is None:
+            continue
+        if not getattr(weight, "tensor_model_parallel", False):
+            stride = 2 if gated and name.endswith("linear_fc1") else 1  # [gate; up] interleaved per rank
+            weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, stride
+    return model
 
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:
