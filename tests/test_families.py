@@ -256,3 +256,22 @@ def test_without_a_registered_kind_a_moe_model_names_the_fix(monkeypatch):
         build_model(args)
     with pytest.raises(TypeError, match="frozen dataclass"):
         family_module.register_mlp_kind(dict, OneExpert())
+
+
+def test_qwen2_vl_is_an_entry_read_like_the_others():
+    """The VL language model is the ``qwen2_vl`` entry (a Qwen2 with multimodal RoPE): the same reader as every
+    family, its text config under ``text_config``; the generic ``from_hf`` points to the vision builders."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from packfwd.models.family import FAMILIES
+    from packfwd.models.hf_vl import vl_args_from_hf_config
+
+    cfg = Qwen2VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                                         rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
+                        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2))
+    args = vl_args_from_hf_config(cfg)
+    assert (args.family, args.mrope_section, args.qkv_bias, args.kv_channels) == ("qwen2_vl", (2, 3, 3), True, 16)
+    assert FAMILIES["qwen2_vl"].mrope and not FAMILIES["qwen2"].mrope
+    with pytest.raises(ValueError, match="packfwd.vision.from_hf"):
+        from_hf(Qwen2VLForConditionalGeneration(cfg))

@@ -17,7 +17,8 @@ that) and :meth:`Family.hf_fields` reads one model's numbers from its HF config.
 :mod:`packfwd.models.spec`.  Any other MLP is described by a frozen dataclass (:class:`Moe`) and built by the
 :class:`MlpKind` registered for its type with :func:`register_mlp_kind`: its Megatron-Core config fields, its
 layer spec and its weight mapping.  :func:`mlp_kind` looks it up (``NotImplementedError`` naming the fix when
-none is registered).  Megatron-Core is not imported here.
+none is registered).  Megatron-Core is not imported here.  (A little over 300 lines: the MoE description, the
+family entry and the MLP-kind protocol are the one vocabulary a new family is written in.)
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Family:
     rope_scalings: tuple[str, ...] = ("default", "llama3")  # HF rope_type values it converts
     tie_embeddings: bool = False  # when the config does not say (tie_word_embeddings)
     read_moe: Callable[[Any], Moe] | None = None  # the MoE description of a config; None: dense SwiGLU MLPs
+    mrope: bool = False  # multimodal RoPE (Qwen2-VL): rope_parameters["mrope_section"]; the text under text_config
 
     def __post_init__(self):
         if self.norm != "rmsnorm":
@@ -118,6 +120,15 @@ class Family:
         >>> fields["family"], fields["head_dim"], fields["qkv_bias"], fields["linear_bias"]
         ('llama', 8, False, True)
         """
+        text = getattr(cfg, "text_config", None) or cfg  # a vision-language config holds its decoder's there
+        tied = getattr(cfg, "tie_word_embeddings", getattr(text, "tie_word_embeddings", self.tie_embeddings))
+        fields = self._text_fields(text)
+        fields["tie_embeddings"] = bool(tied)
+        if self.mrope:
+            fields["mrope_section"] = self._mrope_section(text)
+        return fields
+
+    def _text_fields(self, cfg) -> dict:
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r}: packfwd's MLP is SwiGLU (silu); use 'silu'")
         for flag, why in self.unsupported:
@@ -139,7 +150,6 @@ class Family:
             rope_scaling_factor=factor,
             qkv_bias=self.qkv_bias,
             linear_bias=self._linear_bias(cfg),
-            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", self.tie_embeddings)),
             max_position_embeddings=cfg.max_position_embeddings,
             moe=self.read_moe(cfg) if self.read_moe is not None else None,
         )
@@ -161,13 +171,20 @@ class Family:
         if kind not in self.rope_scalings:
             raise ValueError(f"rope_type={kind!r} is not supported; packfwd converts "
                              f"{' and '.join(repr(k) for k in self.rope_scalings)} RoPE for {self.name}")
-        if kind == "default":
+        if kind in ("default", "mrope"):  # "mrope": multimodal RoPE without frequency scaling (Qwen2-VL)
             return theta, None
         expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         if any(float(params.get(k, v)) != v for k, v in expected.items()):
             raise ValueError(f"llama3 RoPE scaling {params}: Megatron-Core supports low_freq_factor=1, "
                              "high_freq_factor=4, original_max_position_embeddings=8192 only")
         return theta, float(params["factor"])
+
+    @staticmethod
+    def _mrope_section(cfg) -> tuple[int, ...]:
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        if params.get("mrope_section") is None:
+            raise ValueError("the config has no rope_parameters['mrope_section']; a Qwen2-VL language model needs one")
+        return tuple(params["mrope_section"])
 
 
 _FULL_CAUSAL = ("use_sliding_window", "packfwd's attention is full causal; set it to False")
@@ -198,6 +215,8 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("llama", ("llama",), linear_bias_flags=("attention_bias", "mlp_bias")),
         Family("qwen2", ("qwen2",), qkv_bias=True, unsupported=(_FULL_CAUSAL,)),
+        Family("qwen2_vl", ("qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text"), qkv_bias=True,
+               unsupported=(_FULL_CAUSAL,), rope_scalings=("default", "mrope"), mrope=True),
         Family("qwen3", ("qwen3",), qk_norm=True, unsupported=(_FULL_CAUSAL, _QWEN3_ATTENTION_BIAS)),
         Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, unsupported=(_FULL_CAUSAL, _QWEN3_ATTENTION_BIAS),
                read_moe=_qwen3_moe),

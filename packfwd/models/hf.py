@@ -154,6 +154,11 @@ def _check_whole_model(hf_model) -> None:
             f"{type(hf_model).__name__} has no output head (lm_head or score): it is the bare decoder. Pass the "
             "whole model, e.g. from_hf(hf) for a LlamaForCausalLM rather than from_hf(hf.model)"
         )
+    if family_of_hf_config(hf_model.config).mrope:
+        raise ValueError(
+            f"{type(hf_model).__name__} is a vision-language model: build it with packfwd.vision.from_hf(hf) (vision "
+            "tower + language model), or its language model alone with packfwd.models.hf_vl.language_model_from_hf(hf)"
+        )
 
 
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 
 from .args import ModelArgs
+from .family import family
 
 __all__ = ["language_model_from_hf", "language_model_state_dict", "vl_args_from_hf_config"]
-
-_SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 def vl_args_from_hf_config(hf_config) -> ModelArgs:
@@ -38,37 +37,11 @@ def vl_args_from_hf_config(hf_config) -> ModelArgs:
     >>> args.mrope_section, args.qkv_bias, args.num_query_groups
     ((2, 3, 3), True, 1)
     """
+    entry = family("qwen2_vl")
     kind = getattr(hf_config, "model_type", None)
-    if kind not in _SUPPORTED:
-        raise ValueError(f"model_type={kind!r} is not a Qwen2-VL config; packfwd converts {_SUPPORTED}")
-    text = getattr(hf_config, "text_config", None) or hf_config
-    if getattr(text, "hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={text.hidden_act!r}: packfwd's MLP is SwiGLU (silu); use 'silu'")
-    if getattr(text, "use_sliding_window", False):
-        raise ValueError("use_sliding_window=True: packfwd's attention is full causal; set it to False")
-    params = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
-    section = params.get("mrope_section")
-    if section is None:
-        raise ValueError("the config has no rope_parameters['mrope_section']; a Qwen2-VL language model needs one")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "mrope"):
-        raise ValueError(f"rope_type={kind!r}: packfwd's multimodal RoPE takes no frequency scaling ('default')")
-    heads = text.num_attention_heads
-    return ModelArgs(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        ffn_hidden_size=text.intermediate_size,
-        num_layers=text.num_hidden_layers,
-        num_attention_heads=heads,
-        num_query_groups=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        norm_eps=text.rms_norm_eps,
-        rope_theta=float(params.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
-        qkv_bias=True,
-        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))),
-        max_position_embeddings=text.max_position_embeddings,
-        mrope_section=tuple(section),
-    )
+    if kind not in entry.hf_model_types:
+        raise ValueError(f"model_type={kind!r} is not a Qwen2-VL config; packfwd converts {entry.hf_model_types}")
+    return ModelArgs(**entry.hf_fields(hf_config))
 
 
 def language_model_state_dict(hf_state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
