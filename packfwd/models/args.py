@@ -14,7 +14,7 @@ import torch
 
 from .family import Moe, family, mlp_kind
 
-__all__ = ["ModelArgs", "check_mrope_section", "transformer_config"]
+__all__ = ["ModelArgs", "check_mrope_section", "check_rotary_percent", "transformer_config"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,9 @@ class ModelArgs:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling_factor: float | None = None  # Llama-3.x frequency scaling (low 1, high 4, original 8192)
+    rotary_percent: float = 1.0  # partial RoPE: the first int(head_dim * this) channels of each head rotate (GLM-4.5)
     qkv_bias: bool | None = None  # a bias on q, k, v only; None: the family's (Qwen2: True)
+    qk_norm: bool | None = None  # RMSNorm over head_dim on q and k before RoPE; None: the family's (Qwen3: True)
     linear_bias: bool = False  # a bias on every linear (Llama with attention_bias and mlp_bias)
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
@@ -57,6 +59,8 @@ class ModelArgs:
         entry = family(self.family)
         if self.qkv_bias is None:
             object.__setattr__(self, "qkv_bias", entry.qkv_bias)
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", entry.qk_norm)
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                      "max_position_embeddings"):
             value = getattr(self, name)
@@ -72,7 +76,11 @@ class ModelArgs:
         if self.mtp_num_layers and self.value_head:
             raise ValueError("a value model (value_head=True) has no vocabulary head to predict tokens with; "
                              "use mtp_num_layers=0")
+        object.__setattr__(self, "rotary_percent", check_rotary_percent(self.rotary_percent, self.kv_channels))
         if self.mrope_section is not None:
+            if self.rotary_percent != 1.0:
+                raise ValueError(f"mrope_section with rotary_percent={self.rotary_percent}: multimodal RoPE rotates "
+                                 "every channel; pass rotary_percent=1.0")
             object.__setattr__(self, "mrope_section", check_mrope_section(self.mrope_section, self.kv_channels))
             if self.rope_scaling_factor is not None or self.mtp_num_layers:
                 raise ValueError("mrope_section with rope_scaling_factor or mtp_num_layers: multimodal RoPE is built "
@@ -89,17 +97,33 @@ class ModelArgs:
         return self.moe is None or layer in self.moe.dense_layers
 
     @property
-    def qk_norm(self) -> bool:
-        """RMSNorm over ``head_dim`` on q and k before RoPE (the family's: Qwen3)."""
-        return family(self.family).qk_norm
-
-    @property
     def kv_channels(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @property
     def query_groups(self) -> int:
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+
+def check_rotary_percent(percent, kv_channels: int) -> float:
+    """``percent`` as a float if ``0 < percent <= 1`` and ``int(kv_channels * percent)`` (the channels RoPE rotates,
+    Megatron-Core's and transformers' rounding; the rest pass through) is even and positive; else ValueError.
+
+    >>> check_rotary_percent(0.5, 128)
+    0.5
+    >>> check_rotary_percent(0.375, 8)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: rotary_percent=0.375 of head_dim=8 rotates int(8 * 0.375) = 3 channels; RoPE turns pairs of ...
+    """
+    if isinstance(percent, bool) or not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+        raise ValueError(f"rotary_percent={percent!r}: pass a float in (0, 1], the fraction of each head's channels "
+                         "RoPE rotates (transformers' partial_rotary_factor)")
+    dims = int(kv_channels * percent)
+    if dims < 2 or dims % 2:
+        raise ValueError(f"rotary_percent={percent} of head_dim={kv_channels} rotates int({kv_channels} * {percent}) "
+                         f"= {dims} channels; RoPE turns pairs of channels, so pick a fraction giving an even number "
+                         ">= 2")
+    return float(percent)
 
 
 def check_mrope_section(section, kv_channels: int) -> tuple[int, int, int]:

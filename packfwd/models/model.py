@@ -85,6 +85,7 @@ class PackedGPTModel(GPTModel):
         device = torch.device(device)
         rotary_kwargs = dict(
             rotary_base=args.rope_theta,
+            rotary_percent=args.rotary_percent,  # partial RoPE: the first int(d * percent) channels rotate
             rope_scaling=args.rope_scaling_factor is not None,
             rope_scaling_factor=args.rope_scaling_factor or 8.0,
         )

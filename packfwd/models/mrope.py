@@ -147,9 +147,9 @@ def rotary_modules(config, args, *, packed: bool, cp_group, **rotary_kwargs):
     ('MropeRotaryEmbedding', 'MropeRope')
     """
     section = getattr(args, "mrope_section", None)
-    kwargs = dict(kv_channels=config.kv_channels, rotary_percent=1.0, rotary_interleaved=config.rotary_interleaved,
-                  use_cpu_initialization=config.use_cpu_initialization, cp_group=cp_group, packed=packed,
-                  **rotary_kwargs)
+    kwargs = dict(kv_channels=config.kv_channels, rotary_percent=rotary_kwargs.pop("rotary_percent", 1.0),
+                  rotary_interleaved=config.rotary_interleaved, use_cpu_initialization=config.use_cpu_initialization,
+                  cp_group=cp_group, packed=packed, **rotary_kwargs)
     if section is None:
         rotary = PackedRotaryEmbedding(**kwargs)
         return rotary, PackedRope(rotary) if packed else None
