@@ -97,6 +97,9 @@ class Family:
     norm: str = "rmsnorm"  # every norm (packfwd builds RMSNorm only)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (HF q_norm/k_norm; Megatron qk_layernorm)
     qkv_bias: bool = False  # a bias on q, k and v only, always (Qwen2)
+    qkv_bias_flag: str | None = None  # else the HF flag putting a bias on q, k, v only (GLM-4.5's attention_bias)
+    qk_norm_flag: str | None = None  # the HF flag turning QK-norm on (GLM-4.5's use_qk_norm); None: qk_norm
+    partial_rope: bool = False  # rope_parameters["partial_rotary_factor"] is read (ModelArgs.rotary_percent)
     linear_bias_flags: tuple[str, ...] = ()  # HF flags putting a bias on every linear (must be equal: Megatron's
     #                                          add_bias_linear is one switch)
     unsupported: tuple[tuple[str, str], ...] = ()  # (HF flag, why and what to do): refused when the flag is set
@@ -136,6 +139,8 @@ class Family:
                 raise ValueError(f"{flag}={getattr(cfg, flag)!r}: {why}")
         theta, factor = self._rope(cfg)
         heads = cfg.num_attention_heads
+        qkv_bias = bool(getattr(cfg, self.qkv_bias_flag, False)) if self.qkv_bias_flag else self.qkv_bias
+        qk_norm = bool(getattr(cfg, self.qk_norm_flag, False)) if self.qk_norm_flag else self.qk_norm
         return dict(
             family=self.name,
             vocab_size=cfg.vocab_size,
@@ -148,7 +153,9 @@ class Family:
             norm_eps=cfg.rms_norm_eps,
             rope_theta=theta,
             rope_scaling_factor=factor,
-            qkv_bias=self.qkv_bias,
+            rotary_percent=self._rotary_percent(cfg),
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
             linear_bias=self._linear_bias(cfg),
             max_position_embeddings=cfg.max_position_embeddings,
             moe=self.read_moe(cfg) if self.read_moe is not None else None,
@@ -178,6 +185,14 @@ class Family:
             raise ValueError(f"llama3 RoPE scaling {params}: Megatron-Core supports low_freq_factor=1, "
                              "high_freq_factor=4, original_max_position_embeddings=8192 only")
         return theta, float(params["factor"])
+
+    def _rotary_percent(self, cfg) -> float:
+        """The fraction of each head's channels RoPE rotates: the config's ``partial_rotary_factor`` where the
+        family reads it (transformers' GLM-4.5 rotates ``int(head_dim * factor)`` channels), else 1."""
+        if not self.partial_rope:
+            return 1.0
+        params = getattr(cfg, "rope_parameters", None) or {}
+        return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
 
     @staticmethod
     def _mrope_section(cfg) -> tuple[int, ...]:
@@ -209,6 +224,15 @@ def _mixtral(cfg) -> Moe:
                ffn_hidden_size=cfg.intermediate_size)
 
 
+def _deepseek_moe(cfg) -> Moe | None:
+    """DeepSeek-V3-style MLPs (GLM-4.5): sigmoid scores with a correction bias, group-limited top-k, shared
+    experts, the first ``first_k_dense_replace`` layers dense (:func:`packfwd.models.hf_moe.deepseek_moe_fields`)."""
+    from .hf_moe import deepseek_moe_fields
+
+    fields = deepseek_moe_fields(cfg)
+    return Moe(**fields) if fields is not None else None
+
+
 # The families packfwd builds and converts, one entry each.
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -224,6 +248,8 @@ FAMILIES: dict[str, Family] = {
             ("sliding_window", "packfwd's attention is full causal; set sliding_window=None"),
             ("router_jitter_noise", "packfwd's router adds no jitter (Megatron-Core's would also jitter in eval); "
                                     "set router_jitter_noise=0.0"))),
+        Family("glm4_moe", ("glm4_moe",), qkv_bias_flag="attention_bias", qk_norm_flag="use_qk_norm",
+               partial_rope=True, read_moe=_deepseek_moe),
     )
 }
 

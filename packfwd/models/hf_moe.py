@@ -94,8 +94,8 @@ def deepseek_moe_fields(cfg) -> dict | None:
     (``DeepseekV3Config``; ``Glm4MoeConfig`` names them the same); None: every MLP dense.  Sigmoid scores plus the
     routing-only ``e_score_correction_bias``; top-k among the best ``topk_group`` of ``n_group`` groups; times
     ``routed_scaling_factor``; ``n_shared_experts`` shared experts of width ``moe_intermediate_size`` each; the
-    first ``first_k_dense_replace`` layers dense.  No family entry reads it yet: DeepSeek-V3's attention is
-    multi-head latent attention, GLM-4.5's RoPE is partial (``partial_rotary_factor``), neither built.
+    first ``first_k_dense_replace`` layers dense.  The ``glm4_moe`` family reads it (GLM-4.5); DeepSeek-V3 has no
+    family entry (its multi-head latent attention is not built).
 
     >>> from transformers import DeepseekV3Config
     >>> fields = deepseek_moe_fields(DeepseekV3Config(num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4,

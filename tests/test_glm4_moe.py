@@ -1,0 +1,146 @@
+"""GLM-4.5 (transformers' ``Glm4MoeForCausalLM``) as a packfwd family, and partial RoPE (``rotary_percent``).
+
+GLM-4.5 is a Llama-style decoder with: partial RoPE (``partial_rotary_factor``: only the first
+``int(head_dim * factor)`` channels of each head rotate, the rest pass through; Megatron-Core's ``rotary_percent``),
+a bias on q, k, v only when ``attention_bias`` (none on o), optional QK-norm (``use_qk_norm``), and DeepSeek-V3-style
+MoE MLPs (sigmoid scores, the routing-only ``e_score_correction_bias``, group-limited top-k, shared experts, routed
+scaling) after ``first_k_dense_replace`` dense layers.
+
+Strategy: a tiny float64 GLM-4.5 with O(1)-scale random weights (a nonzero float32 correction bias) converted by
+``from_hf``; logits of ``make_forward`` in THD, THD aligned to 8 and BSHD on a ragged batch (a full row, left and
+right padding, a length-1 row) equal transformers run on each sequence alone.  Both sides route in float32, so
+the MoE model agrees to ~1e-6 (as tests/test_moe_deepseek.py); an all-dense GLM (``first_k_dense_replace`` =
+layers) checks the attention and partial RoPE alone to 1e-10 (transformers' RMSNorm computed in the input's
+dtype).  A model built with full RoPE instead (``rotary_percent=1``) gives other logits, so the checks see the
+partial rotation.  Weights convert back bit for bit, whole and from TP=2 shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers.models.glm4_moe import modeling_glm4_moe
+
+from packfwd.forward import make_forward
+from packfwd.models import ModelArgs, from_hf, megatron_to_hf, to_hf_state_dict
+from packfwd.models.gpt import build_model, model_args
+from packfwd.models.hf import args_from_hf_config, load_weights
+from packfwd.models.hf_weights import hf_to_megatron
+
+from .test_moe import randomise
+
+V = 64
+LAYOUTS = {"thd": dict(data_format="thd"), "thd-align8": dict(data_format="thd", seq_align=8),
+           "bshd": dict(data_format="bshd")}
+
+
+def glm_config(*, qk_norm: bool = True, dense: bool = False, **extra) -> Glm4MoeConfig:
+    """3 layers (the first dense; all dense with ``dense``), 8 routed experts in 2 groups (top-2 from the best
+    group), 1 shared expert, GQA 4/2, head_dim 16 of which 8 rotate (partial_rotary_factor 0.5)."""
+    return Glm4MoeConfig(
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=V, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=3 if dense else 1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, use_qk_norm=qk_norm, experts_implementation="eager", **{"attention_bias": True, **extra})
+
+
+def glm_model(cfg: Glm4MoeConfig, seed: int = 0) -> Glm4MoeForCausalLM:
+    hf = randomise(Glm4MoeForCausalLM(cfg), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for layer in hf.model.layers[cfg.first_k_dense_replace:]:
+        layer.mlp.gate.e_score_correction_bias.data = 0.3 * torch.randn(cfg.n_routed_experts, generator=g)
+    return hf
+
+
+def ragged_batch(seed: int = 0):
+    """ids [4, 10]: a full row, a right-padded row, a left-padded row of length 1, a left-padded row."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(4, 10, dtype=torch.bool)
+    mask[0], mask[1, :6], mask[2, 9:], mask[3, 3:] = True, True, True, True
+    return torch.randint(1, V, (4, 10), generator=g).masked_fill(~mask, 0), mask
+
+
+@pytest.fixture
+def hf_norm_in_input_dtype(monkeypatch):
+    """transformers' RMSNorm computed in the input's dtype (it casts to float32 otherwise)."""
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_glm4_moe.Glm4MoeRMSNorm, "forward", forward)
+
+
+def per_sequence(hf, ids, mask):
+    with torch.no_grad():
+        return [hf(ids[i][mask[i]][None]).logits[0] for i in range(ids.shape[0])]
+
+
+def test_the_config_is_read_as_glm4_moe():
+    args = args_from_hf_config(glm_config())
+    assert (args.family, args.rotary_percent, args.qkv_bias, args.qk_norm, args.linear_bias) == (
+        "glm4_moe", 0.5, True, True, False)
+    moe = args.moe
+    assert (moe.score_function, moe.expert_bias, moe.num_groups, moe.group_top_k) == ("sigmoid", True, 2, 1)
+    assert (moe.shared_ffn_hidden_size, moe.scaling_factor, moe.dense_layers) == (16, 2.5, (0,))
+    plain = args_from_hf_config(glm_config(qk_norm=False, attention_bias=False,
+                                           rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=1.0)))
+    assert (plain.qk_norm, plain.qkv_bias, plain.rotary_percent) == (False, False, 1.0)
+    assert args_from_hf_config(glm_config(dense=True)).moe is None
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_qk_norm"])
+def test_logits_equal_transformers_per_sequence(qk_norm, layout):
+    hf = glm_model(glm_config(qk_norm=qk_norm))
+    model = from_hf(hf)
+    assert model_args(model) == args_from_hf_config(hf.config)  # qk_norm and rotary_percent read back
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        logits = make_forward(**LAYOUTS[layout])(model, ids, mask)
+    for i, want in enumerate(per_sequence(hf, ids, mask)):
+        assert want.abs().max() > 1  # O(1) weights: logits far from zero
+        torch.testing.assert_close(logits[i][mask[i]], want, atol=2e-5, rtol=1e-5, msg=f"row {i}")
+    assert not logits[~mask].any(), "padding positions must be zero"
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_partial_rope_dense_equals_transformers_and_full_rope_does_not(layout, hf_norm_in_input_dtype):
+    """All MLPs dense: attention with partial RoPE (8 of 16 channels), q/k/v bias and QK-norm to 1e-10; the same
+    weights built with full RoPE (``rotary_percent=1``) give other logits."""
+    hf = glm_model(glm_config(dense=True))
+    model = from_hf(hf)
+    args = model_args(model)
+    full = build_model(dataclasses.replace(args, rotary_percent=1.0), params_dtype=torch.float64, init=False)
+    full = load_weights(full, hf_to_megatron(hf.state_dict(), args))
+    ids, mask = ragged_batch()
+    forward = make_forward(**LAYOUTS[layout])
+    with torch.no_grad():
+        logits, wrong = forward(model, ids, mask), forward(full, ids, mask)
+    for i, want in enumerate(per_sequence(hf, ids, mask)):
+        torch.testing.assert_close(logits[i][mask[i]], want, atol=1e-10, rtol=0, msg=f"row {i}")
+    assert not torch.allclose(wrong[0][mask[0]], logits[0][mask[0]], atol=1e-3)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_qk_norm"])
+def test_the_way_back_is_bitwise(qk_norm):
+    hf = glm_model(glm_config(qk_norm=qk_norm))
+    sd = hf.state_dict()
+    back = to_hf_state_dict(from_hf(hf))
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
+    args = args_from_hf_config(hf.config)
+    merged = megatron_to_hf([hf_to_megatron(sd, args, tp_size=2, tp_rank=r) for r in range(2)], args)
+    assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
+
+
+def test_rotary_percent_is_validated():
+    base = dict(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=4)  # d = 8
+    assert ModelArgs(**base, rotary_percent=0.5).rotary_percent == 0.5
+    for bad in (0.0, 1.5, "half", True):
+        with pytest.raises(ValueError, match="pass a float in"):
+            ModelArgs(**base, rotary_percent=bad)
+    with pytest.raises(ValueError, match="= 3 channels"):
+        ModelArgs(**base, rotary_percent=0.375)
+    with pytest.raises(ValueError, match="multimodal RoPE rotates every channel"):
+        ModelArgs(**base, rotary_percent=0.5, mrope_section=(1, 2, 1))
