@@ -40,6 +40,7 @@ def build_model(
     attention_backend: str | None = None,
     tp_size: int | None = None,
     cp_size: int | None = None,
+    ep_size: int | None = None,
     sequence_parallel: bool = False,
     pp_rank: int = 0,
     pp_size: int = 1,
@@ -60,6 +61,12 @@ def build_model(
     it embeds tokens only if it is the first stage (``pre_process``) and has the output layer only if it is the
     last (``post_process``); a later stage takes its input through ``model.set_input_tensor``.  Any stage can be
     built in a single process (see :func:`packfwd.models.runtime.stage_process_groups`).
+
+    Expert parallelism (``ep_size``, Megatron-Core's ``expert_model_parallel_size``; None: whatever
+    ``parallel_state`` says): an MoE layer holds experts ``[r * E / ep, (r + 1) * E / ep)`` of expert-parallel rank
+    ``r``; expert-parallel ranks are data-parallel ranks, each with a batch of its own shape
+    (:mod:`packfwd.models.dispatch`; on the CPU run the backward inside ``host_collectives()``).  Built and tested
+    with TP = CP = PP = 1 only (other combinations raise NotImplementedError).
 
     ``sequence_parallel=True`` on the CPU (gloo): the forward works as is, the backward must run inside
     ``packfwd.models.cpu.host_collectives()`` (Megatron allocates its gather buffers on CUDA otherwise; see
@@ -83,6 +90,7 @@ def build_model(
     from packfwd.layers import layer_partition
 
     from .cpu import ensure_cuda_rng_tracker, ensure_host_rng_tracker, is_host
+    from .dispatch import pad_expert_parallel
     from .model import PackedGPTModel
     from .runtime import ensure_model_parallel, stage_process_groups
 
@@ -96,15 +104,17 @@ def build_model(
     if not 0 <= pp_rank < pp_size or not 0 <= vpp_rank < vpp_size:
         raise ValueError(f"pp_rank={pp_rank}, vpp_rank={vpp_rank} must lie in [0, pp_size={pp_size}) and "
                          f"[0, vpp_size={vpp_size})")
-    ensure_model_parallel(tp_size=tp_size, cp_size=cp_size)
+    ensure_model_parallel(tp_size=tp_size, cp_size=cp_size, ep_size=ep_size)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     _check_divisible(args, tp)
+    ep = _check_expert_parallel(args, parallel_state.get_expert_model_parallel_world_size(), tp, pp_size)
     config = transformer_config(
         args, params_dtype=params_dtype, device=device, tp_size=tp,
         cp_size=parallel_state.get_context_parallel_world_size(), sequence_parallel=sequence_parallel,
         pp_size=pp_size, vpp_size=vpp_size, first_stage_layers=first_stage_layers,
         last_stage_layers=last_stage_layers, init=init,
     )
+    config.expert_model_parallel_size = ep  # Megatron-Core's MoE layers read their groups; keep the config true
     if not is_host(device):
         ensure_cuda_rng_tracker()
     elif sequence_parallel:
@@ -115,6 +125,8 @@ def build_model(
         post_process=pp_rank == pp_size - 1 and vpp_rank == vpp_size - 1,
         pg_collection=stage_process_groups(pp_rank, pp_size), vp_stage=vpp_rank if vpp_size > 1 else None,
     )
+    if ep > 1:
+        pad_expert_parallel(model)  # ranks with batches of their own shape (dispatch.py)
     return model if init else _mark_tensor_parallel(model)
 
 
@@ -135,6 +147,23 @@ def _mark_tensor_parallel(model):
             stride = 2 if gated and name.endswith("linear_fc1") else 1  # [gate; up] interleaved per rank
             weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, stride
     return model
+
+
+def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int) -> int:
+    """The expert-parallel size of ``args``'s model in a world of ``ep`` expert-parallel ranks (1 for a dense
+    model); ValueError / NotImplementedError where the experts cannot be split as asked."""
+    if ep == 1 or args.moe is None:
+        return 1
+    from megatron.core import parallel_state
+
+    if args.moe.num_experts % ep:
+        raise ValueError(f"num_experts={args.moe.num_experts} does not split over ep_size={ep}; pick an "
+                         "expert-parallel size that divides it")
+    cp = parallel_state.get_context_parallel_world_size()
+    if tp > 1 or cp > 1 or pp_size > 1:
+        raise NotImplementedError(f"ep_size={ep} with tp_size={tp}, cp_size={cp}, pp_size={pp_size}: packfwd builds "
+                                  "and tests expert parallelism with TP = CP = PP = 1 only")
+    return ep
 
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .args import ModelArgs
 from .family import family_of_hf_config
+from .hf_moe import expert_shard, merge_expert_shards
 from .hf_weights import hf_to_megatron, megatron_to_hf
 
 __all__ = ["args_from_hf_config", "from_hf", "load_weights", "to_hf_state_dict"]
@@ -74,6 +75,8 @@ def from_hf(
     attention_backend: str | None = None,
     tp_size: int | None = None,
     tp_rank: int | None = None,
+    ep_size: int | None = None,
+    ep_rank: int | None = None,
     sequence_parallel: bool = False,
     pp_rank: int = 0,
     pp_size: int = 1,
@@ -89,7 +92,9 @@ def from_hf(
     Works in a fresh Python process: when ``torch.distributed`` is not initialised it creates a single-process
     gloo world and Megatron-Core's model-parallel state (sizes 1) itself; under a real launcher it uses the
     existing ``megatron.core.parallel_state`` and loads this process's TP shard.  ``tp_size``/``tp_rank``, when
-    given, must match that state.
+    given, must match that state; so must ``ep_size``/``ep_rank`` (expert parallelism: this rank holds experts
+    ``[r * E / ep, (r + 1) * E / ep)`` of each MoE layer, :func:`packfwd.models.hf_moe.expert_shard`; see
+    :func:`packfwd.models.build_model`).
 
     ``value_head``: None = a width-1 head exactly when the HF model has one (``score``); True on a causal LM
     gives a value model whose head keeps its random initialisation.  ``device``/``params_dtype`` default to the
@@ -126,12 +131,16 @@ def from_hf(
     first = next(hf_model.parameters())
     device = first.device if device is None else torch.device(device)
     params_dtype = first.dtype if params_dtype is None else params_dtype
-    ensure_model_parallel(tp_size=tp_size)
+    ensure_model_parallel(tp_size=tp_size, ep_size=ep_size)
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     if tp_rank is not None and tp_rank != rank:
         raise ValueError(f"tp_rank={tp_rank} but this process is TP rank {rank}; pass tp_rank={rank} or None")
+    erank = parallel_state.get_expert_model_parallel_rank()
+    if ep_rank is not None and ep_rank != erank:
+        raise ValueError(f"ep_rank={ep_rank} but this process is expert-parallel rank {erank}; pass ep_rank={erank} "
+                         "or None")
     model = build_model(
-        args, device=device, params_dtype=params_dtype, attention_backend=attention_backend,
+        args, device=device, params_dtype=params_dtype, attention_backend=attention_backend, ep_size=ep_size,
         sequence_parallel=sequence_parallel, pp_rank=pp_rank, pp_size=pp_size, vpp_rank=vpp_rank,
         vpp_size=vpp_size, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers, init=False,
     )
@@ -139,6 +148,9 @@ def from_hf(
                              last_stage_layers=last_stage_layers)[pp_rank][vpp_rank]
     weights = hf_to_megatron(hf_model.state_dict(), args, tp_size=tp, tp_rank=rank, layers=layers,
                              pre_process=model.pre_process, post_process=model.post_process)
+    ep = model.config.expert_model_parallel_size
+    if ep > 1:
+        weights = expert_shard(weights, args.moe.num_experts, ep, erank)
     if value_head and not has_score:  # keep the head as initialised
         weights.update({n: p.detach() for n, p in model.named_parameters() if n.startswith("output_layer.")})
     return load_weights(model, weights)
@@ -164,7 +176,8 @@ def _check_whole_model(hf_model) -> None:
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """The HF transformers state dict of a packfwd model (its part of it, for a pipeline stage), on the
     model's device.  The model must not be TP-sharded; for TP gather every rank's ``model.state_dict()`` and
-    call :func:`megatron_to_hf`.
+    call :func:`megatron_to_hf`.  Under expert parallelism it gathers the experts of every expert-parallel rank
+    (a collective: call it on all of them; each gets the whole state dict).
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -182,7 +195,20 @@ def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     args = model_args(gpt)
     layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
     shard = {n: p.detach() for n, p in _weights(gpt).items()}
+    if gpt.config.expert_model_parallel_size > 1:
+        shard = merge_expert_shards(_gather_expert_parallel(shard))
     return megatron_to_hf([shard], args, layers=layers, pre_process=gpt.pre_process, post_process=gpt.post_process)
+
+
+def _gather_expert_parallel(shard: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+    """Every expert-parallel rank's ``shard``, in rank order (gathered as objects: bitwise, any device)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    shards: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, shard, group=group)
+    return [{n: t.to(next(iter(shard.values())).device) for n, t in s.items()} for s in shards]
 
 
 def _weights(model: torch.nn.Module) -> dict[str, Tensor]:

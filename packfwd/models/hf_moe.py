@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import re
+
 import torch
 from torch import Tensor
 
-__all__ = ["deepseek_moe_fields", "moe_from_hf", "moe_to_hf"]
+__all__ = ["deepseek_moe_fields", "expert_shard", "merge_expert_shards", "moe_from_hf", "moe_to_hf"]
 
 _SHARED = ("gate_proj", "up_proj", "down_proj")
 
@@ -86,6 +88,53 @@ def moe_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_expe
     if shared:
         tensors = _mlp_to_hf(shards, mg + "shared_experts.")
         out.update({f"{hf}shared_experts.{n}.weight": t for n, t in zip(_SHARED, tensors)})
+    return out
+
+
+_LOCAL = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def expert_shard(state: Mapping[str, Tensor], num_experts: int, ep_size: int, ep_rank: int) -> dict[str, Tensor]:
+    """Expert-parallel rank ``ep_rank``'s part of a Megatron-Core state dict of all ``num_experts`` experts per MoE
+    layer: every tensor but the experts', and experts ``[r * E / ep, (r + 1) * E / ep)`` renumbered from
+    ``local_experts.0`` (Megatron-Core numbers a rank's experts locally).  The same tensors, not copies.
+
+    >>> sd = {f"l.mlp.experts.local_experts.{e}.linear_fc2.weight": torch.full((1,), e) for e in range(4)}
+    >>> sd["l.mlp.router.weight"] = torch.zeros(4, 1)
+    >>> shard = expert_shard(sd, 4, ep_size=2, ep_rank=1)
+    >>> sorted(shard), shard["l.mlp.experts.local_experts.0.linear_fc2.weight"].item()
+    (['l.mlp.experts.local_experts.0.linear_fc2.weight', 'l.mlp.experts.local_experts.1.linear_fc2.weight', \
+'l.mlp.router.weight'], 2)
+    >>> back = merge_expert_shards([expert_shard(sd, 4, 2, r) for r in (0, 1)])
+    >>> sorted(back) == sorted(sd) and all(back[k] is v for k, v in sd.items())
+    True
+    """
+    if ep_size < 1 or not 0 <= ep_rank < ep_size or num_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size}, ep_rank={ep_rank} for {num_experts} experts: pass 0 <= ep_rank < "
+                         "ep_size with ep_size dividing the number of experts")
+    local = num_experts // ep_size
+    out = {}
+    for name, t in state.items():
+        m = _LOCAL.match(name)
+        if m is None:
+            out[name] = t
+        elif ep_rank * local <= int(m[2]) < (ep_rank + 1) * local:
+            out[f"{m[1]}{int(m[2]) - ep_rank * local}{m[3]}"] = t
+    return out
+
+
+def merge_expert_shards(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The inverse of :func:`expert_shard`: one state dict of all experts from every expert-parallel rank's, in rank
+    order (each rank holds as many experts; the other tensors are taken from rank 0)."""
+    if not shards:
+        raise ValueError("shards is empty; pass one state dict per expert-parallel rank, in rank order")
+    local = 1 + max((int(m[2]) for m in map(_LOCAL.match, shards[0]) if m is not None), default=-1)
+    out = {name: t for name, t in shards[0].items() if _LOCAL.match(name) is None}
+    for rank, shard in enumerate(shards):
+        for name, t in shard.items():
+            m = _LOCAL.match(name)
+            if m is not None:
+                out[f"{m[1]}{int(m[2]) + rank * local}{m[3]}"] = t
     return out
 
 

@@ -28,6 +28,7 @@ def ensure_model_parallel(
     cp_size: int | None = None,
     pp_size: int | None = None,
     vpp_size: int | None = None,
+    ep_size: int | None = None,
 ) -> None:
     """Make ``megatron.core.parallel_state`` usable; check its sizes against the given ones (None: any).
 
@@ -35,7 +36,9 @@ def ensure_model_parallel(
     world and Megatron's model-parallel groups (all of size 1).  A size other than 1 then is a ValueError: a
     real TP/CP/PP run needs a launcher that starts one process per rank.  Under a launcher (``torch.distributed``
     initialised, Megatron's state not yet), it initialises Megatron's groups with the given sizes (None: 1), the
-    ranks laid out in Megatron's default order (TP fastest, then CP, DP, PP).
+    ranks laid out in Megatron's default order (TP fastest, then CP, DP, PP); ``ep_size`` splits the experts over
+    ``ep_size`` consecutive data-parallel ranks (Megatron-Core's ``expert_model_parallel_size``: expert-parallel
+    ranks are data-parallel ranks, each with its own batch).
 
     >>> ensure_model_parallel(tp_size=1)
     >>> from megatron.core import parallel_state
@@ -45,7 +48,7 @@ def ensure_model_parallel(
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    wanted = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "vpp_size": vpp_size}
+    wanted = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "vpp_size": vpp_size, "ep_size": ep_size}
     if not dist.is_initialized():
         if any((v or 1) != 1 for v in wanted.values()):
             given = ", ".join(f"{k}={v}" for k, v in wanted.items() if v is not None)
@@ -60,12 +63,14 @@ def ensure_model_parallel(
             pipeline_model_parallel_size=pp_size or 1,
             virtual_pipeline_model_parallel_size=vpp_size if (vpp_size or 1) > 1 else None,
             context_parallel_size=cp_size or 1,
+            expert_model_parallel_size=ep_size or 1,
         )
     have = {
         "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
         "cp_size": parallel_state.get_context_parallel_world_size(),
         "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "vpp_size": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "ep_size": parallel_state.get_expert_model_parallel_world_size(),
     }
     for name, want in wanted.items():
         if want is not None and want != have[name]:
