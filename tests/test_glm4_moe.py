@@ -12,7 +12,9 @@ right padding, a length-1 row) equal transformers run on each sequence alone.  B
 the MoE model agrees to ~1e-6 (as tests/test_moe_deepseek.py); an all-dense GLM (``first_k_dense_replace`` =
 layers) checks the attention and partial RoPE alone to 1e-10 (transformers' RMSNorm computed in the input's
 dtype).  A model built with full RoPE instead (``rotary_percent=1``) gives other logits, so the checks see the
-partial rotation.  Weights convert back bit for bit, whole and from TP=2 shards.
+partial rotation.  Weights convert back bit for bit, whole and from TP=2 shards.  Under TP=2 with sequence
+parallelism (THD, BSHD) and CP=2 (THD, zigzag) over gloo the logits equal transformers per sequence too; two
+pipeline stages (in this process) give the one-stage model's logits.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ LAYOUTS = {"thd": dict(data_format="thd"), "thd-align8": dict(data_format="thd",
 
 
 def glm_config(*, qk_norm: bool = True, dense: bool = False, **extra) -> Glm4MoeConfig:
-    """3 layers (the first dense; all dense with ``dense``), 8 routed experts in 2 groups (top-2 from the best
+    """3 layers unless ``extra`` says (the first dense; all dense with ``dense``), 8 routed experts in 2 groups (top-2 from the best
     group), 1 shared expert, GQA 4/2, head_dim 16 of which 8 rotate (partial_rotary_factor 0.5)."""
     return Glm4MoeConfig(
-        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=V, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
         topk_group=1, n_shared_experts=1, first_k_dense_replace=3 if dense else 1, routed_scaling_factor=2.5,
-        norm_topk_prob=True, use_qk_norm=qk_norm, experts_implementation="eager", **{"attention_bias": True, **extra})
+        norm_topk_prob=True, use_qk_norm=qk_norm, experts_implementation="eager", **{"attention_bias": True, "num_hidden_layers": 3, **extra})
 
 
 def glm_model(cfg: Glm4MoeConfig, seed: int = 0) -> Glm4MoeForCausalLM:
@@ -144,3 +146,58 @@ def test_rotary_percent_is_validated():
         ModelArgs(**base, rotary_percent=0.375)
     with pytest.raises(ValueError, match="multimodal RoPE rotates every channel"):
         ModelArgs(**base, rotary_percent=0.5, mrope_section=(1, 2, 1))
+
+
+# ------------------------------------------------------------------------------------------- model parallelism
+
+
+def _parallel_worker(rank: int, world: int, hf):
+    """TP=2 with sequence parallelism (THD, BSHD) and CP=2 (THD) over gloo: {case: this rank's logits}."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ids, mask = ragged_batch()
+    out = {}
+    ensure_model_parallel(tp_size=2)
+    model = from_hf(hf, tp_size=2, tp_rank=rank, sequence_parallel=True)
+    with torch.no_grad():
+        for data_format in ("thd", "bshd"):
+            out[f"tp2_sp_{data_format}"] = make_forward(data_format, tp_size=2)(model, ids, mask)
+    ps.destroy_model_parallel()
+    ensure_model_parallel(cp_size=2)
+    forward = make_forward("thd", cp_size=2, cp_rank=ps.get_context_parallel_rank(),
+                           cp_group=ps.get_context_parallel_group())
+    with torch.no_grad():
+        out["cp2"] = forward(from_hf(hf), ids, mask)
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
+    """Partial RoPE on zigzag CP shards, q/k/v biases, QK-norm and the shared and routed experts split over TP."""
+    from packfwd.testing import run_local
+
+    hf = glm_model(glm_config())
+    ranks = run_local(_parallel_worker, 2, hf, backend="gloo", timeout=300)
+    ids, mask = ragged_batch()
+    cases = {"cp2": [r["cp2"] for r in ranks]}
+    cases.update({f"tp2_sp_{f}": [torch.cat([r[f"tp2_sp_{f}"] for r in ranks], -1)] for f in ("thd", "bshd")})
+    want = per_sequence(hf, ids, mask)
+    for case, outputs in cases.items():
+        for logits in outputs:
+            for i, ref in enumerate(want):
+                torch.testing.assert_close(logits[i][mask[i]], ref, atol=2e-5, rtol=1e-5, msg=f"{case} row {i}")
+
+
+def test_pp2_equals_one_stage():
+    """Stage 0: layers 0 (dense) and 1 (MoE); stage 1: layers 2 and 3 (MoE) and the head."""
+    hf = glm_model(glm_config(num_hidden_layers=4))
+    whole = from_hf(hf)
+    stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
+    ids, mask = ragged_batch()
+    for data_format in ("thd", "bshd"):
+        forward = make_forward(data_format)
+        with torch.no_grad():
+            stages[1].set_input_tensor(forward(stages[0], ids, mask))
+            torch.testing.assert_close(forward(stages[1], ids, mask), forward(whole, ids, mask), atol=1e-10, rtol=0)
