@@ -13,8 +13,8 @@ the MoE model agrees to ~1e-6 (as tests/test_moe_deepseek.py); an all-dense GLM 
 layers) checks the attention and partial RoPE alone to 1e-10 (transformers' RMSNorm computed in the input's
 dtype).  A model built with full RoPE instead (``rotary_percent=1``) gives other logits, so the checks see the
 partial rotation.  Weights convert back bit for bit, whole and from TP=2 shards.  Under TP=2 with sequence
-parallelism (THD, BSHD) and CP=2 (THD, zigzag) over gloo the logits equal transformers per sequence too; two
-pipeline stages (in this process) give the one-stage model's logits.
+parallelism (THD, BSHD), CP=2 (THD, zigzag) and EP=2 (each rank its own batch) over gloo the logits equal
+transformers per sequence too; two pipeline stages (in this process) give the one-stage model's logits.
 """
 
 from __future__ import annotations
@@ -201,3 +201,37 @@ def test_pp2_equals_one_stage():
         with torch.no_grad():
             stages[1].set_input_tensor(forward(stages[0], ids, mask))
             torch.testing.assert_close(forward(stages[1], ids, mask), forward(whole, ids, mask), atol=1e-10, rtol=0)
+
+
+def _ep_worker(rank: int, world: int, hf, batches):
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(ep_size=2)
+    model = from_hf(hf, ep_size=2, ep_rank=rank)
+    with torch.no_grad():
+        logits = make_forward("thd")(model, *batches[rank])
+    state = to_hf_state_dict(model)
+    experts = len(model.decoder.layers[1].mlp.experts.local_experts)
+    ps.destroy_model_parallel()
+    return dict(logits=logits, state=state, experts=experts)
+
+
+def test_ep2_ranks_with_batches_of_their_own_shape_equal_transformers():
+    """Expert parallelism (4 of the 8 routed experts per rank; shared experts, the correction bias and the dense
+    layer replicated): each rank's own batch equals transformers per sequence; the weights gather back bitwise."""
+    from packfwd.testing import run_local
+
+    hf = glm_model(glm_config())
+    small = torch.zeros(3, 6, dtype=torch.bool)  # rank 1: lengths 6, 2 (left-padded), 4 (right-padded)
+    small[0], small[1, 4:], small[2, :4] = True, True, True
+    small_ids = torch.randint(1, V, (3, 6), generator=torch.Generator().manual_seed(1)).masked_fill(~small, 0)
+    batches = [ragged_batch(), (small_ids, small)]
+    ranks = run_local(_ep_worker, 2, hf, batches, backend="gloo", timeout=300)
+    sd = hf.state_dict()
+    assert [r["experts"] for r in ranks] == [4, 4]
+    for r, (b_ids, b_mask) in zip(ranks, batches):
+        for i, want in enumerate(per_sequence(hf, b_ids, b_mask)):
+            torch.testing.assert_close(r["logits"][i][b_mask[i]], want, atol=2e-5, rtol=1e-5, msg=f"row {i}")
+        assert sorted(r["state"]) == sorted(sd) and all(torch.equal(r["state"][n], t) for n, t in sd.items())
