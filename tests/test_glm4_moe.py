@@ -12,9 +12,10 @@ right padding, a length-1 row) equal transformers run on each sequence alone.  B
 the MoE model agrees to ~1e-6 (as tests/test_moe_deepseek.py); an all-dense GLM (``first_k_dense_replace`` =
 layers) checks the attention and partial RoPE alone to 1e-10 (transformers' RMSNorm computed in the input's
 dtype).  A model built with full RoPE instead (``rotary_percent=1``) gives other logits, so the checks see the
-partial rotation.  Weights convert back bit for bit, whole and from TP=2 shards.  Under TP=2 with sequence
-parallelism (THD, BSHD), CP=2 (THD, zigzag) and EP=2 (each rank its own batch) over gloo the logits equal
-transformers per sequence too; two pipeline stages (in this process) give the one-stage model's logits.
+partial rotation, and packfwd's THD rotation equals Megatron-Core's own THD RoPE bit for bit.  Weights convert
+back bit for bit, whole and from TP=2 shards.  Under TP=2 with sequence parallelism (THD, BSHD), CP=2 (THD,
+zigzag) and EP=2 (each rank its own batch) over gloo the logits equal transformers per sequence too; two pipeline
+stages (in this process) give the one-stage model's logits.
 """
 
 from __future__ import annotations
@@ -235,3 +236,19 @@ def test_ep2_ranks_with_batches_of_their_own_shape_equal_transformers():
         for i, want in enumerate(per_sequence(hf, b_ids, b_mask)):
             torch.testing.assert_close(r["logits"][i][b_mask[i]], want, atol=2e-5, rtol=1e-5, msg=f"row {i}")
         assert sorted(r["state"]) == sorted(sd) and all(torch.equal(r["state"][n], t) for n, t in sd.items())
+
+
+def test_partial_rope_is_megatron_cores_thd_rope_bitwise():
+    """packfwd's THD rotation of the first 8 of 16 channels against Megatron-Core's own THD RoPE (``packed_rope=
+    False``) on the same weights: the same arithmetic, so the same logits bit for bit."""
+    hf = glm_model(glm_config(dense=True))
+    model = from_hf(hf)
+    args = model_args(model)
+    megatron = load_weights(build_model(args, params_dtype=torch.float64, init=False, packed_rope=False),
+                            hf_to_megatron(hf.state_dict(), args))
+    assert megatron.rotary_pos_emb.inv_freq.numel() == 4  # 8 rotated channels
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        for layout in ({}, {"seq_align": 8}):
+            forward = make_forward("thd", **layout)
+            assert torch.equal(forward(model, ids, mask), forward(megatron, ids, mask))
