@@ -257,3 +257,37 @@ def test_from_hf_weights_carry_megatron_tp_attributes():
 def test_qwen2_vl_is_not_a_bridge():
     assert "qwen2_vl" not in _MODEL_REGISTRY and "qwen2_5_vl" in _MODEL_REGISTRY
 
+
+
+def test_glm4_moe_loads_like_from_hf_and_exports_only_on_cuda(tmp_path):
+    """GLM-4.5 (DeepSeek-style routing: sigmoid scores, the correction bias as a buffer, groups, a shared expert,
+    partial RoPE, q/k/v biases, QK-norm): mbridge loads every parameter and buffer as ``from_hf`` does, bit for
+    bit; its export moves state-dict entries that are not parameters (the expert bias) to CUDA, so it cannot run on
+    a CPU-only machine."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    config = Glm4MoeConfig(**TINY, intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8, n_group=2,
+                           topk_group=1, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                           routed_scaling_factor=2.5, partial_rotary_factor=0.5, attention_bias=True,
+                           use_qk_norm=True, head_dim=16, experts_implementation="eager")
+    hf = randomised(Glm4MoeForCausalLM(config))
+    checkpoint(hf, tmp_path)
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.normal_()  # a buffer: randomised() leaves it 0
+    checkpoint(hf, tmp_path)
+
+    def state(model):
+        return {n: t.detach() for n, t in model.state_dict().items() if t is not None and "_extra_state" not in n}
+
+    want = state(from_hf(hf))
+    model = build_model(args_from_hf_config(hf.config), params_dtype=torch.float64, init=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    bridge = packfwd_bridge(hf.config)
+    bridge.load_weights([model], str(tmp_path))
+    got = state(model)
+    assert any("expert_bias" in n for n in got) and differences(want, got) == []
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            dict(bridge.export_weights([model]))
