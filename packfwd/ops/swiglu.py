@@ -1,0 +1,185 @@
+"""A fused Triton SwiGLU, forward and backward, for the gated MLP: ``y [*, 2f] -> silu(gate) * up [*, f]``.
+
+Megatron-Core's gated MLP (``megatron/core/transformer/mlp.py``, the ``glu`` branch and ``bias_swiglu_impl``)
+chunks ``linear_fc1``'s output on the last dimension into ``[gate; up]`` (first half gate, second half up; under
+tensor parallelism each rank's fc1 shard is its own ``[gate; up]``, so the activation is rank-local) and takes::
+
+    out   = silu(gate) * up,            silu(g) = g * sigmoid(g)
+    d_gate = d_out * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
+    d_up   = d_out * silu(gate)
+
+Conventions: float32 math inside, one rounding to the input's dtype on output (Megatron's unfused torch path
+rounds ``silu(gate)`` to a bf16 / fp16 input's dtype before the product, so low-precision results differ from it
+by that rounding; float32 agrees to float32 rounding).  The output is a new contiguous ``[*, f]`` tensor; the
+gradient a new contiguous ``[*, 2f]`` one in the input's dtype.  Inputs whose last dimension is not unit-strided
+are copied once (any row stride is read as is).  Blocks of rows by blocks of ``f`` per program, no atomics:
+deterministic, bit for bit run to run.
+
+``swiglu(y)`` is the entry point: the kernels (``SwiGLUKernel``, over the launchers ``forward`` and ``backward``;
+the kernels follow them) for a CUDA tensor with Triton installed, else the torch reference ``reference``.
+Importing this module without Triton works, launching does not.
+
+Tested (``tests/gpu/test_swiglu_kernel.py``, on a GPU or in Triton's interpreter on the CPU) against float64
+math and Megatron-Core's own ``bias_swiglu_impl`` / ``swiglu_back``: fp32 / bf16 / fp16, ``f`` not a power of 2,
+1 to 37 rows, 3-D and non-contiguous inputs, gradients, bitwise twice.  Performance is not measured yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never launch these (importing this module must still work)
+    triton = None
+
+# Rows and columns of f per program; warps per program.
+CONFIG = {"rows": 4, "block_f": 1024, "num_warps": 4}
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def supported(y: Tensor) -> bool:
+    """Whether the kernels can take ``y``: a CUDA tensor of bf16 / fp16 / fp32, with Triton installed."""
+    return triton is not None and y.is_cuda and y.dtype in DTYPES
+
+
+def swiglu(y: Tensor) -> Tensor:
+    """``silu(gate) * up`` of ``y [*, 2f] = [gate; up]``, as ``[*, f]``: the kernels where ``supported``, else the
+    torch reference (both differentiable).
+
+    >>> y = torch.tensor([[0.0, 2.0, 3.0, 5.0]])
+    >>> swiglu(y)
+    tensor([[0.0000, 8.8080]])
+    """
+    _check(y, "y")
+    return SwiGLUKernel.apply(y) if supported(y) else reference(y)
+
+
+def reference(y: Tensor) -> Tensor:
+    """The torch reference: float32 math, one rounding to ``y``'s dtype (autograd differentiates it).
+
+    >>> reference(torch.tensor([[1.0, -1.0, 2.0, 2.0]], dtype=torch.bfloat16))
+    tensor([[ 1.4609, -0.5391]], dtype=torch.bfloat16)
+    """
+    gate, up = y.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(y.dtype)
+
+
+def reference_backward(grad_out: Tensor, y: Tensor) -> Tensor:
+    """``d/dy [*, 2f]`` of ``reference`` given ``grad_out [*, f]``: float32 math, in ``y``'s dtype.
+
+    >>> reference_backward(torch.ones(1, 1), torch.tensor([[0.0, 3.0]]))
+    tensor([[1.5000, 0.0000]])
+    """
+    gate, up = y.float().chunk(2, dim=-1)
+    g = grad_out.float()
+    sig = torch.sigmoid(gate)
+    d_gate = g * up * sig * (1 + gate * (1 - sig))
+    return torch.cat((d_gate, g * gate * sig), dim=-1).to(y.dtype)
+
+
+class SwiGLUKernel(torch.autograd.Function):
+    """``silu(gate) * up`` of ``y [*, 2f]`` through the kernels; saves ``y`` only."""
+
+    @staticmethod
+    def forward(ctx, y):
+        ctx.save_for_backward(y)
+        return forward(y)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (y,) = ctx.saved_tensors
+        return backward(grad_out, y)
+
+
+def forward(y: Tensor) -> Tensor:
+    """The forward kernel's launcher: ``[*, 2f] -> [*, f]`` in ``y``'s dtype."""
+    rows, f = _rows(y, "y")
+    out = torch.empty((*y.shape[:-1], f), dtype=y.dtype, device=y.device)
+    if rows.shape[0] > 0:
+        block_f, grid = _grid(rows.shape[0], f)
+        _swiglu_fwd_kernel[grid](
+            rows, rows.stride(0), out, rows.shape[0], f,
+            ROWS=CONFIG["rows"], BLOCK_F=block_f, num_warps=CONFIG["num_warps"],
+        )
+    return out
+
+
+def backward(grad_out: Tensor, y: Tensor) -> Tensor:
+    """The backward kernel's launcher: ``grad_out [*, f]``, ``y [*, 2f] -> d/dy [*, 2f]`` in ``y``'s dtype."""
+    rows, f = _rows(y, "y")
+    if grad_out.shape != (*y.shape[:-1], f):
+        raise ValueError(f"grad_out has shape {tuple(grad_out.shape)}; the output of y {tuple(y.shape)} is "
+                         f"{(*y.shape[:-1], f)}")
+    g = grad_out.reshape(-1, f)
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    grad = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    if rows.shape[0] > 0:
+        block_f, grid = _grid(rows.shape[0], f)
+        _swiglu_bwd_kernel[grid](
+            rows, rows.stride(0), g, g.stride(0), grad, rows.shape[0], f,
+            ROWS=CONFIG["rows"], BLOCK_F=block_f, num_warps=CONFIG["num_warps"],
+        )
+    return grad
+
+
+def _check(y: Tensor, name: str) -> int:
+    if not isinstance(y, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    if y.dim() < 1 or y.shape[-1] == 0 or y.shape[-1] % 2:
+        raise ValueError(f"{name} must be [*, 2f] with f >= 1 ([gate; up] on the last dimension), got shape "
+                         f"{tuple(y.shape)}")
+    if not y.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {y.dtype}")
+    return y.shape[-1] // 2
+
+
+def _rows(y: Tensor, name: str) -> tuple[Tensor, int]:
+    """``y`` as ``[n, 2f]`` rows with a unit last stride (a view where one exists), and ``f``."""
+    f = _check(y, name)
+    if triton is None:
+        raise RuntimeError("packfwd.ops.swiglu's kernels need Triton; use swiglu() or reference() without it")
+    if y.dtype not in DTYPES:
+        raise TypeError(f"{name} must be bf16, fp16 or fp32 for the kernels, got {y.dtype}")
+    rows = y.reshape(-1, 2 * f)
+    return (rows if rows.stride(-1) == 1 else rows.contiguous()), f
+
+
+def _grid(n: int, f: int):
+    block_f = min(CONFIG["block_f"], triton.next_power_of_2(f))
+    return block_f, (triton.cdiv(n, CONFIG["rows"]), triton.cdiv(f, block_f))
+
+
+# ---------------------------------------------------------------------------------------------------- the kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_fwd_kernel(y, stride, out, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        ok = (r < N)[:, None] & (c < F)[None, :]
+        at = y + r[:, None] * stride + c[None, :]
+        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        o = gate * tl.sigmoid(gate) * up
+        tl.store(out + r[:, None] * F + c[None, :], o.to(out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(y, stride, g, g_stride, grad, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        ok = (r < N)[:, None] & (c < F)[None, :]
+        at = y + r[:, None] * stride + c[None, :]
+        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        go = tl.load(g + r[:, None] * g_stride + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        d_gate = go * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = go * gate * sig
+        dst = grad + r[:, None] * (2 * F) + c[None, :]
+        tl.store(dst, d_gate.to(grad.dtype.element_ty), mask=ok)
+        tl.store(dst + F, d_up.to(grad.dtype.element_ty), mask=ok)
