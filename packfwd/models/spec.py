@@ -33,6 +33,10 @@ class RMSNorm(torch.nn.RMSNorm):
     Parameters take ``config.params_dtype``, and are marked ``sequence_parallel`` under sequence parallelism
     (each rank then sees a slice of the tokens, so Megatron all-reduces their gradients over the TP group).
 
+    ``fused=True`` (off by default; a spec sets it with ``ModuleSpec(module=RMSNorm, params={"fused": True})``)
+    computes the norm with the Triton kernels of :mod:`packfwd.ops.rmsnorm` where they take the input (CUDA,
+    bf16 / fp16 / fp32), else as torch does; same math, equal within float32 rounding.
+
     >>> from types import SimpleNamespace
     >>> import torch
     >>> norm = RMSNorm(SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False), hidden_size=4, eps=1e-6)
@@ -41,11 +45,21 @@ class RMSNorm(torch.nn.RMSNorm):
             [1.0000, 1.0000, 1.0000, 1.0000]], grad_fn=<MulBackward0>)
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, fused: bool = False, **unused):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.fused = bool(fused)
         if getattr(config, "sequence_parallel", False):
             for p in self.parameters():
                 p.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.weight is not None:
+            from ..ops import rmsnorm
+
+            if rmsnorm.supported(x, self.weight):
+                eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+                return rmsnorm.rms_norm(x, self.weight, eps, kernel=True)
+        return super().forward(x)
 
 
 def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = None, rope=None):
