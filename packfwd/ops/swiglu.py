@@ -8,23 +8,29 @@ tensor parallelism each rank's fc1 shard is its own ``[gate; up]``, so the activ
     d_gate = d_out * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
     d_up   = d_out * silu(gate)
 
-Conventions: float32 math inside, one rounding to the input's dtype on output (Megatron's unfused torch path
-rounds ``silu(gate)`` to a bf16 / fp16 input's dtype before the product, so low-precision results differ from it
-by that rounding; float32 agrees to float32 rounding).  The output is a new contiguous ``[*, f]`` tensor; the
-gradient a new contiguous ``[*, 2f]`` one in the input's dtype.  Inputs whose last dimension is not unit-strided
-are copied once (any row stride is read as is).  Blocks of rows by blocks of ``f`` per program, no atomics:
-deterministic, bit for bit run to run.
+Conventions: float32 math inside, one rounding to the input's dtype on output.  Megatron's unfused torch path
+(what packfwd runs today: ``bias_activation_fusion=False``) rounds ``silu(gate)`` and ``d_out * up`` to a bf16 /
+fp16 input's dtype on the way, so low-precision results differ from it within those roundings.  In float32 the
+kernels do torch's CUDA operations in torch's order (``silu(x) = x / (1 + exp(-x))`` with CUDA's ``expf`` and
+division to nearest; ``silu_backward``'s ``dy * s * (1 + x (1 - s))``), meant to give today's bits: asserted by a
+GPU-only test not yet run (the interpreter has no CUDA ``expf``: numpy's ``exp`` there).  The output is a new
+contiguous ``[*, f]`` tensor; the gradient a new contiguous ``[*, 2f]`` one in the input's dtype.  Inputs whose
+last dimension is not unit-strided are copied once (any row stride is read as is).  Blocks of rows by blocks of
+``f`` per program, no atomics: deterministic, bit for bit run to run.
 
 ``swiglu(y)`` is the entry point: the kernels (``SwiGLUKernel``, over the launchers ``forward`` and ``backward``;
 the kernels follow them) for a CUDA tensor with Triton installed, else the torch reference ``reference``.
 Importing this module without Triton works, launching does not.
 
 Tested (``tests/gpu/test_swiglu_kernel.py``, on a GPU or in Triton's interpreter on the CPU) against float64
-math and Megatron-Core's own ``bias_swiglu_impl`` / ``swiglu_back``: fp32 / bf16 / fp16, ``f`` not a power of 2,
-1 to 37 rows, 3-D and non-contiguous inputs, gradients, bitwise twice.  Performance is not measured yet.
+math and Megatron-Core's own SwiGLU (the unfused ``glu`` of ``MLP.forward`` and the fused ``bias_swiglu_impl``):
+fp32 / bf16 / fp16, ``f`` not a power of 2, 1 to 37 rows, 3-D and non-contiguous inputs, gradients, bitwise
+twice; on the GPU also float32 bit for bit against the unfused ``glu``.  Performance is not measured yet.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -32,6 +38,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs never launch these (importing this module must still work)
     triton = None
 
@@ -103,7 +110,7 @@ def forward(y: Tensor) -> Tensor:
         block_f, grid = _grid(rows.shape[0], f)
         _swiglu_fwd_kernel[grid](
             rows, rows.stride(0), out, rows.shape[0], f,
-            ROWS=CONFIG["rows"], BLOCK_F=block_f, num_warps=CONFIG["num_warps"],
+            ROWS=CONFIG["rows"], BLOCK_F=block_f, CUDA_EXP=_CUDA_EXP, num_warps=CONFIG["num_warps"],
         )
     return out
 
@@ -121,7 +128,7 @@ def backward(grad_out: Tensor, y: Tensor) -> Tensor:
         block_f, grid = _grid(rows.shape[0], f)
         _swiglu_bwd_kernel[grid](
             rows, rows.stride(0), g, g.stride(0), grad, rows.shape[0], f,
-            ROWS=CONFIG["rows"], BLOCK_F=block_f, num_warps=CONFIG["num_warps"],
+            ROWS=CONFIG["rows"], BLOCK_F=block_f, CUDA_EXP=_CUDA_EXP, num_warps=CONFIG["num_warps"],
         )
     return grad
 
@@ -155,21 +162,36 @@ def _grid(n: int, f: int):
 
 # ---------------------------------------------------------------------------------------------------- the kernels
 
+# CUDA's expf (libdevice) and IEEE division, the operations of torch's CUDA silu / silu_backward, so that float32
+# gives today's unfused path's bits (checked on the GPU only); Triton's interpreter has no libdevice: numpy's exp.
+_CUDA_EXP = os.environ.get("TRITON_INTERPRET") != "1"
+
 if triton is not None:
 
     @triton.jit
-    def _swiglu_fwd_kernel(y, stride, out, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    def _exp(x, CUDA_EXP: tl.constexpr):
+        """exp of float32 ``x``: CUDA's expf (what torch's silu calls) on the GPU, numpy's in the interpreter."""
+        if CUDA_EXP:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _swiglu_fwd_kernel(y, stride, out, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr, CUDA_EXP: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         ok = (r < N)[:, None] & (c < F)[None, :]
         at = y + r[:, None] * stride + c[None, :]
         gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
-        o = gate * tl.sigmoid(gate) * up
+        e = _exp(-gate, CUDA_EXP)
+        o = tl.math.div_rn(gate, 1.0 + e) * up  # torch: silu(x) = x / (1 + exp(-x)), then the product
         tl.store(out + r[:, None] * F + c[None, :], o.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _swiglu_bwd_kernel(y, stride, g, g_stride, grad, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+    def _swiglu_bwd_kernel(
+        y, stride, g, g_stride, grad, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr, CUDA_EXP: tl.constexpr,
+    ):
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         ok = (r < N)[:, None] & (c < F)[None, :]
@@ -177,9 +199,11 @@ if triton is not None:
         gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
         go = tl.load(g + r[:, None] * g_stride + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(gate)
-        d_gate = go * up * sig * (1.0 + gate * (1.0 - sig))
-        d_up = go * gate * sig
+        e = _exp(-gate, CUDA_EXP)
+        sig = tl.math.div_rn(tl.full(gate.shape, 1.0, tl.float32), 1.0 + e)
+        # autograd of silu(gate) * up: d_up = go * silu(gate); d_gate = silu_backward(go * up, gate), in torch's order
+        d_gate = (go * up) * sig * (1.0 + gate * (1.0 - sig))
+        d_up = go * tl.math.div_rn(gate, 1.0 + e)
         dst = grad + r[:, None] * (2 * F) + c[None, :]
         tl.store(dst, d_gate.to(grad.dtype.element_ty), mask=ok)
         tl.store(dst + F, d_up.to(grad.dtype.element_ty), mask=ok)

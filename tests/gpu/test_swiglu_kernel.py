@@ -1,6 +1,7 @@
 """The fused Triton SwiGLU (``packfwd.ops.swiglu``) against float64 math and against Megatron-Core's own SwiGLU
-(``megatron.core.fusions.fused_bias_swiglu``: ``bias_swiglu_impl`` forward and backward, what ``MLP`` calls with
-``bias_activation_fusion``, run eagerly): values and gradients, bf16 / fp16 / fp32, ``f`` not a power of 2 (also
+(the unfused ``glu`` of ``MLP.forward`` that packfwd runs today, bit for bit in float32 on the GPU; and
+``megatron.core.fusions.fused_bias_swiglu.bias_swiglu_impl``, what ``MLP`` calls with ``bias_activation_fusion``,
+run eagerly), forward and backward: values and gradients, bf16 / fp16 / fp32, ``f`` not a power of 2 (also
 under a tiny column block, so a row spans many programs), 1 to 37 rows (partial row blocks), 3-D input, a row
 slice with a wide stride (read in place) and a transposed input (copied), no rows, refused shapes and dtypes, and
 the same bits twice.
@@ -102,6 +103,29 @@ def test_against_megatron(dtype):
     close(grad, x.grad, rtol, x.grad.abs().max().item() * 16)
     if dtype == torch.float32:  # float32 is float32 on both sides: rounding apart
         torch.testing.assert_close(out, m_out, rtol=1e-6, atol=1e-6)
+
+
+def megatron_glu(x):
+    """Megatron-Core 0.16.1's unfused gated activation, what packfwd runs today (``bias_activation_fusion=False``,
+    no bias, no clamp): the ``glu`` closure of ``MLP.forward`` (megatron/core/transformer/mlp.py, lines 219-228)."""
+    x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+    return torch.nn.functional.silu(x_glu) * (x_linear + 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_against_megatron_unfused(dtype):
+    """Today's path: within its own roundings of ``silu(gate)`` and ``d_out * up`` to the input's dtype; in
+    float32 on the GPU bit for bit (the kernels do torch's CUDA silu / silu_backward operations in order)."""
+    y, go = make((13,), 37, dtype, seed=7)
+    x = y.clone().requires_grad_(True)
+    m_out = megatron_glu(x)
+    m_out.backward(go)
+    out, grad = kernel(y, go)
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-8, torch.float16: 4 * 2**-10}[dtype]
+    close(out, m_out, rtol, m_out.abs().max().item() * 16)
+    close(grad, x.grad, rtol, x.grad.abs().max().item() * 16)
+    if DEVICE == "cuda" and dtype == torch.float32:
+        assert torch.equal(out, m_out.detach()) and torch.equal(grad, x.grad)
 
 
 def test_many_column_blocks(monkeypatch):
