@@ -16,7 +16,9 @@ token ``t`` of sequence ``i`` by ``loss_mask[i, t] * w_i`` and sums, with ``w_i`
 
 So the losses of all micro-batches of all ranks add up to the loss of the whole batch in one piece, and so do
 their gradients: sum the gradients over DP (an all-reduce SUM; a DDP that averages needs them scaled by
-``dp_size``).  The counts ``n_i`` come from ``loss_tokens`` (host ints) when given; otherwise from the loss mask,
+``dp_size``).  Under expert parallelism the expert-parallel ranks are data-parallel ranks holding *different*
+experts (``local_experts.0`` is another expert on each): sum only the parameters Megatron-Core marks
+``allreduce=True`` over DP, and the experts' (``allreduce=False``) over their expert-data-parallel group.  The counts ``n_i`` come from ``loss_tokens`` (host ints) when given; otherwise from the loss mask,
 read back once per step (one device sync; none on the CPU), or from ``plan.seqlens`` without a loss mask.
 
 **The plan and the forward's layout agree.**  The plan's budget is the footprint of the layout it was made for; a
