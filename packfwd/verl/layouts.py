@@ -24,7 +24,7 @@ from packfwd.layout.bshd import from_bshd
 from packfwd.layout.rules import round_up, verl_alignment, zigzag_owner, zigzag_position
 from packfwd.layout.thd import plan_thd
 
-__all__ = ["VerlBshd", "VerlThd"]
+__all__ = ["VerlBshd", "VerlThd", "router_padding"]
 
 
 class VerlThd(Thd):
@@ -58,6 +58,31 @@ class VerlThd(Thd):
             extra["cp_partition_mode"] = "zigzag"  # newer Megatron-Cores name the CP split; verl names it too
         params = dataclasses.replace(info.packed_seq_params(), cu_seqlens_q=cu, cu_seqlens_kv=cu, **extra)
         return {"packed_seq_params": params}
+
+
+def router_padding(model, info, router_padding_mask: Tensor | None = None) -> dict:
+    """The model's ``padding_mask`` keyword of a :class:`VerlThd` batch: the plan's layout pads (alignment, CP,
+    FP8, length bucket) for an MoE model (verl's ``cu_seqlens_q`` are the padded offsets, so the model cannot tell
+    them), OR-ed with verl's ``router_padding_mask`` ``[1, t_local]`` (True at slots to keep from the routers)
+    when given; ``{}`` for a dense model without one (verl's own call).
+
+    >>> import torch
+    >>> info, _ = VerlThd(2, 1, 0, None).pack(torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.bool))
+    >>> router_padding(torch.nn.Linear(2, 2), info), router_padding(torch.nn.Linear(2, 2), info, torch.ones(1, 4) > 0)
+    ({}, {'padding_mask': tensor([[True, True, True, True]])})
+    """
+    from packfwd.models.moe import router_kwargs
+
+    planned = router_kwargs(model, info)
+    if router_padding_mask is None:
+        return planned
+    if planned and tuple(router_padding_mask.shape) != tuple(planned["padding_mask"].shape):
+        raise ValueError(f"router_padding_mask has shape {tuple(router_padding_mask.shape)} but this rank's packed "
+                         f"batch has {tuple(planned['padding_mask'].shape)} slots; pass a bool [1, t] mask of the "
+                         "packed tokens, True at the slots to keep from the routers")
+    if not planned:
+        return {"padding_mask": router_padding_mask}
+    return {"padding_mask": router_padding_mask.to(torch.bool) | planned["padding_mask"]}
 
 
 class VerlBshd(Bshd):

@@ -30,7 +30,7 @@ from torch import Tensor
 from packfwd.layout.rules import round_up, verl_alignment
 
 from ._common import Parallel, fp8_padding, model_facts, multimodal_kwargs, packers, read_parallel, run_and_unpack
-from .layouts import VerlBshd, VerlThd, widen
+from .layouts import VerlBshd, VerlThd, router_padding, widen
 from .mtp import check_mtp_model, engine_loss_mask, mtp_call, mtp_targets
 
 __all__ = ["gptmodel_forward_model_engine"]
@@ -63,9 +63,11 @@ def gptmodel_forward_model_engine(
     (BSHD): the width before alignment, at least the longest sequence.  ``local_cp_size``: dynamic CP (needs a
     Megatron-Core that has it).  ``cp_layout``: ``"zigzag"`` (``"contiguous"`` only without CP).
     ``vision_model``: the model gets the ids padded with ``pad_token_id`` and their mask.  ``router_padding_mask``
-    is passed to the model as ``padding_mask`` (THD).  ``mtp_enable_train=True`` (a packfwd model with MTP layers):
-    the MTP loss of ``label`` and ``loss_mask`` (verl's), each depth read within its own sequence, hung on the
-    backward as verl's model does (``packfwd.verl.mtp``).
+    (``[1, t]`` bool, True at slots to keep from the routers) is passed to the model as ``padding_mask`` (THD),
+    OR-ed for an MoE model with the plan's layout pads (alignment, FP8, ``pad_to_length_bucket``), which an MoE
+    model always gets, so no pad is routed (verl passes only its own mask).  ``mtp_enable_train=True`` (a packfwd
+    model with MTP layers): the MTP loss of ``label`` and ``loss_mask`` (verl's), each depth read within its own
+    sequence, hung on the backward as verl's model does (``packfwd.verl.mtp``).
 
     >>> import torch
     >>> from packfwd.models.runtime import ensure_model_parallel
@@ -99,12 +101,14 @@ def gptmodel_forward_model_engine(
     targets = _mtp_targets(model, input_ids, logits_processor_args or {}) if mtp else None
     extra = multimodal_kwargs(model, multi_modal_inputs, input_ids.device)
     if data_format == "thd":
-        if router_padding_mask is not None:
-            extra["padding_mask"] = router_padding_mask
         layout = VerlThd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts),
                          length_bucket=pad_to_length_bucket, local_cp_size=local_cp_size)
         info, call = _thd(layout, input_ids, par, facts, vision_model, pad_token_id, mtp_loss_normalization_factor,
                           mtp)
+        if vision_model:  # verl's vision input: the model packs after embedding; verl's mask as verl passes it
+            extra.update({} if router_padding_mask is None else {"padding_mask": router_padding_mask})
+        else:  # the plan's layout pads (an MoE model) OR verl's mask: no pad reaches a router
+            extra.update(router_padding(model, info, router_padding_mask))
     else:
         layout = VerlBshd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts),
                           forced_width=forced_max_seqlen)

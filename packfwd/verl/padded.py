@@ -4,7 +4,8 @@ The returned ``model_forward`` has the signature and results of verl 0.9.1's
 (``verl.models.mcore.model_forward.model_forward_gen``):
 
 * ``data_format="thd"``: the batch is packed into one row ``[1, t]`` in exactly verl's layout (each sequence
-  padded to ``2*tp*cp``, or ``tp`` without CP; the CP zigzag split), the model gets verl's ``PackedSeqParams``,
+  padded to ``2*tp*cp``, or ``tp`` without CP; the CP zigzag split), the model gets verl's ``PackedSeqParams``
+  (an MoE model also the plan's layout pads as ``padding_mask``, so its routers skip them; verl passes none),
   and every output comes back as ``[b, s, ...]`` with zeros at padding (CP ranks' outputs all-gathered first);
 * ``data_format="bshd"``: each row's real tokens moved left into ``[b, w]`` (``w`` the longest row, rounded up
   to ``tp`` under sequence parallelism), the model gets that batch, the compacted mask and positions.
@@ -29,7 +30,7 @@ from packfwd.forward.layouts import Bshd
 from packfwd.forward.vision import takes_packing, vision_call
 
 from ._common import fp8_padding, model_facts, multimodal_kwargs, packers, read_parallel, run_and_unpack
-from .layouts import VerlThd
+from .layouts import VerlThd, router_padding
 from .mtp import check_mtp_model, mtp_call, mtp_targets
 
 __all__ = ["model_forward_gen"]
@@ -133,5 +134,6 @@ def _model_call(model, layout, info, ids, input_ids, attention_mask, position_id
                         **layout.model_kwargs(info))
         return dict(input_ids=ids, position_ids=None, attention_mask=mask)
     positions = None if position_ids is None else layout.positions(info, ids, position_ids, input_ids)
+    pads = router_padding(model, info) if thd else {}  # an MoE model's routers never see the layout pads
     return dict(input_ids=ids if packed_ids else input_ids, position_ids=positions,
-                attention_mask=mask, **layout.model_kwargs(info))
+                attention_mask=mask, **layout.model_kwargs(info), **pads)
