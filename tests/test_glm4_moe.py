@@ -252,3 +252,55 @@ def test_partial_rope_is_megatron_cores_thd_rope_bitwise():
         for layout in ({}, {"seq_align": 8}):
             forward = make_forward("thd", **layout)
             assert torch.equal(forward(model, ids, mask), forward(megatron, ids, mask))
+
+
+# ------------------------------------------------------------------------------------------- bf16: the router in fp32
+
+
+def bf16_glm(seed: int = 0) -> Glm4MoeForCausalLM:
+    """A GLM-4.5 as transformers loads a checkpoint in bfloat16 (``_keep_in_fp32_modules_strict``): every weight
+    bf16 but the routers' gate weight and correction bias, float32.  16 experts, top-4, hidden 256; the gate
+    N(0, 1 / hidden), the correction bias of scale 0.01 (a trained router's: it tips close choices only)."""
+    cfg = Glm4MoeConfig(hidden_size=256, intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, vocab_size=V, n_routed_experts=16, num_experts_per_tok=4,
+                        n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2,
+                        experts_implementation="eager")
+    hf = Glm4MoeForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    gates = [layer.mlp.gate for layer in hf.model.layers[cfg.first_k_dense_replace:]]
+    kept = [(torch.randn(16, 256, generator=g) / 16, 0.01 * torch.randn(16, generator=g)) for _ in gates]
+    hf = hf.to(torch.bfloat16)
+    for gate, (weight, bias) in zip(gates, kept):
+        gate.float()
+        gate.weight.data.copy_(weight)
+        gate.e_score_correction_bias.copy_(bias)
+    return hf.eval()
+
+
+def test_bf16_router_is_float32_and_chooses_transformers_experts():
+    """``from_hf(params_dtype=bf16)`` keeps the router's gate weight float32 (the HF tensor bit for bit, back too)
+    and computes its logits in float32 from the bf16 hidden states, as transformers does: on 512 tokens the chosen
+    experts equal transformers' for every token (a bf16 gate, as before, picks another set for ~1% of them)."""
+    from packfwd.models.moe import routers
+
+    hf = bf16_glm()
+    model = from_hf(hf, params_dtype=torch.bfloat16)
+    (router,) = routers(model)
+    gate = hf.model.layers[1].mlp.gate
+    assert model.config.moe_router_dtype == "fp32" and model.config.params_dtype == torch.bfloat16
+    assert router.weight.dtype == torch.float32 and torch.equal(router.weight, gate.weight)
+    assert model.decoder.layers[1].mlp.experts.local_experts[0].linear_fc1.weight.dtype == torch.bfloat16
+    back = to_hf_state_dict(model)
+    assert back["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert all(torch.equal(back[n], t) for n, t in hf.state_dict().items())
+    x = torch.randn(512, 1, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)  # [s, b, h]
+    with torch.no_grad():
+        _, want, chosen = gate(x)
+        probs, routing_map = router(x)
+    want_map = torch.zeros(512, 16, dtype=torch.bool).scatter_(1, chosen, True)
+    assert torch.equal(routing_map, want_map)
+    assert probs.dtype == torch.float32  # transformers' weights, to an ulp (Megatron-Core's order of operations)
+    torch.testing.assert_close(probs.gather(1, chosen), want, atol=0, rtol=1e-6)
+    x.requires_grad_(True)
+    router(x)[0].sum().backward()
+    assert router.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16

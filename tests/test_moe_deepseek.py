@@ -171,6 +171,32 @@ def test_config_fields():
     assert ungrouped["shared_ffn_hidden_size"] == 32
 
 
+def test_the_router_dtype_is_fp32_for_deepseek_routing_only():
+    """DeepSeek-V3-style routing (GLM-4.5) keeps transformers' float32 router: ``Moe.router_dtype="fp32"`` is
+    Megatron-Core's ``moe_router_dtype``, and a bf16 model built with it (randomly initialised too) holds a float32
+    gate weight; Qwen3-MoE and Mixtral (their transformers gates run in the hidden dtype) keep the model's dtype."""
+    from packfwd.models.gpt import build_model
+    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.moe import moe_config_fields, routers
+
+    from .test_moe import CONFIGS, TINY
+
+    moe = Moe(**deepseek_moe_fields(deepseek_config("groups")))
+    assert moe.router_dtype == "fp32" and moe_config_fields(moe, 1)["moe_router_dtype"] == "fp32"
+    for name, (config_cls, extra) in CONFIGS.items():
+        args = args_from_hf_config(config_cls(**TINY, **extra))
+        assert args.moe.router_dtype is None and moe_config_fields(args.moe, 2)["moe_router_dtype"] is None, name
+    for router_dtype, weight in (("fp32", torch.float32), (None, torch.bfloat16)):
+        args = moe_args(deepseek_config("groups", num_layers=2, first_dense=1))
+        args = replace(args, moe=replace(args.moe, router_dtype=router_dtype))
+        model = build_model(args, params_dtype=torch.bfloat16)
+        (router,) = routers(model)
+        assert router.weight.dtype == weight and router.expert_bias.dtype == torch.float32
+        assert router.weight.std() > 0.01 and model.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="Moe.router_dtype='bf16': pass 'fp32', 'fp64' or None"):
+        Moe(num_experts=8, top_k=2, ffn_hidden_size=16, router_dtype="bf16")
+
+
 @pytest.mark.parametrize("moe, error, match", [
     (dict(score_function="sigmoid", normalize_top_k=False), ValueError, "pass normalize_top_k=True"),
     (dict(score_function="sigmoid", top_k=1), ValueError, "pass normalize_top_k=False"),

@@ -50,6 +50,8 @@ class Moe:
     num_groups: int | None = None  # group-limited routing: experts in num_groups groups (n_group) ...
     group_top_k: int | None = None  # ... of which each token searches its best group_top_k (topk_group)
     scaling_factor: float | None = None  # the routed probabilities times this (routed_scaling_factor)
+    router_dtype: str | None = None  # "fp32"/"fp64": the gate weight kept in float32 (at least) and its logits
+    #  computed in that dtype (transformers' GLM-4.5 / DeepSeek-V3); None: the model's dtype (Qwen3-MoE, Mixtral)
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "ffn_hidden_size"):
@@ -59,6 +61,8 @@ class Moe:
             raise ValueError(f"Moe.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"Moe.score_function={self.score_function!r}: pass 'softmax' or 'sigmoid'")
+        if self.router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"Moe.router_dtype={self.router_dtype!r}: pass 'fp32', 'fp64' or None (the model's dtype)")
         layers = tuple(self.dense_layers)
         for i in layers:
             _check_int("Moe.dense_layers entry", i, 0)

@@ -17,9 +17,11 @@ too)::
     mlp.shared_experts.up_proj.weight   [fs, h]
     mlp.shared_experts.down_proj.weight [h, fs] mlp.shared_experts.linear_fc2.weight             [h, fs]
 
-A TP rank holds ``[gate_r; up_r]`` rows of each ``linear_fc1`` and the matching columns of ``linear_fc2`` (the
-experts' tensor-parallel size is the model's); the router and its bias are replicated.  An expert-parallel rank
-holds the experts ``experts`` (global ids), numbered ``local_experts.0 ...`` in order.
+Every tensor keeps its dtype both ways: a float32 ``gate.weight`` (transformers keeps it float32 in a bf16 GLM-4.5 /
+DeepSeek-V3) lands in the router's float32 weight when the router has its own dtype (``Moe.router_dtype``), so it
+converts bit for bit.  A TP rank holds ``[gate_r; up_r]`` rows of each ``linear_fc1`` and the matching columns of
+``linear_fc2`` (the experts' tensor-parallel size is the model's); the router and its bias are replicated.  An
+expert-parallel rank holds the experts ``experts`` (global ids), numbered ``local_experts.0 ...`` in order.
 """
 
 from __future__ import annotations
@@ -143,16 +145,18 @@ def deepseek_moe_fields(cfg) -> dict | None:
     (``DeepseekV3Config``; ``Glm4MoeConfig`` names them the same); None: every MLP dense.  Sigmoid scores plus the
     routing-only ``e_score_correction_bias``; top-k among the best ``topk_group`` of ``n_group`` groups; times
     ``routed_scaling_factor``; ``n_shared_experts`` shared experts of width ``moe_intermediate_size`` each; the
-    first ``first_k_dense_replace`` layers dense.  The ``glm4_moe`` family reads it (GLM-4.5); DeepSeek-V3 has no
-    family entry (its multi-head latent attention is not built).
+    first ``first_k_dense_replace`` layers dense; the router in float32 (transformers keeps ``gate.weight`` and the
+    bias float32 and computes the logits in float32 in any model dtype; mbridge sets ``moe_router_dtype="fp32"``).
+    The ``glm4_moe`` family reads it (GLM-4.5); DeepSeek-V3 has no family entry (its multi-head latent attention is
+    not built).
 
     >>> from transformers import DeepseekV3Config
     >>> fields = deepseek_moe_fields(DeepseekV3Config(num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4,
     ...     n_group=4, topk_group=2, moe_intermediate_size=8, first_k_dense_replace=1))
     >>> [fields[k] for k in ("score_function", "expert_bias", "num_groups", "group_top_k", "shared_ffn_hidden_size")]
     ['sigmoid', True, 4, 2, 8]
-    >>> fields["scaling_factor"], fields["dense_layers"]
-    (2.5, (0,))
+    >>> fields["scaling_factor"], fields["dense_layers"], fields["router_dtype"]
+    (2.5, (0,), 'fp32')
     """
     first_dense = cfg.first_k_dense_replace or 0
     if not cfg.n_routed_experts or first_dense >= cfg.num_hidden_layers:
@@ -169,7 +173,8 @@ def deepseek_moe_fields(cfg) -> dict | None:
                 score_function="sigmoid", normalize_top_k=bool(cfg.norm_topk_prob), expert_bias=True,
                 shared_ffn_hidden_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
                 num_groups=groups if limited else None, group_top_k=chosen if limited else None,
-                scaling_factor=None if scale == 1.0 else scale, dense_layers=tuple(range(first_dense)))
+                scaling_factor=None if scale == 1.0 else scale, dense_layers=tuple(range(first_dense)),
+                router_dtype="fp32")
 
 
 def _mlp_from_hf(gate_up: Tensor, down: Tensor, mg: str, tp_size: int, tp_rank: int) -> dict[str, Tensor]:

@@ -18,6 +18,10 @@ What :class:`~packfwd.models.router.PackedRouter` changes in Megatron-Core's ``T
 
 * the gate is a plain linear on the input's device, in ``config.moe_router_dtype`` (else the input's dtype):
   Megatron's moves its weight to CUDA on every call and takes TransformerEngine's GEMM;
+* with ``config.moe_router_dtype`` (``Moe.router_dtype``: ``"fp32"`` for DeepSeek-V3-style routing, GLM-4.5) the
+  gate weight stays float32 (at least) in a bf16 / fp16 model, as transformers keeps it
+  (``_keep_in_fp32_modules_strict``): Megatron-Core casts it to ``params_dtype``, so a bf16 checkpoint's float32
+  gate would lose bits;
 * ``padding_mask`` (Megatron-Core's convention: ``[b, s]``, True at a padding slot; ``GPTModel.forward`` passes it
   down, ``make_forward`` gives it from the batch's plan): Megatron masks those tokens out of its auxiliary losses
   only; here they are routed to no expert at all (their routing-map row is empty, their probabilities 0), so they
@@ -58,8 +62,9 @@ def moe_config_fields(moe, num_layers: int) -> dict:
     softmax over the top-k logits, ``moe_router_pre_softmax=False``), or not (softmax over all experts, then top-k:
     ``pre_softmax``).  Sigmoid scores (DeepSeek-V3): Megatron-Core renormalises the k kept sigmoids exactly when
     ``top_k > 1``, so ``normalize_top_k`` must say the same; ``moe.expert_bias`` is added to the scores for the
-    choice of experts only (``moe_router_enable_expert_bias``).  Group-limited routing, the routed scaling factor
-    and shared experts are Megatron-Core's fields of the same meaning.  ``moe_layer_freq``: per layer 1 (MoE) or 0
+    choice of experts only (``moe_router_enable_expert_bias``).  ``moe.router_dtype`` is ``moe_router_dtype``.
+    Group-limited routing, the routed scaling factor and shared experts are Megatron-Core's fields of the same
+    meaning.  ``moe_layer_freq``: per layer 1 (MoE) or 0
     (dense, ``moe.dense_layers``).  The token dispatcher is ``"allgather"``, which runs on the CPU and on CUDA
     (Megatron's ``"alltoall"`` needs CUDA streams).
 
@@ -84,6 +89,7 @@ def moe_config_fields(moe, num_layers: int) -> dict:
         moe_router_num_groups=moe.num_groups,
         moe_router_group_topk=moe.group_top_k,
         moe_router_topk_scaling_factor=moe.scaling_factor,
+        moe_router_dtype=moe.router_dtype,
         moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
         moe_router_load_balancing_type="none",  # packfwd returns the loss instead (module docstring)
         moe_aux_loss_coeff=0.0,

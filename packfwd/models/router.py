@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .routing import RoutingStats
 
-__all__ = ["PackedRouter"]
+__all__ = ["PackedRouter", "gate_dtype"]
 
 
 class PackedRouter(TopKRouter):
@@ -49,9 +49,22 @@ class PackedRouter(TopKRouter):
                 zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=self.weight.device)
                 self.register_buffer(name, zeros, persistent=name == "expert_bias")
 
+    def reset_parameters(self) -> None:
+        """Megatron-Core's initialisation (float32, then cast to ``params_dtype``), but with
+        ``config.moe_router_dtype`` the weight (and bias) kept in :func:`gate_dtype`: transformers keeps GLM-4.5's
+        and DeepSeek-V3's gate float32 in a bf16 model, and a bf16 copy of it routes some tokens elsewhere."""
+        weight, bias = self.weight.data, None if self.bias is None else self.bias.data  # float32, initialised in place
+        super().reset_parameters()
+        dtype = gate_dtype(self.config)
+        if dtype is not None:
+            self.weight.data = weight.to(dtype)
+            if bias is not None:
+                self.bias.data = bias.to(dtype)
+
     def gating(self, input: Tensor) -> Tensor:
         """The router logits ``[s, b, E]``: a plain linear on the input's device, in ``config.moe_router_dtype``
-        (``"fp32"``, ``"fp64"``) or else the input's dtype."""
+        (``"fp32"``, ``"fp64"``: the input cast for the router only, as transformers does) or else the input's
+        dtype."""
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         return torch.nn.functional.linear(input.to(dtype), self.weight.to(dtype), bias)
@@ -112,6 +125,23 @@ class PackedRouter(TopKRouter):
             raise ValueError(f"padding_mask covers {mask.shape[0]} tokens per row but this MoE layer routes {s}; "
                              "pass a [b, s] mask like input_ids, True at padding")
         return mask
+
+
+def gate_dtype(config) -> torch.dtype | None:
+    """The dtype of the router's weight: at least float32 when the router computes in its own dtype
+    (``config.moe_router_dtype``), else None (Megatron-Core's ``params_dtype``).
+
+    >>> from types import SimpleNamespace
+    >>> gate_dtype(SimpleNamespace(moe_router_dtype="fp32", params_dtype=torch.bfloat16))
+    torch.float32
+    >>> gate_dtype(SimpleNamespace(moe_router_dtype="fp32", params_dtype=torch.float64))
+    torch.float64
+    >>> gate_dtype(SimpleNamespace(moe_router_dtype=None, params_dtype=torch.bfloat16)) is None
+    True
+    """
+    if config.moe_router_dtype is None:
+        return None
+    return torch.promote_types(config.params_dtype, torch.float32)
 
 
 def _without_expert_bias(config):
