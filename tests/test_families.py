@@ -275,3 +275,12 @@ def test_qwen2_vl_is_an_entry_read_like_the_others():
     assert FAMILIES["qwen2_vl"].mrope and not FAMILIES["qwen2"].mrope
     with pytest.raises(ValueError, match="packfwd.vision.from_hf"):
         from_hf(Qwen2VLForConditionalGeneration(cfg))
+
+
+def test_attention_dropout_is_refused_not_ignored():
+    """transformers applies attention dropout in train mode; packfwd builds none, so a config asking for it is
+    refused (a training step would silently differ)."""
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, attention_dropout=0.1)
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        args_from_hf_config(cfg)

@@ -141,6 +141,9 @@ class Family:
         for flag, why in self.unsupported:
             if getattr(cfg, flag, False):
                 raise ValueError(f"{flag}={getattr(cfg, flag)!r}: {why}")
+        if getattr(cfg, "attention_dropout", 0.0):  # transformers applies it in train mode; packfwd builds none
+            raise ValueError(f"attention_dropout={cfg.attention_dropout!r}: packfwd builds attention without dropout "
+                             "(the training step would differ from transformers'); set attention_dropout=0.0")
         theta, factor = self._rope(cfg)
         heads = cfg.num_attention_heads
         qkv_bias = bool(getattr(cfg, self.qkv_bias_flag, False)) if self.qkv_bias_flag else self.qkv_bias
