@@ -100,3 +100,29 @@ def ref_positions(lengths_padded, cp, rank):
             c = pl // (2 * cp)
             pos += r[rank * c : (rank + 1) * c] + r[(2 * cp - 1 - rank) * c : (2 * cp - rank) * c]
     return pos
+
+
+def assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=1e-10, rtol=0.0, what=""):
+    """``logits [b, s, v]`` of a packed forward equal transformers' ``hf`` run on each sequence alone, at the real
+    tokens; zero at padding."""
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            want = hf(ids[i][mask[i]][None]).logits[0]
+            torch.testing.assert_close(logits[i][mask[i]], want, atol=atol, rtol=rtol, msg=f"{what}row {i}")
+    assert not logits[~mask].any(), "padding positions must be zero"
+
+
+def assert_hf_round_trip(hf, tp_size=2):
+    """packfwd's weights of ``hf`` convert back to its state dict bit for bit, whole and merged from ``tp_size``
+    shards."""
+    from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
+    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.hf_weights import hf_to_megatron
+
+    sd = hf.state_dict()
+    back = to_hf_state_dict(from_hf(hf))
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
+    args = args_from_hf_config(hf.config)
+    shards = [hf_to_megatron(sd, args, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+    merged = megatron_to_hf(shards, args)
+    assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())

@@ -41,6 +41,8 @@ from packfwd.models.hf_weights import hf_to_megatron
 from packfwd.models.spec import RMSNorm
 from packfwd.testing import run_local
 
+from .oracles import assert_equals_hf_per_sequence, assert_hf_round_trip
+
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96)
 CASES = {  # name: (config class, model class, config fields)
     "llama": (LlamaConfig, LlamaForCausalLM, dict(num_key_value_heads=2, rope_theta=500000.0)),
@@ -105,13 +107,7 @@ def test_logits_equal_transformers_per_sequence(name, layout, hf_norm_in_input_d
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_way_back_is_bitwise(name):
-    hf = hf_model(name)
-    sd = hf.state_dict()
-    back = to_hf_state_dict(from_hf(hf))
-    assert sorted(back) == sorted(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
-    args = args_from_hf_config(hf.config)
-    merged = megatron_to_hf([hf_to_megatron(sd, args, tp_size=2, tp_rank=r) for r in range(2)], args)
-    assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
+    assert_hf_round_trip(hf_model(name))
 
 
 def test_a_family_is_one_entry_read_from_the_hf_config():
@@ -180,11 +176,7 @@ def test_qwen3_tensor_parallel_over_gloo(name, hf_norm_in_input_dtype):
 
     ids, mask = ragged_batch()
     logits = torch.cat([r["logits"] for r in ranks], dim=-1)
-    with torch.no_grad():
-        for i in range(ids.shape[0]):
-            want = hf(ids[i][mask[i]][None]).logits[0]
-            torch.testing.assert_close(logits[i][mask[i]], want, atol=1e-10, rtol=0, msg=f"row {i}")
-    assert not logits[~mask].any()
+    assert_equals_hf_per_sequence(hf, logits, ids, mask)
 
     model = from_hf(hf)
     _loss(make_forward("thd")(model, ids, mask), mask).backward()

@@ -28,11 +28,12 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.models.glm4_moe import modeling_glm4_moe
 
 from packfwd.forward import make_forward
-from packfwd.models import ModelArgs, from_hf, megatron_to_hf, to_hf_state_dict
+from packfwd.models import ModelArgs, from_hf, to_hf_state_dict
 from packfwd.models.gpt import build_model, model_args
 from packfwd.models.hf import args_from_hf_config, load_weights
 from packfwd.models.hf_weights import hf_to_megatron
 
+from .oracles import assert_hf_round_trip
 from .test_moe import randomise
 
 V = 64
@@ -128,13 +129,7 @@ def test_partial_rope_dense_equals_transformers_and_full_rope_does_not(layout, h
 
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_qk_norm"])
 def test_the_way_back_is_bitwise(qk_norm):
-    hf = glm_model(glm_config(qk_norm=qk_norm))
-    sd = hf.state_dict()
-    back = to_hf_state_dict(from_hf(hf))
-    assert sorted(back) == sorted(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
-    args = args_from_hf_config(hf.config)
-    merged = megatron_to_hf([hf_to_megatron(sd, args, tp_size=2, tp_rank=r) for r in range(2)], args)
-    assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
+    assert_hf_round_trip(glm_model(glm_config(qk_norm=qk_norm)))
 
 
 def test_rotary_percent_is_validated():

@@ -26,6 +26,8 @@ from packfwd.models.gpt import model_args
 from packfwd.models.hf import args_from_hf_config
 from packfwd.models.hf_weights import hf_to_megatron, megatron_to_hf
 
+from .oracles import assert_equals_hf_per_sequence
+
 V = 64
 TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
             num_experts_per_tok=2, experts_implementation="eager")
@@ -82,10 +84,7 @@ def test_logits_match_transformers_per_sequence(name, data_format, layout):
     ids, mask = ragged_batch()
     with torch.no_grad():
         logits = make_forward(data_format, **layout)(model, ids, mask)
-        for i in range(ids.shape[0]):
-            want = hf(ids[i][mask[i]][None]).logits[0]
-            torch.testing.assert_close(logits[i][mask[i]], want, atol=2e-5, rtol=1e-5, msg=f"row {i}")
-    assert not logits[~mask].any()
+    assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -30,6 +30,7 @@ from packfwd.models.family import Moe, mlp_kind
 from packfwd.models.hf_moe import deepseek_moe_fields
 from packfwd.models.router import PackedRouter
 
+from .oracles import assert_equals_hf_per_sequence
 from .test_moe import expert_load, ragged_batch, randomise
 
 H, V = 32, 64
@@ -281,10 +282,7 @@ def test_a_qwen3_decoder_with_the_deepseek_block_equals_transformers_per_sequenc
     ids, mask = ragged_batch()
     with torch.no_grad():
         logits = make_forward(data_format, **layout)(model, ids, mask)
-        for i in range(ids.shape[0]):
-            want = hf(ids[i][mask[i]][None]).logits[0]
-            torch.testing.assert_close(logits[i][mask[i]], want, atol=2e-5, rtol=1e-5, msg=f"row {i}")
-    assert not logits[~mask].any()
+    assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5)
     load = expert_load(model, make_forward(data_format, **layout), ids, mask)
     assert load.sum() == 2 * 4 * mask.sum()  # two MoE layers, top-4, real tokens only
 

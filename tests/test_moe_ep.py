@@ -16,6 +16,7 @@ import torch
 from packfwd.forward import make_forward
 from packfwd.models import from_hf, to_hf_state_dict
 from packfwd.models.hf_moe import expert_shard
+from tests.oracles import assert_equals_hf_per_sequence
 from tests.test_moe import V, expert_load, hf_model, ragged_batch
 
 
@@ -78,11 +79,7 @@ def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
         assert got["experts_in_layer0"] == 2 * 2  # 2 of 4 experts, linear_fc1 and linear_fc2 each
         logits = got["logits"]
         torch.testing.assert_close(logits, want_logits[rank], atol=1e-10, rtol=0)
-        with torch.no_grad():
-            for i in range(ids.shape[0]):
-                want = hf(ids[i][mask[i]][None]).logits[0]
-                torch.testing.assert_close(logits[i][mask[i]], want, atol=2e-5, rtol=1e-5, msg=f"rank {rank} row {i}")
-        assert not logits[~mask].any()
+        assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5, what=f"rank {rank} ")
         mine = expert_shard(want_grads, 4, ep_size=2, ep_rank=rank)
         assert sorted(got["grads"]) == sorted(mine)
         for name, grad in mine.items():
@@ -99,7 +96,6 @@ def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
 def test_ep_refusals():
     from packfwd.models.gpt import _check_expert_parallel
     from packfwd.models.hf import args_from_hf_config
-
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel()

@@ -30,6 +30,7 @@ from packfwd.forward import make_forward
 from packfwd.models import from_hf, megatron_to_hf
 from packfwd.models.hf import args_from_hf_config
 
+from .oracles import assert_equals_hf_per_sequence
 from .test_families import TINY, _loss, hf_model, hf_norm_in_input_dtype, ragged_batch  # noqa: F401 (a fixture)
 from .test_moe import TINY as MOE_TINY
 from .test_moe import expert_load, more_padding, randomise
@@ -45,13 +46,6 @@ def moe_model(layers: int = 3) -> torch.nn.Module:
                             head_dim=16)
     return randomise(Qwen3MoeForCausalLM(config))
 
-
-def assert_per_sequence(hf, logits, ids, mask, atol=1e-10, rtol=0.0):
-    with torch.no_grad():
-        for i in range(ids.shape[0]):
-            want = hf(ids[i][mask[i]][None]).logits[0]
-            torch.testing.assert_close(logits[i][mask[i]], want, atol=atol, rtol=rtol, msg=f"row {i}")
-    assert not logits[~mask].any(), "padding positions must be zero"
 
 
 def grads(model) -> dict:
@@ -129,7 +123,7 @@ def test_qwen3_tp2_with_sequence_parallelism(two_ranks, dense_grads, data_format
     dense, _, ranks = two_ranks
     got = [r[f"tp2_sp_{data_format}"] for r in ranks]
     ids, mask = ragged_batch()
-    assert_per_sequence(dense, torch.cat([r["logits"] for r in got], -1), ids, mask)
+    assert_equals_hf_per_sequence(dense, torch.cat([r["logits"] for r in got], -1), ids, mask)
     shards = [dict(r["grads"]) for r in got]
     for name, whole in dense_grads.items():  # replicated over TP (the norms): each rank's tokens' part
         if shards[0][name].shape == whole.shape:
@@ -147,7 +141,7 @@ def test_qwen3_cp2(two_ranks, dense_grads, hf_norm_in_input_dtype):
     dense, _, ranks = two_ranks
     ids, mask = ragged_batch()
     for r in ranks:
-        assert_per_sequence(dense, r["cp2"]["logits"], ids, mask)
+        assert_equals_hf_per_sequence(dense, r["cp2"]["logits"], ids, mask)
     for name, grad in dense_grads.items():  # each rank's share of the tokens
         total = ranks[0]["cp2"]["grads"][name] + ranks[1]["cp2"]["grads"][name]
         torch.testing.assert_close(total, grad, atol=1e-10, rtol=1e-10, msg=name)
@@ -204,7 +198,7 @@ def test_qwen3_pp2(data_format, dense_grads, hf_norm_in_input_dtype):
     assert [len(s.decoder.layers) for s in stages] == [1, 1]
     ids, mask = ragged_batch()
     hidden, handed, logits = run_stages(stages, make_forward(data_format), ids, mask)
-    assert_per_sequence(hf, logits.detach(), ids, mask)
+    assert_equals_hf_per_sequence(hf, logits.detach(), ids, mask)
     _loss(logits, mask).backward()
     hidden.backward(handed.grad)
     got = {**grads(stages[0]), **{n.replace("layers.0.", "layers.1."): g for n, g in grads(stages[1]).items()}}
@@ -226,7 +220,7 @@ def test_qwen3_moe_pp2():
     with torch.no_grad():
         _, _, logits = run_stages(stages, forward, ids, mask)
         torch.testing.assert_close(logits, forward(whole, ids, mask), atol=1e-10, rtol=0)
-    assert_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5)  # transformers routes in float32
+    assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5)  # transformers routes in float32
     load = torch.cat([expert_load(stages[0], forward, ids, mask),
                       expert_load(stages[1], lambda m, *b: run_stages(stages, forward, *b)[2], ids, mask)])
     assert torch.equal(load, expert_load(whole, make_forward("thd"), ids, mask))
