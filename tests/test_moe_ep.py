@@ -55,8 +55,20 @@ def _ep_worker(rank: int, world: int, hf, batches):
         grads[name] = p.grad.clone()
     state = to_hf_state_dict(model)
     experts = sum(1 for n in grads if n.startswith("decoder.layers.0.mlp.experts.local_experts."))
+    refused = []  # a rank that skips the model would leave its expert-parallel peer waiting in the token exchange
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    empty = torch.zeros_like(mask)
+    one = plan_micro_batches([int(mask[0].sum())], max_tokens=64, min_micro_batches=2)  # one micro-batch empty
+    for call in (lambda: make_forward("thd")(model, ids, empty),
+                 lambda: run_micro_batches(make_forward("thd"), model, one, ids[:1], mask[:1], dp_rank=0)):
+        try:
+            call()
+        except ValueError as error:
+            refused.append("expert-parallel peers" in str(error))
     ps.destroy_model_parallel()
-    return dict(logits=logits.detach(), grads=grads, load=load, state=state, experts_in_layer0=experts)
+    return dict(logits=logits.detach(), grads=grads, load=load, state=state, experts_in_layer0=experts,
+                refused=refused)
 
 
 def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
@@ -77,6 +89,7 @@ def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
     ranks = run_local(_ep_worker, 2, hf, batches, backend="gloo", timeout=300)
     for rank, ((ids, mask), got) in enumerate(zip(batches, ranks)):
         assert got["experts_in_layer0"] == 2 * 2  # 2 of 4 experts, linear_fc1 and linear_fc2 each
+        assert got["refused"] == [True, True]  # an empty batch and a plan with an empty micro-batch
         logits = got["logits"]
         torch.testing.assert_close(logits, want_logits[rank], atol=1e-10, rtol=0)
         assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5, what=f"rank {rank} ")

@@ -40,7 +40,8 @@ from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
 from ..layout import rules
-from ..models.moe import check_aux_loss_model, model_aux_loss, router_kwargs, routing_stats
+from ..models.moe import (check_aux_loss_model, check_every_ep_rank_runs, model_aux_loss, router_kwargs,
+                          routing_stats)
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
 from .head import fused_head
@@ -211,6 +212,8 @@ def make_forward(
         got = checked_call(check_group, layout, prepare)
         facts, processor, plan, call, args = (got[k] for k in ("facts", "processor", "plan", "call", "args"))
         head_kwargs = fused.model_kwargs if fused is not None else {}
+        check_every_ep_rank_runs(model, plan.source.total == 0)
+
         def run():
             if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
                 return empty_output(model, facts, layout.empty_shape(plan, facts.post_process)), {}

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ..forward.factory import ForwardLayout
+from ..models.moe import check_every_ep_rank_runs
 from . import pipeline
 from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
 from .plan import MicroBatchPlan
@@ -105,6 +106,7 @@ def run_micro_batches(
         raise ValueError("schedule='megatron' runs a pipeline: pass pp_group (Megatron's pipeline group)")
     _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask)
     check_layout(forward, plan)
+    check_every_ep_rank_runs(model, any(not mb for rank in plan.micro_batches for mb in rank))
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
     if loss_fn is not None and not torch.is_grad_enabled():
         raise RuntimeError(

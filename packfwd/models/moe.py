@@ -50,8 +50,8 @@ from torch import Tensor
 
 from .routing import RoutingStats, load_balancing_loss
 
-__all__ = ["MoeKind", "check_aux_loss_model", "is_moe", "model_aux_loss", "moe_config_fields", "moe_spec",
-           "router_kwargs", "routing_stats"]
+__all__ = ["MoeKind", "check_aux_loss_model", "check_every_ep_rank_runs", "is_moe", "model_aux_loss",
+           "moe_config_fields", "moe_spec", "router_kwargs", "routing_stats"]
 
 
 def moe_config_fields(moe, num_layers: int) -> dict:
@@ -206,6 +206,24 @@ def routing_stats(model: torch.nn.Module) -> Iterator[list[RoutingStats]]:
     finally:
         for r in found:
             r.record = None
+
+
+def check_every_ep_rank_runs(model, empty: bool) -> None:
+    """Under expert parallelism every rank's MoE layers exchange tokens with the others, so a rank that skips the
+    model (an empty batch or micro-batch) leaves them waiting, or pairs their exchanges with its next batch's:
+    a ValueError when ``empty`` on an expert-parallel ``model`` (or list of pipeline stages)."""
+    if not empty:
+        return
+    from packfwd._validate import unwrap
+
+    stages = model if isinstance(model, (list, tuple)) else [model]
+    if any((getattr(getattr(unwrap(stage), "config", None), "expert_model_parallel_size", 1) or 1) > 1
+           for stage in stages):
+        raise ValueError(
+            "an empty batch (or micro-batch) on an expert-parallel model: its expert-parallel peers exchange tokens "
+            "in every MoE layer and would wait for this rank; give every expert-parallel rank at least one sequence "
+            "per step (with plan_micro_batches: fewer micro-batches, so none is empty)"
+        )
 
 
 def is_moe(model: torch.nn.Module) -> bool:
