@@ -2,7 +2,8 @@
 # Everything packfwd checks on the GPU machine, in one call (device time is scarce):
 #   carry a folder of wheels (megatron-core for Python 3.12, verl) as WHEELS, then
 #   WHEELS=.whl19 bash tests/gpu/run_gpu_checks.sh   (logs go to $OUT, or ./gpu-logs)
-# GPU_TESTS narrows the pytest step (default: all of tests/gpu).
+# GPU_TESTS narrows the pytest step (default: all of tests/gpu); STEPS picks the steps (default: the four checks
+# below, not the benchmarks), e.g. STEPS="kernels gpu_tests bench_step" (each step's log goes to $OUT/<step>.log).
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}
@@ -16,8 +17,16 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
 PY
 status=0
 step() { name=$1; shift; echo "=== $name: $*"; ( "$@" ) > "$OUT/$name.log" 2>&1; rc=$?; tail -n 4 "$OUT/$name.log"; echo "=== $name rc=$rc"; [ $rc -eq 0 ] || status=1; }
-step attention_backends python3 tests/gpu/check_attention_backends.py
-step gpu_tests python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
-step cuda_unit python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py tests/test_logits.py tests/gpu/test_logprob_kernel.py tests/test_layers.py tests/test_gather_op.py
-step logprobs_bench python3 benchmarks/bench_logprobs.py --device cuda --out "$OUT/logprobs.json"
+STEPS=${STEPS:-attention_backends gpu_tests cuda_unit logprobs_bench}
+want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+want attention_backends && step attention_backends python3 tests/gpu/check_attention_backends.py
+want gpu_tests && step gpu_tests python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
+want cuda_unit && step cuda_unit python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py tests/test_logits.py tests/gpu/test_logprob_kernel.py tests/test_layers.py tests/test_gather_op.py
+# the Triton kernels compiled (the same files CI runs in Triton's interpreter: the Makefile's KERNEL_TESTS)
+want kernels && step kernels python3 -m pytest -q -p no:cacheprovider $(grep -o 'tests/gpu/test_[a-z_]*kernel\.py' Makefile | sort -u)
+want logprobs_bench && step logprobs_bench python3 benchmarks/bench_logprobs.py --device cuda --out "$OUT/logprobs.json"
+want bench_step && step bench_step python3 benchmarks/bench_step.py --out "$OUT/step.json" ${BENCH_STEP_ARGS:-}
+want bench_moe && step bench_moe python3 benchmarks/bench_moe.py --out "$OUT/moe.json" ${BENCH_MOE_ARGS:-}
+want bench_invariance && step bench_invariance python3 benchmarks/bench_invariance.py --out "$OUT/invariance.json" ${BENCH_INV_ARGS:-}
+want bench_transforms && step bench_transforms python3 benchmarks/bench_transforms.py --out "$OUT/transforms.json" ${BENCH_TR_ARGS:-}
 exit $status
