@@ -13,7 +13,9 @@ packfwd's models apply the same rotation from one gather instead.  Both parts ar
   rotates the query and key of a THD batch: each token's position inside its own sequence comes from
   ``cu_seqlens_padded`` on the device (``packfwd.layout.rules.local_positions``, zigzag-aware under context
   parallelism), its angles from the rotary module's own table, and the arithmetic is Megatron's, op for op
-  (``t * cos + rotate_half(t) * sin`` in the input's dtype), so the results are bitwise the same.
+  (``t * cos + rotate_half(t) * sin`` in the input's dtype), so the results are bitwise the same.  Built fused
+  (``ModelArgs.fused``, the default), it rotates CUDA tensors with the Triton kernels of :mod:`packfwd.ops.rope`:
+  the same arithmetic and bits, in one launch per tensor instead of the ops and ``cat`` s of halves.
 
 BSHD batches keep Megatron-Core's RoPE unchanged (it has no host sync).  This module imports Megatron-Core;
 ``packfwd.models`` imports it only when a model is built.
@@ -26,6 +28,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from torch import Tensor
 
 from packfwd.layout.rules import local_positions
+from packfwd.ops import rope as rope_ops
 
 __all__ = ["PackedRope", "PackedRotaryEmbedding", "apply_rope"]
 
@@ -67,25 +70,14 @@ class PackedRotaryEmbedding(RotaryEmbedding):
 
 def apply_rope(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
     """Rotate ``t: [tokens, heads, d]`` by per-token ``cos``/``sin: [tokens, 1, d_rot]`` (in ``t``'s dtype);
-    channels past ``d_rot`` pass through.  Megatron-Core's arithmetic, op for op.
+    channels past ``d_rot`` pass through.  Megatron-Core's arithmetic, op for op (:func:`packfwd.ops.rope.reference`).
 
     >>> t = torch.tensor([[[1.0, 0.0]]])                 # one token, one head, d = 2
     >>> angle = torch.tensor([[[torch.pi / 2] * 2]])
     >>> apply_rope(t, angle.cos(), angle.sin()).round(decimals=6).abs().tolist()   # (1, 0) turned by 90 degrees
     [[[0.0, 1.0]]]
     """
-    rot = cos.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    x = (x * cos) + (_rotate_half(x, interleaved) * sin)
-    return torch.cat((x, rest), dim=-1)
-
-
-def _rotate_half(x: Tensor, interleaved: bool) -> Tensor:
-    if not interleaved:
-        x1, x2 = torch.chunk(x, 2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    return rope_ops.reference(t, cos, sin, interleaved)
 
 
 class PackedRope:
@@ -98,6 +90,10 @@ class PackedRope:
     holds (so no table and no bound on the positions), and the rotation is Megatron's arithmetic, op for op.
     A plain object, not a module: the core attention that holds it adds nothing to the state dict.
 
+    ``fused=True`` (what packfwd's models build by default, ``ModelArgs.fused``): CUDA tensors are rotated by the
+    Triton kernels of :mod:`packfwd.ops.rope` (one launch per tensor, no ``cat`` of halves; bit for bit the same
+    numbers, gradients included); elsewhere, and with ``fused=False``, by :func:`apply_rope`.
+
     >>> rope = PackedRope(PackedRotaryEmbedding(kv_channels=4, rotary_percent=1.0, use_cpu_initialization=True))
     >>> q = torch.ones(3, 2, 4)                       # two sequences of padded lengths 2 and 1
     >>> q_rot, _ = rope(q, q[:, :1], torch.tensor([0, 2, 3]))
@@ -107,16 +103,24 @@ class PackedRope:
     True
     """
 
-    def __init__(self, rotary: RotaryEmbedding):
+    def __init__(self, rotary: RotaryEmbedding, fused: bool = False):
         self.rotary = rotary
         self.interleaved = bool(rotary.rotary_interleaved)
+        self.fused = bool(fused)
 
     def __call__(self, q: Tensor, k: Tensor, cu_seqlens_padded: Tensor | None, cp_size: int = 1, cp_rank: int = 0,
                  positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if positions is None:
             positions = local_positions(cu_seqlens_padded, q.shape[0], cp_size, cp_rank)
-        angles = rotary_angles(self.rotary, positions)[:, None, :]  # [t, 1, d_rot]
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        angles = rotary_angles(self.rotary, positions)  # [t, d_rot]
+        return self.rotate(q, k, angles.cos().to(q.dtype), angles.sin().to(q.dtype))
+
+    def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``q [t, h, d]`` and ``k [t, h_kv, d]`` rotated by ``cos``/``sin [t, d_rot]`` (in q's dtype): the kernels
+        of :mod:`packfwd.ops.rope` where ``fused`` and they take the tensors (CUDA), else :func:`apply_rope`."""
+        if self.fused and rope_ops.supported(q, k, cos, sin):
+            return rope_ops.rope(q, k, cos, sin, self.interleaved, kernel=True)
+        cos, sin = cos[:, None], sin[:, None]  # [t, 1, d_rot]
         return apply_rope(q, cos, sin, self.interleaved), apply_rope(k, cos, sin, self.interleaved)
 
 
