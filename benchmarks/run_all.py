@@ -38,6 +38,7 @@ BENCHMARKS = {
     "composition": ("bench_composition.py", _file_args("composition")),
     "micro_throughput": ("bench_micro_throughput.py", _file_args("micro_throughput")),
     "fused_head": ("bench_fused_head.py", _file_args("fused_head")),
+    "step": ("bench_step.py", _file_args("step")),
     "kernels": ("bench_kernels.py", _file_args("kernels")),
 }
 

@@ -1,0 +1,586 @@
+"""Benchmark: the packed RL training step (forward + backward of a token-mean log-prob loss) against the matmul
+ceiling measured in the same run, and against what a user would run instead on the same weights.
+
+The batch (fixed seed): ``--batch`` rows of ``--seq`` tokens as an RL trainer hands them over: a prompt region of
+``--prompt`` columns, left-padded, then a response region, right-padded, at about ``--fill`` real tokens overall.
+The loss: ``-mean`` of the log-probs of the next token over the response tokens (the last prompt token predicts
+the first response token), the same tokens and the same loss in every variant.
+
+Variants (``--variants``, each optional; a variant that cannot run is recorded with its reason, the run goes on):
+
+* ``packfwd_plain``: ``make_forward("thd", logits_processor=<log-probs>)`` on packfwd's model with Megatron-Core's
+  plain modules (today's path).
+* ``packfwd_fused``: the same with the model built with the fused layer switch (fused RMSNorm, SwiGLU, THD RoPE),
+  when this checkout has one (``from_hf(fused=)``, ``build_model(fused=)`` or ``ModelArgs.fused``).
+* ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
+  ``dynamic=True``; fullgraph, else with graph breaks), or where dynamo cannot trace the layer its MLP and norms
+  (``--compile-scope``); every failure recorded.  Megatron-Core's row-parallel linears warn on every call (a graph
+  break each): that one warning is silenced during this variant (``--compile-keep-warnings`` keeps it).
+* ``hf_padded``: transformers' ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (sdpa) on the padded batch, the weights
+  packfwd's model was converted from; log-probs by ``packfwd.logits.log_probs`` on its ``[b * s, v]`` logits.
+* ``hf_liger``: the same model with liger-kernel's RMSNorm, SwiGLU and RoPE patched in, and the log-probs from
+  liger's fused linear cross-entropy (``reduction="none"``: per-token ``-log p``, no ``[b * s, v]`` logits).
+
+Measured in one run: a bf16 8192^3 matmul (CUDA events, median; at the start and the end, the higher one is the
+ceiling), per variant the median step time over ``--runs`` after ``--warmup`` (CUDA events around the whole step,
+from an idle device), real tokens/s, model TFLOP/s (``bench_forward``'s count on the real tokens: linear layers
+``6 * P_linear * tokens`` plus causal attention, x3 for forward + backward), % of the ceiling, peak memory, the
+loss and gradient norm against ``hf_padded`` (bf16 tolerance: the run fails when the losses disagree).
+
+``--profile``: one more step per variant under ``torch.profiler``; kernel time by category (gemm, attention,
+norm, elementwise, copy, other) with the top kernels of each.  ``--attention-bench``: ``varlen_attn`` forward and
+forward + backward on the step's packed shapes against torch's SDPA backends (cuDNN first) on a nested jagged
+tensor.
+
+    PYTHONPATH=. python benchmarks/bench_step.py --out benchmarks/out/step.json --profile --attention-bench
+    python benchmarks/bench_step.py --smoke --out /tmp/step_smoke.json       # tiny models on the CPU (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+from bench_forward import forward_flops, linear_params, matmul_tflops, Timer  # noqa: E402
+from common import environment, table, write_json  # noqa: E402
+
+from packfwd.forward import make_forward  # noqa: E402
+from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
+
+VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger")
+SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
+    "llama1b": ("llama", dict(hidden_size=2048, intermediate_size=7168, num_hidden_layers=16, num_attention_heads=16,
+                              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen3_1p7b": ("qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                                 max_position_embeddings=40960,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+SMOKE_SHAPES = {
+    "llama1b": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=128),
+    "qwen3_1p7b": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, vocab_size=160),
+}
+CATEGORIES = ("gemm", "attention", "norm", "elementwise", "copy", "other")
+
+
+class Skip(Exception):
+    """A variant that cannot run here: recorded with its reason, the run goes on."""
+
+
+# ------------------------------------------------------------------------------------------------ the batch
+
+
+def rl_batch(b: int, s: int, prompt: int, fill: float, vocab: int, seed: int, device):
+    """Left-padded prompts in columns ``[0, prompt)``, right-padded responses after them, ~``fill`` real overall."""
+    rng = np.random.default_rng(seed)
+    p_len = rng.integers(max(1, prompt // 8), prompt + 1, size=b)
+    r_draw = rng.integers(1, s - prompt + 1, size=b).astype(np.float64)
+    want = max(b, round(fill * b * s) - int(p_len.sum()))
+    r_len = np.clip(np.round(r_draw * want / r_draw.sum()), 1, s - prompt).astype(np.int64)
+    col = torch.arange(s, device=device)[None, :]
+    p_t, r_t = (torch.tensor(x, device=device)[:, None] for x in (p_len, r_len))
+    mask = (col >= prompt - p_t) & (col < prompt + r_t)
+    response = (col >= prompt) & mask
+    ids = torch.randint(1, vocab, (b, s), generator=torch.Generator(device="cpu").manual_seed(seed)).to(device)
+    ids = ids * mask
+    loss_mask = torch.zeros_like(mask)
+    loss_mask[:, :-1] = response[:, 1:]  # token i is scored on predicting token i + 1, a response token
+    labels = torch.where(loss_mask, torch.roll(ids, -1, dims=1), -100)
+    positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+    lengths = (p_len + r_len).tolist()
+    return dict(ids=ids, mask=mask, labels=labels, positions=positions, lengths=lengths,
+                n_loss=int(loss_mask.sum()), prompt_lengths=p_len.tolist(), response_lengths=r_len.tolist())
+
+
+# ------------------------------------------------------------------------------------------------ the models
+
+
+def hf_model(shape: str, smoke: bool, device, dtype):
+    """The transformers model every variant's weights come from (random init, seeded)."""
+    import transformers
+
+    family, fields = SHAPES[shape]
+    if smoke:
+        fields = {**SMOKE_SHAPES[shape], **({"tie_word_embeddings": True} if family == "qwen3" else {})}
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+    config = config_cls(**fields, rms_norm_eps=1e-6, use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_cls(config)
+    return model.to(dtype).train()
+
+
+def fused_switch() -> str | None:
+    """Where this checkout takes the fused-layer switch: 'from_hf', 'build_model', 'args', or None (absent)."""
+    from packfwd.models import ModelArgs, build_model, from_hf
+
+    if "fused" in inspect.signature(from_hf).parameters:
+        return "from_hf"
+    if "fused" in inspect.signature(build_model).parameters:
+        return "build_model"
+    if "fused" in {f.name for f in dataclasses.fields(ModelArgs)}:
+        return "args"
+    return None
+
+
+def packfwd_model(hf, device, dtype, fused: bool):
+    """packfwd's model with ``hf``'s weights; ``fused`` picks the layer (explicitly wherever the switch exists)."""
+    from packfwd.models import build_model, from_hf
+    from packfwd.models.hf import args_from_hf_config, load_weights
+    from packfwd.models.hf_weights import hf_to_megatron
+
+    how = fused_switch()
+    if how is None:
+        if fused:
+            raise Skip("this checkout has no fused-layer switch (looked for from_hf(fused=), build_model(fused=) "
+                       "and ModelArgs.fused); rerun with packfwd_fused once it lands")
+        return from_hf(hf, device=device, params_dtype=dtype)
+    if how == "from_hf":
+        return from_hf(hf, device=device, params_dtype=dtype, fused=fused)
+    args = args_from_hf_config(hf.config)
+    kwargs = {}
+    if how == "args":
+        args = dataclasses.replace(args, fused=fused)
+    else:
+        kwargs["fused"] = fused
+    model = build_model(args, device=device, params_dtype=dtype, init=False, **kwargs)
+    return load_weights(model, hf_to_megatron(hf.state_dict(), args, layers=range(args.num_layers)))
+
+
+def compile_regions(model, scope: str, fullgraph: bool) -> int:
+    """Compile each decoder layer ('layer') or its MLP and norms ('mlp_norm') in place, dynamic shapes; how many."""
+    mods = []
+    for layer in model.decoder.layers:
+        if scope == "layer":
+            mods.append(layer)
+            continue
+        attn = layer.self_attention
+        mods += [m for m in (layer.mlp, layer.input_layernorm, layer.pre_mlp_layernorm,
+                             getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None))
+                 if m is not None and type(m).__name__ != "IdentityOp"]
+    for m in mods:
+        m.compile(dynamic=True, fullgraph=fullgraph)
+    return len(mods)
+
+
+class quiet_megatron_warnings:
+    """Megatron-Core's row-parallel linear passes ``tp_group=None`` on every call, and the helper it calls warns
+    (``warnings.warn`` with a category: a dynamo graph break in every linear).  Inside this block, that helper's
+    module sees a ``warnings`` whose ``warn`` does nothing (what it returns is unchanged); restored on exit."""
+
+    def __enter__(self):
+        import megatron.core.utils as mcu
+
+        self.module, self.saved = mcu, getattr(mcu, "warnings", None)
+        if self.saved is not warnings:
+            return "megatron.core.utils does not use the warnings module here: nothing changed"
+        mcu.warnings = type("SilentWarnings", (), {"warn": staticmethod(lambda *a, **k: None),
+                                                   "__getattr__": lambda self, n: getattr(warnings, n)})()
+        return "megatron.core.utils' warnings.warn silenced during this variant (its tp_group deprecation warning)"
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.module.warnings = self.saved
+
+
+def compiled_variant(hf, batch, cfg, timer, row) -> tuple[object, object]:
+    """``packfwd_compiled``: the first attempt that runs a step (--compile-scope auto: the layer fullgraph, the
+    layer with graph breaks, its MLP and norms), each on a fresh plain model; every failure recorded."""
+    from torch._dynamo.utils import counters
+
+    attempts = {"auto": [("layer", True), ("layer", False), ("mlp_norm", False)],
+                "layer": [("layer", True), ("layer", False)], "mlp_norm": [("mlp_norm", False)]}[cfg.compile_scope]
+    info = row["compile"] = {"dynamic": True, "errors": []}
+    torch._dynamo.config.cache_size_limit = max(64, 2 * hf.config.num_hidden_layers)
+    for scope, fullgraph in attempts:
+        torch._dynamo.reset()
+        counters.clear()
+        module = packfwd_model(hf, cfg.device, cfg.dtype, fused=False)
+        step = packfwd_step(module, batch)
+        info.update(scope=scope, fullgraph=fullgraph, modules=compile_regions(module, scope, fullgraph))
+        try:
+            row.update(measure(step, module, cfg, timer))
+        except Exception as e:  # noqa: BLE001 - dynamo's errors are recorded, the next attempt runs
+            info["errors"].append({"scope": scope, "fullgraph": fullgraph, "error": f"{type(e).__name__}: {e}"[:2000]})
+            del module, step
+            continue
+        info["graph_breaks"] = sum(counters["graph_break"].values())
+        info["graph_break_reasons"] = {k[:300]: v for k, v in counters["graph_break"].most_common(12)}
+        info["unique_graphs"] = counters["stats"].get("unique_graphs")
+        return module, step
+    raise Skip(f"torch.compile failed in every attempt: {info['errors']}")
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+
+
+@vocab_parallel
+def next_token_log_probs(logits, labels, tp_group=None):
+    return {"log_probs": log_probs(logits, labels, tp_group=tp_group)}
+
+
+def packfwd_step(model, batch):
+    forward = make_forward("thd", logits_processor=next_token_log_probs)
+
+    def step():
+        lp = forward(model, batch["ids"], batch["mask"], seqlens=batch["lengths"], labels=batch["labels"])["log_probs"]
+        loss = -lp.sum() / batch["n_loss"]
+        loss.backward()
+        return loss.detach(), lp.detach()
+
+    return step
+
+
+def hf_step(hf, batch):
+    def step():
+        logits = hf(input_ids=batch["ids"], attention_mask=batch["mask"], position_ids=batch["positions"]).logits
+        lp = log_probs(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1)).view(logits.shape[:2])
+        loss = -lp.sum() / batch["n_loss"]
+        loss.backward()
+        return loss.detach(), lp.detach()
+
+    return step
+
+
+def liger_step(hf, batch, family: str):
+    """liger-kernel's RMSNorm / SwiGLU / RoPE patched into ``hf`` (in place, and into transformers' module: run it
+    after hf_padded), per-token ``-log p`` from its fused linear cross-entropy on the final hidden states."""
+    if hf.lm_head.weight.device.type != "cuda":
+        raise Skip("liger-kernel's kernels are Triton kernels for CUDA; not run on the CPU")
+    try:
+        import liger_kernel.transformers as liger
+    except Exception as e:  # noqa: BLE001 - any import failure is the reason recorded
+        raise Skip(f"import liger_kernel failed: {type(e).__name__}: {e}") from e
+    patch = {"llama": liger.apply_liger_kernel_to_llama, "qwen3": liger.apply_liger_kernel_to_qwen3}[family]
+    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=hf)
+    flce = liger.LigerFusedLinearCrossEntropyLoss(reduction="none", ignore_index=-100)
+
+    def step():
+        hidden = hf.model(input_ids=batch["ids"], attention_mask=batch["mask"],
+                          position_ids=batch["positions"]).last_hidden_state
+        nll = flce(hf.lm_head.weight, hidden.reshape(-1, hidden.shape[-1]), batch["labels"].reshape(-1))
+        nll = nll[0] if isinstance(nll, tuple) else getattr(nll, "loss", nll)
+        loss = nll.float().sum() / batch["n_loss"]
+        loss.backward()
+        return loss.detach(), (-nll.float()).detach().view(batch["ids"].shape)
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def grad_norm(module) -> float:
+    sq = [p.grad.float().pow(2).sum() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
+def measure(step, module, cfg, timer) -> dict:
+    """Warm-up (the first step's wall time recorded: compilation), then ``cfg.runs`` timed steps."""
+    t0 = time.perf_counter()
+    loss, lp = step()
+    first_s = time.perf_counter() - t0
+    norm = grad_norm(module)
+    module.zero_grad(set_to_none=True)
+    for _ in range(cfg.warmup - 1):
+        step()
+        module.zero_grad(set_to_none=True)
+    cuda = cfg.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(cfg.runs):
+        times.append(timer(step))
+        module.zero_grad(set_to_none=True)
+    out = {"ms": statistics.median(times), "ms_runs": times, "first_step_s": first_s, "loss": float(loss),
+           "grad_norm": norm, "_lp": lp}
+    if cuda:
+        out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_above_start_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return out
+
+
+def kernel_category(name: str) -> str:
+    """The profile category of a kernel (or, on the CPU, an aten op) name; first match wins."""
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "varlen", "attention", "sdpa")):
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")):
+        return "gemm"
+    if "rms" in n or "norm" in n:
+        return "norm"
+    if not n.startswith("triton_") and any(k in n for k in ("copy", "catarray", "cat_", "index", "gather", "scatter",
+                                                              "memcpy", "memset", "aten::cat")):
+        return "copy"
+    if any(k in n for k in ("elementwise", "vectorized", "unrolled", "triton_", "silu", "swiglu", "rope", "mul",
+                            "add", "neg", "aten::")):
+        return "elementwise"
+    return "other"
+
+
+def profile_step(step, module, device) -> dict:
+    """One step under torch.profiler: device (CPU: self host) time per category, ms and %, top kernels of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    module.zero_grad(set_to_none=True)
+    per = {c: 0.0 for c in CATEGORIES}
+    kernels = {c: [] for c in CATEGORIES}
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if not us:
+            continue
+        c = kernel_category(e.key)
+        per[c] += us / 1e3
+        kernels[c].append((us / 1e3, e.count, e.key[:160]))
+    total = sum(per.values())
+    return {"total_ms": total, "source": "device kernels" if cuda else "host ops (CPU run)",
+            "categories": {c: {"ms": per[c], "%": 100 * per[c] / total if total else 0.0} for c in CATEGORIES},
+            "top": {c: [{"ms": ms, "calls": n, "name": k} for ms, n, k in sorted(kernels[c], reverse=True)[:8]]
+                    for c in CATEGORIES}}
+
+
+def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
+    """``varlen_attn`` (causal, GQA) vs torch's SDPA backends on a nested jagged tensor, one layer's shapes."""
+    if device.type != "cuda":
+        return {"skipped": "attention kernels are CUDA-only"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from packfwd.models.varlen import varlen_attention
+
+    lengths = batch["lengths"]
+    t, hq, hkv, d = sum(lengths), args.num_attention_heads, args.query_groups, args.kv_channels
+    cu = torch.tensor([0, *np.cumsum(lengths)], device=device, dtype=torch.int32)
+    q = torch.randn(t, hq, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(t, hkv, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    g = torch.randn(t, hq, d, device=device, dtype=dtype)
+    fwd_flops = 4.0 * hq * d * sum(n * n for n in lengths) / 2
+    out = {"tokens": t, "heads": [hq, hkv], "head_dim": d, "lengths": lengths, "rows": []}
+
+    def time_it(name, fn):
+        row = {"impl": name}
+        for pass_, mult in (("fwd", 1), ("fwd+bwd", 3.5)):  # flash-attention's convention: bwd = 2.5 x fwd
+            def run():
+                if pass_ == "fwd":
+                    with torch.no_grad():
+                        fn()
+                else:
+                    fn().backward(g)
+            try:
+                run()
+                ms = statistics.median(timer(run) for _ in range(runs))
+                row[f"{pass_}_ms"], row[f"{pass_}_TFLOP/s"] = ms, mult * fwd_flops / (ms * 1e-3) / 1e12
+            except Exception as e:  # noqa: BLE001 - record why a backend cannot run these shapes
+                row[f"{pass_}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        out["rows"].append(row)
+
+    time_it("varlen_attn", lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="torch_varlen"))
+    offsets = cu.long()
+
+    def njt(x, heads):  # [t, h, d] -> nested [n, h, j, d]
+        return torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2)
+
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def call(backend=backend):
+            rep = hq // hkv
+            kk, vv = (x.repeat_interleave(rep, dim=1) if rep > 1 else x for x in (k, v))
+            with sdpa_kernel([backend]):
+                o = torch.nn.functional.scaled_dot_product_attention(njt(q, hq), njt(kk, hq), njt(vv, hq),
+                                                                     is_causal=True)
+            return o.transpose(1, 2).values()
+        time_it(f"sdpa nested {backend.name} (kv heads repeated)", call)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
+    """One variant: its result row (or Skip with the reason it cannot run) and the module it trained."""
+    row = {"variant": name}
+    if name == "packfwd_compiled":
+        if cfg.device.type != "cuda" and not cfg.compile_on_cpu:
+            raise Skip("torch.compile is not run on the CPU smoke (slow C++ builds); pass --compile-on-cpu")
+        with quiet_megatron_warnings() if cfg.quiet_megatron else contextlib.nullcontext("kept") as note:
+            row["megatron_warning"] = note
+            module, step = compiled_variant(hf, batch, cfg, timer, row)
+            if cfg.profile:
+                row["profile"] = profile_step(step, module, cfg.device)
+        return row, module
+    if name.startswith("packfwd"):
+        module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name == "packfwd_fused")
+        step = packfwd_step(module, batch)
+        if name == "packfwd_fused":
+            row["fused_switch"] = fused_switch()
+    else:
+        module = hf
+        step = hf_step(hf, batch) if name == "hf_padded" else liger_step(hf, batch, family)
+    row.update(measure(step, module, cfg, timer))
+    if cfg.profile:
+        row["profile"] = profile_step(step, module, cfg.device)
+    return row, module
+
+
+def run_shape(shape, cfg, timer) -> dict:
+    from packfwd.models.hf import args_from_hf_config
+
+    family = SHAPES[shape][0]
+    hf = hf_model(shape, cfg.smoke, cfg.device, cfg.dtype)
+    args = args_from_hf_config(hf.config)
+    batch = rl_batch(cfg.batch, cfg.seq, cfg.prompt, cfg.fill, args.vocab_size, cfg.seed, cfg.device)
+    real = sum(batch["lengths"])
+    flops = 3.0 * forward_flops(args, batch["lengths"])
+    print(f"== {shape}: {sum(p.numel() for p in hf.parameters()) / 1e9:.3f} B parameters, {cfg.batch} x {cfg.seq}, "
+          f"{real} real tokens (fill {real / (cfg.batch * cfg.seq):.3f}), {batch['n_loss']} scored", flush=True)
+    rows, lps = [], {}
+    for name in cfg.variants:
+        t0 = time.perf_counter()
+        try:
+            row, module = run_variant(name, hf, family, batch, cfg, timer)
+        except Skip as e:
+            row, module = {"variant": name, "skipped": str(e)}, None
+        except Exception as e:  # noqa: BLE001 - one variant's failure must not end the run
+            row, module = {"variant": name, "error": f"{type(e).__name__}: {e}"[:2000],
+                           "traceback": traceback.format_exc()[-4000:]}, None
+        if "ms" in row:
+            lps[name] = row.pop("_lp")
+            row.update({"tokens/s": real / row["ms"] * 1e3, "TFLOP/s": flops / (row["ms"] * 1e-3) / 1e12})
+            if cfg.ceiling:
+                row["% ceiling"] = 100 * row["TFLOP/s"] / cfg.ceiling
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        print(f"  {name}: " + (f"{row['ms']:.1f} ms, {row['TFLOP/s']:.0f} TFLOP/s, loss {row['loss']:.5f}"
+                               if "ms" in row else row.get("skipped") or row.get("error")), flush=True)
+        if module is not None and module is not hf:
+            del module
+        if cfg.device.type == "cuda":
+            torch.cuda.empty_cache()
+    check(rows, lps, batch, cfg)
+    result = {"shape": shape, "family": family, "hf_config": hf.config.to_dict(),
+              "linear_parameters": linear_params(args), "parameters": sum(p.numel() for p in hf.parameters()),
+              "real_tokens": real, "scored_tokens": batch["n_loss"], "fill": real / (cfg.batch * cfg.seq),
+              "lengths": batch["lengths"], "prompt_lengths": batch["prompt_lengths"],
+              "response_lengths": batch["response_lengths"], "step_TFLOP": flops / 1e12, "results": rows}
+    if cfg.attention_bench:
+        result["attention"] = attention_bench(args, batch, cfg.device, cfg.dtype, timer, max(3, cfg.runs))
+    del hf
+    return result
+
+
+def check(rows, lps, batch, cfg) -> None:
+    """Each variant's loss, gradient norm and per-token log-probs against hf_padded's (or packfwd_plain's)."""
+    ref_name = next((n for n in ("hf_padded", "packfwd_plain") if n in lps), None)
+    if ref_name is None:
+        return
+    ref = next(r for r in rows if r["variant"] == ref_name)
+    scored = batch["labels"] >= 0
+    for r in rows:
+        if r["variant"] not in lps:
+            continue
+        diff = (lps[r["variant"]].float() - lps[ref_name].float())[scored].abs()
+        r["vs"] = ref_name
+        r["loss_diff"] = abs(r["loss"] - ref["loss"])
+        r["grad_norm_rel_diff"] = abs(r["grad_norm"] - ref["grad_norm"]) / max(ref["grad_norm"], 1e-30)
+        r["logprob_max_abs_diff"], r["logprob_mean_abs_diff"] = float(diff.max()), float(diff.mean())
+        r["loss_ok"] = r["loss_diff"] <= cfg.loss_tol * max(1.0, abs(ref["loss"]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU (CI): seconds")
+    ap.add_argument("--out", type=Path, default=HERE / "out" / "step.json", help="JSON file to write")
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--batch", type=int, default=None, help="rows (default 6; smoke 2)")
+    ap.add_argument("--seq", type=int, default=None, help="padded width (default 4096; smoke 32)")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt columns, left-padded (default 1024; smoke 8)")
+    ap.add_argument("--fill", type=float, default=0.54, help="real tokens / (batch * seq)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 8; smoke 1)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first, >= 1 (default 2; smoke 1)")
+    ap.add_argument("--compile-scope", choices=("auto", "layer", "mlp_norm"), default="auto",
+                    help="packfwd_compiled: auto = the layer fullgraph, else with graph breaks, else its MLP and norms")
+    ap.add_argument("--compile-keep-warnings", dest="quiet_megatron", action="store_false",
+                    help="packfwd_compiled: leave Megatron-Core's per-call tp_group warning (a graph break per linear)")
+    ap.add_argument("--compile-on-cpu", action="store_true", help="run packfwd_compiled on the CPU too")
+    ap.add_argument("--profile", action="store_true", help="one profiled step per variant: time by kernel category")
+    ap.add_argument("--attention-bench", action="store_true", help="varlen_attn vs SDPA on nested tensors")
+    cfg = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not cfg.smoke
+    cfg.device = torch.device("cuda" if cuda else "cpu")
+    cfg.dtype = torch.bfloat16 if cuda else torch.float32
+    cfg.batch = cfg.batch or (2 if cfg.smoke else 6)
+    cfg.seq = cfg.seq or (32 if cfg.smoke else 4096)
+    cfg.prompt = cfg.prompt if cfg.prompt is not None else (8 if cfg.smoke else 1024)
+    cfg.runs = cfg.runs or (1 if cfg.smoke else 8)
+    cfg.warmup = max(1, cfg.warmup if cfg.warmup is not None else (1 if cfg.smoke else 2))
+    cfg.loss_tol = 1e-2 if cfg.dtype == torch.bfloat16 else 1e-4
+    if not 0 < cfg.prompt < cfg.seq:
+        ap.error(f"--prompt {cfg.prompt} must lie in (0, --seq {cfg.seq})")
+    timer = Timer(cfg.device)
+    ceilings = [matmul_tflops(cfg.device, torch.bfloat16, timer)]
+    cfg.ceiling = ceilings[0]
+    print(f"device {cfg.device} {cfg.dtype}; bf16 matmul: {cfg.ceiling and round(cfg.ceiling)} TFLOP/s; "
+          f"fused switch: {fused_switch()}", flush=True)
+    shapes = [run_shape(shape, cfg, timer) for shape in cfg.shapes]
+    ceilings.append(matmul_tflops(cfg.device, torch.bfloat16, timer))
+    if cuda and ceilings[1] > ceilings[0]:  # the higher one is the ceiling: percentages never flatter
+        for s in shapes:
+            for r in s["results"]:
+                if "TFLOP/s" in r:
+                    r["% ceiling"] = 100 * r["TFLOP/s"] / ceilings[1]
+    payload = {"benchmark": "step", "smoke": cfg.smoke, "command": " ".join(sys.argv), "env": environment(),
+               "dtype": str(cfg.dtype), "batch": cfg.batch, "seq": cfg.seq, "prompt": cfg.prompt, "fill": cfg.fill,
+               "seed": cfg.seed, "runs": cfg.runs, "warmup": cfg.warmup, "fused_switch": fused_switch(),
+               "matmul_TFLOP/s_start_end": ceilings, "ceiling_TFLOP/s": max(filter(None, ceilings), default=None),
+               "loss_tol": cfg.loss_tol, "shapes": shapes}
+    write_json(cfg.out, payload)
+    for s in shapes:
+        print(f"-- {s['shape']} ({s['real_tokens']} real tokens, {s['step_TFLOP']:.1f} TFLOP per step)")
+        print(table([{**r, "status": r.get("skipped") and "skipped" or r.get("error") and "error"} for r in s["results"]],
+                    ["variant", "ms", "tokens/s", "TFLOP/s", "% ceiling", "peak_GiB", "loss", "loss_diff",
+                     "grad_norm_rel_diff", "logprob_max_abs_diff", "status"]))
+        if cfg.profile:
+            prof = [{"variant": r["variant"], **{c: r["profile"]["categories"][c]["ms"] for c in CATEGORIES}}
+                    for r in s["results"] if "profile" in r]
+            print(table(prof, ["variant", *CATEGORIES]))
+    print(f"wrote {cfg.out}")
+    bad = [(s["shape"], r["variant"]) for s in shapes for r in s["results"] if r.get("loss_ok") is False]
+    if bad:
+        print(f"losses disagree with the reference beyond tolerance: {bad}", file=sys.stderr)
+        return 1
+    if cfg.smoke and any("error" in r for s in shapes for r in s["results"]):
+        print("a variant failed in the smoke run", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
