@@ -170,6 +170,8 @@ def fused_log_probs_and_entropy(
     ``labels``, ``temperature``, ``token_mask`` and the results then describe all ``t`` tokens, on every rank.
     ``token_mask``: ``[t]`` bool or None; only the selected rows are computed (one host sync for their count);
     the others give 0 and no gradient.  ``temperature`` and ``real_tokens``: as in :func:`log_probs`.
+    With the Triton kernels and the default ``chunk_size``, blocks are whole multiples of the kernels' step (a
+    short remainder joins the last block), so a token's numbers do not depend on how many tokens come with it.
 
     >>> import torch
     >>> _ = torch.manual_seed(0)
@@ -204,8 +206,9 @@ def fused_log_probs_and_entropy(
     if rows is not None:  # only the wanted tokens go through the head
         hidden, labels, inv_t = hidden.index_select(0, rows), labels[rows], inv_t.index_select(0, rows)
     chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // max(hidden.shape[0], 1)), align=128)
-    logp, ent = _FusedLinear.apply(hidden, weight, inv_t, labels, group, min(chunk, v_local), unit,
-                                   not sequence_parallel, _use_head_kernel(hidden))
+    kernel = _use_head_kernel(hidden)
+    blocks = _vocab_blocks(v_local, min(chunk, v_local), aligned=kernel and chunk_size is None)
+    logp, ent = _FusedLinear.apply(hidden, weight, inv_t, labels, group, blocks, unit, not sequence_parallel, kernel)
     if rows is not None:
         logp, ent = (x.new_zeros(t).index_copy(0, rows, x) for x in (logp, ent))
     return {"log_probs": logp, "entropy": ent}
@@ -332,14 +335,15 @@ class _RowBlocks(torch.autograd.Function):
 
 
 class _FusedLinear(torch.autograd.Function):
-    """(log_probs, entropy) of ``hidden @ weight.T``, blocks of ``chunk`` vocab rows; saves only ``[t]`` vectors.
+    """(log_probs, entropy) of ``hidden @ weight.T`` over vocab ``blocks`` ([(start, stop)], :func:`_vocab_blocks`);
+    saves only ``[t]`` vectors.
 
     ``reduce_hidden``: all-reduce the hidden gradient over ``group`` (False when a sequence-parallel gather's
     backward reduce-scatters it instead).  ``kernel``: the blocks' math in ``packfwd.ops.linear_logprob``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, inv_t, labels, group, chunk, unit, reduce_hidden, kernel):
+    def forward(ctx, hidden, weight, inv_t, labels, group, blocks, unit, reduce_hidden, kernel):
         v_local = weight.shape[0]
         start = _vocab_start(group, v_local)
         if kernel:
@@ -347,21 +351,21 @@ class _FusedLinear(torch.autograd.Function):
 
             m, s, e, label_raw = K.new_stats(hidden.shape[0], hidden.device, True)
             inv32 = inv_t.detach().float().contiguous()
-            for col in range(0, v_local, chunk):
-                K.accumulate_stats(hidden @ weight[col : col + chunk].T, inv32, labels, start + col, m, s, e, label_raw)
+            for col, stop in blocks:
+                K.accumulate_stats(hidden @ weight[col:stop].T, inv32, labels, start + col, m, s, e, label_raw)
             hit = (labels >= start) & (labels < start + v_local)
             stats = m, s, e, torch.where(hit, (label_raw - m) * inv_t, 0.0), hit
         else:
             stats = None
-            for col in range(0, v_local, chunk):
-                raw = hidden @ weight[col : col + chunk].T  # [t, chunk] logits of this block, in hidden's dtype
+            for col, stop in blocks:
+                raw = hidden @ weight[col:stop].T  # [t, chunk] logits of this block, in hidden's dtype
                 idx, hit = _label_columns(labels, start + col, raw.shape[1])
                 block = _block_stats(raw, inv_t, idx, hit, True, unit)
                 stats = block if stats is None else _merge(stats, block, inv_t)
                 del raw
         m, s, mean_z, logp, ent = _finish(*_reduce_over_group(*stats, inv_t, group), labels >= 0)
         ctx.save_for_backward(hidden, weight, inv_t, labels, m, s, mean_z)
-        ctx.group, ctx.chunk, ctx.unit, ctx.reduce_hidden, ctx.kernel = group, chunk, unit, reduce_hidden, kernel
+        ctx.group, ctx.blocks, ctx.unit, ctx.reduce_hidden, ctx.kernel = group, blocks, unit, reduce_hidden, kernel
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -382,8 +386,8 @@ class _FusedLinear(torch.autograd.Function):
             from .ops import linear_logprob as K
 
             f32 = [None if x is None else x.detach().float().contiguous() for x in (inv_t, g_logp, g_ent)]
-        for col in range(0, v_local, ctx.chunk):
-            w_block = weight[col : col + ctx.chunk]
+        for col, stop in ctx.blocks:
+            w_block = weight[col:stop]
             raw = hidden @ w_block.T  # recomputed [t, chunk] logits: the same matmul as in the forward
             g_raw = torch.empty_like(raw)
             if ctx.kernel:
@@ -395,7 +399,7 @@ class _FusedLinear(torch.autograd.Function):
                     dinv += d
             del raw
             if need_w:
-                torch.mm(g_raw.T, hidden, out=grad_w[col : col + ctx.chunk])
+                torch.mm(g_raw.T, hidden, out=grad_w[col:stop])
             if need_h:
                 _add_mm_(grad_h, g_raw, w_block)
             del g_raw
@@ -404,6 +408,29 @@ class _FusedLinear(torch.autograd.Function):
         if need_dinv:
             dinv = _all_reduce_sum(dinv, ctx.group)
         return grad_h, grad_w, dinv, None, None, None, None, None, None
+
+
+def _vocab_blocks(v_local: int, chunk: int, aligned: bool) -> list[tuple[int, int]]:
+    """The fused linear's vocab blocks ``[(start, stop)]``: ``chunk`` rows each, the last one shorter.
+
+    ``aligned`` (the Triton kernels with the default chunk, which shrinks as the packed token count grows): every
+    block is a multiple of the kernel's step (``linear_logprob.CONFIG["block"]``) and a shorter remainder joins the
+    block before it, so a row's statistics are folded over the same steps whatever the chunk: the log-probs of a
+    sequence do not depend on how many tokens are packed with it (batch invariance; a chunk_size the caller gives
+    is the same at every call, and kept as given).
+
+    >>> _vocab_blocks(10, 4, False), _vocab_blocks(5000, 1000, True), _vocab_blocks(9000, 5000, True)
+    ([(0, 4), (4, 8), (8, 10)], [(0, 2048), (2048, 5000)], [(0, 4096), (4096, 9000)])
+    """
+    if aligned:
+        from .ops.linear_logprob import CONFIG
+
+        step = CONFIG["block"]
+        chunk = max(step, chunk - chunk % step)
+    starts = list(range(0, v_local, chunk))
+    if aligned and len(starts) > 1 and v_local - starts[-1] < step:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [v_local]))
 
 
 class _GatherRows(torch.autograd.Function):

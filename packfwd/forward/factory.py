@@ -44,6 +44,8 @@ from ..models.moe import (check_aux_loss_model, check_every_ep_rank_runs, model_
                           routing_stats)
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
+from .deterministic import check_layout as check_guarantees
+from .deterministic import guarded
 from .head import fused_head
 from .layouts import Bshd, Thd
 from .vision import vision_call
@@ -106,6 +108,8 @@ def make_forward(
     mtp: bool = False,
     head: str = "logits",
     moe_aux_loss: bool = False,
+    deterministic: bool = False,
+    batch_invariant: bool = False,
 ) -> Callable:
     """A pure ``forward(model, input_ids, attention_mask, position_ids=None, multi_modal_inputs=None, *,
     seqlens=None, **processor_args)`` (see the module docstring).
@@ -133,6 +137,11 @@ def make_forward(
     tokens, unscaled, every MoE layer pooled as transformers' ``load_balancing_loss_func`` pools them
     (:func:`packfwd.models.routing.load_balancing_loss`).  With it or not, an MoE model's routers never route a
     layout pad (the plan's ``padding_mask()``, passed as the model's ``padding_mask``).
+
+    ``batch_invariant=True`` (CUDA, THD, ``tp_size=1``): a sequence's outputs are the same bits whatever it is
+    packed with; ``deterministic=True``: the parameter gradients of a batch are the same bits run after run.  Each
+    checks the torch / cuBLAS state it needs at every call and raises naming the fix
+    (``packfwd.forward.deterministic.enable()`` sets it): see :mod:`packfwd.forward.deterministic`.
 
     ``check_group``: a process group whose ranks must all get the same batch (e.g. Megatron-Core's
     tensor-and-context-parallel group).  With it, each call validates its inputs and plans the packing on every
@@ -168,6 +177,7 @@ def make_forward(
         )
     if cp_size > 1 and cp_group is None:
         raise ValueError("cp_size > 1 needs cp_group (to gather every CP rank's outputs); pass the CP process group")
+    check_guarantees(data_format, tp_size, deterministic=deterministic, batch_invariant=batch_invariant)
     layout = Thd(tp_size, cp_size, cp_rank, cp_group, seq_align) if data_format == "thd" else Bshd(tp_size)
     spec = ForwardLayout(data_format, tp_size, cp_size, cp_rank,
                          rules.check_seq_align(seq_align, cp_size, tp_size) if data_format == "thd" else None)
@@ -184,6 +194,7 @@ def make_forward(
 
         forward = make_mtp_forward(layout, logits_processor=logits_processor, tp_size=tp_size,
                                    cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, check_group=check_group)
+        forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)
         forward.layout = spec
         return forward
 
@@ -245,5 +256,6 @@ def make_forward(
         results = processor(logits, **args)
         return {k: layout.unpack(v, plan) for k, v in check_results(results, logits.shape[0]).items()}
 
+    forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)
     forward.layout = spec  # what a micro-batch plan must assume (run_micro_batches checks it)
     return forward

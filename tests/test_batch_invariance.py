@@ -1,0 +1,312 @@
+"""Batch invariance and a deterministic backward, on the CPU (the GPU versions: tests/gpu/test_batch_invariance_cuda.py
+and tests/gpu/test_deterministic_cuda.py; what is promised where: docs/INVARIANCE.md).
+
+Strategy.  A target sequence's forward outputs (log-probs, entropy, logits; the fused head's) are computed in
+compositions drawn by Hypothesis: alone (b=1), with neighbours before / after / around it, the batch reversed,
+among many very short sequences, and through ``run_micro_batches`` at two token budgets.  What is checked here:
+
+* bitwise, by construction, on any device: a plan's gather moves the target's rows without arithmetic (float64
+  values come back with the same bits whatever the neighbours), and its backward is a permutation (the input
+  gradient is the output gradient moved, never summed: no atomics can be involved);
+* within rounding (the CPU's GEMMs block by the batch size, so bits may differ: float32 ~1e-5, float64 ~1e-12):
+  the model's outputs, dense and MoE (dropless routing: the token's experts do not depend on the batch), CP=1
+  against CP=2 over gloo;
+* the options of ``make_forward``: ``batch_invariant=True`` is refused on the CPU and for layouts it is not built
+  for; ``deterministic=True`` refuses to run without torch's deterministic mode, and with it two backward passes
+  give the same bits; two micro-batches accumulate to the same bits in either order (a + b == b + a), and other
+  micro-batch compositions of one global batch agree within rounding only (the accumulation order differs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import packfwd as pf
+from packfwd.forward import deterministic as det
+from packfwd.logits import log_probs_and_entropy
+from packfwd.micro import plan_micro_batches, run_micro_batches
+from packfwd.models import ModelArgs, build_model
+from packfwd.models.family import Moe
+
+ARGS = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
+                 num_query_groups=2)
+MOE_ARGS = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
+                     num_query_groups=2, moe=Moe(num_experts=4, top_k=2, ffn_hidden_size=32))
+# within rounding on the CPU: float32 GEMMs reduce in blocks chosen by the batch size
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
+CASES = ("alone", "before", "after", "between", "reversed", "many_short")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def random_sequences(lengths, vocab: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
+
+
+def padded(seqs, device="cpu"):
+    """Right-padded ``ids, mask [b, s]`` of a list of 1-D id tensors."""
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    mask = torch.zeros(len(seqs), s, dtype=torch.bool)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)], mask[i, : len(x)] = x, True
+    return ids.to(device), mask.to(device)
+
+
+def composition(case: str, target, others, shorts):
+    """(the batch's sequences, the target's row) of a named composition."""
+    k = len(others) // 2
+    rows = {
+        "alone": [target],
+        "before": [target, *others],
+        "after": [*others, target],
+        "between": [*others[:k], target, *others[k:]],
+        "reversed": [target, *reversed(others)],  # the "after" batch, reversed
+        "many_short": [*shorts, target],
+    }[case]
+    return rows, next(i for i, x in enumerate(rows) if x is target)
+
+
+def outputs(forward, model, seqs, row: int, *, with_labels: bool = True) -> dict:
+    """The forward's outputs of sequence ``row``, cut to its real tokens: ``{name: [n, ...]}``."""
+    ids, mask = padded(seqs, next(model.parameters()).device)
+    kwargs = {"labels": pf.next_token_labels(ids, mask)} if with_labels else {}
+    with torch.no_grad():
+        out = forward(model, ids, mask, **kwargs)
+    out = out if isinstance(out, dict) else {"logits": out}
+    n = len(seqs[row])
+    return {k: v[row, :n] for k, v in out.items()}
+
+
+def differences(got: dict, want: dict) -> dict:
+    """``{name: (bitwise equal, max |diff|)}``."""
+    return {k: (torch.equal(got[k], want[k]), float((got[k].double() - want[k].double()).abs().max()))
+            for k in want}
+
+
+@functools.lru_cache(maxsize=None)
+def model_of(args: ModelArgs, dtype: torch.dtype):
+    torch.manual_seed(0)
+    return build_model(args, params_dtype=dtype).eval()
+
+
+compositions = st.fixed_dictionaries({
+    "target": st.integers(1, 96),
+    "others": st.lists(st.integers(1, 96), min_size=1, max_size=6),
+    "shorts": st.lists(st.integers(1, 4), min_size=4, max_size=24),
+    "seed": st.integers(0, 2**16),
+})
+
+
+# ------------------------------------------------------------------------------- bitwise by construction
+
+
+@settings(max_examples=30)
+@given(comp=compositions)
+def test_plan_moves_a_sequences_rows_bitwise_whatever_its_neighbours(comp):
+    """float64 rows through to_thd and back: the target's rows are the same bits alone and in every composition,
+    and the backward of the packing is a permutation of the output gradient (no sum: nothing to be atomic)."""
+    target = random_sequences([comp["target"]], 1 << 20, comp["seed"])[0]
+    others = random_sequences(comp["others"], 1 << 20, comp["seed"] + 1)
+    shorts = random_sequences(comp["shorts"], 1 << 20, comp["seed"] + 2)
+    for case in CASES:
+        seqs, row = composition(case, target, others, shorts)
+        ids, mask = padded(seqs)
+        x = torch.randn(*ids.shape, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x[row, : len(target)] = target[:, None].double() / 7  # the target's own values
+        x.requires_grad_(True)
+        packed, info = pf.to_thd(x, mask)
+        g = torch.randn(packed.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        (packed * g).sum().backward()
+        start = int(info.cu_seqlens_padded[row])
+        mine = packed[start : start + len(target)]
+        assert torch.equal(mine, target[:, None].double().expand(-1, 3) / 7), case
+        assert torch.equal(x.grad[row, : len(target)], g[start : start + len(target)]), case  # moved, not summed
+        assert not x.grad[~mask].any(), case  # padding receives nothing
+        back = pf.from_thd(packed.detach(), info)
+        assert torch.equal(back[row, : len(target)], x.detach()[row, : len(target)]), case
+
+
+# ------------------------------------------------------------------------------------- within rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("head", ["logits", "fused"])
+@settings(max_examples=6)
+@given(comp=compositions)
+def test_a_sequences_outputs_agree_within_rounding_in_every_composition(dtype, head, comp):
+    model = model_of(ARGS, dtype)
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy, head=head)
+    target = random_sequences([comp["target"]], ARGS.vocab_size, comp["seed"])[0]
+    others = random_sequences(comp["others"], ARGS.vocab_size, comp["seed"] + 1)
+    shorts = random_sequences(comp["shorts"], ARGS.vocab_size, comp["seed"] + 2)
+    alone = outputs(forward, model, [target], 0)
+    for case in CASES[1:]:
+        seqs, row = composition(case, target, others, shorts)
+        got = outputs(forward, model, seqs, row)
+        for k in alone:
+            torch.testing.assert_close(got[k], alone[k], **TOL[dtype], msg=f"{case} {k} {comp}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_logits_and_micro_batch_budgets_agree_within_rounding(dtype):
+    model = model_of(ARGS, dtype)
+    lengths = [1, 2, 3, 64, 5, 17, 90, 33, 8, 1, 47, 60]
+    seqs = random_sequences(lengths, ARGS.vocab_size, 3)
+    plain = pf.make_forward("thd")
+    for row in (0, 3, 6):
+        torch.testing.assert_close(outputs(plain, model, seqs, row, with_labels=False)["logits"],
+                                   outputs(plain, model, [seqs[row]], 0, with_labels=False)["logits"], **TOL[dtype])
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy)
+    ids, mask = padded(seqs)
+    labels = pf.next_token_labels(ids, mask)
+    alone = [outputs(forward, model, [x], 0) for x in seqs]
+    for budget in (96, 200):
+        plan = plan_micro_batches(lengths, max_tokens=budget, **forward.layout.plan_args)
+        assert len(plan.micro_batches[0]) > 1
+        out = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels).outputs
+        for i, n in enumerate(lengths):
+            for k in alone[i]:
+                torch.testing.assert_close(out[k][i, :n], alone[i][k], **TOL[dtype], msg=f"budget {budget} row {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_moe_sequence_alone_and_batched_agree_within_rounding(dtype):
+    """Dropless routing: each token's experts and weights come from its own hidden state, so only the experts'
+    GEMM shapes (their token counts) change with the batch: the outputs agree within rounding."""
+    model = model_of(MOE_ARGS, dtype)
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy)
+    seqs = random_sequences([40, 3, 77, 1, 25, 60], MOE_ARGS.vocab_size, 5)
+    for row in (0, 2, 3):
+        got = outputs(forward, model, seqs, row)
+        want = outputs(forward, model, [seqs[row]], 0)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], **TOL[dtype], msg=f"row {row} {k}")
+
+
+def _cp_worker(rank: int, world: int, state: dict, dtype, ids, mask):
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(cp_size=world)
+    model = build_model(ARGS, params_dtype=dtype)
+    model.load_state_dict(state)
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy, cp_size=world,
+                              cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group())
+    with torch.no_grad():
+        out = forward(model.eval(), ids, mask, labels=pf.next_token_labels(ids, mask))
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cp2_over_gloo_agrees_with_cp1_within_rounding(dtype):
+    """CP=2 splits each sequence in zigzag chunks and merges the attention of the chunks: not the same sums as
+    CP=1, so the log-probs agree within rounding (printed: the measured max |diff|)."""
+    from packfwd.testing import run_local
+
+    model = model_of(ARGS, dtype)
+    seqs = random_sequences([30, 7, 64, 1, 19], ARGS.vocab_size, 11)
+    ids, mask = padded(seqs)
+    with torch.no_grad():
+        want = pf.make_forward("thd", logits_processor=log_probs_and_entropy)(
+            model, ids, mask, labels=pf.next_token_labels(ids, mask))
+    ranks = run_local(_cp_worker, 2, model.state_dict(), dtype, ids, mask, backend="gloo", timeout=300)
+    for got in ranks:
+        for k in want:
+            diff = float((got[k] - want[k]).abs().max())
+            print(f"cp2 vs cp1 {dtype} {k}: max |diff| {diff:.3g}, bitwise {torch.equal(got[k], want[k])}")
+            torch.testing.assert_close(got[k], want[k], **TOL[dtype])
+
+
+# ----------------------------------------------------------------------------------------- the options
+
+
+def test_batch_invariant_is_refused_where_it_is_not_a_guarantee():
+    model = model_of(ARGS, torch.float32)
+    ids, mask = padded(random_sequences([5, 3], ARGS.vocab_size, 0))
+    with pytest.raises(ValueError, match="CUDA guarantee"):
+        pf.make_forward("thd", batch_invariant=True)(model, ids, mask)
+    with pytest.raises(ValueError, match="data_format='thd'"):
+        pf.make_forward("bshd", batch_invariant=True)
+    with pytest.raises(ValueError, match="tp_size > 1"):
+        pf.make_forward("thd", tp_size=2, batch_invariant=True)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        pf.make_forward("thd", deterministic=1)
+    assert pf.make_forward("thd", batch_invariant=True).layout == pf.make_forward("thd").layout
+
+
+def test_batch_invariant_checks_the_cublas_state(monkeypatch):
+    """On CUDA the option refuses to run with split-K allowed or the cuBLAS backend (checked here by pretending
+    the inputs are on CUDA; the GPU test runs it for real)."""
+    with pytest.raises(RuntimeError, match="split-K off"):
+        det.check("cuda", deterministic=False, batch_invariant=True)
+    monkeypatch.setattr(det, "_blas_name", lambda: "cublaslt")
+    previous = det.state()
+    try:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
+        det.check("cuda", deterministic=False, batch_invariant=True)  # the state it needs: no error
+    finally:
+        det.restore(previous)
+
+
+def test_deterministic_refuses_to_run_without_torchs_deterministic_mode(monkeypatch):
+    model = model_of(ARGS, torch.float32)
+    ids, mask = padded(random_sequences([5, 3], ARGS.vocab_size, 0))
+    forward = pf.make_forward("thd", deterministic=True)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError, match="use_deterministic_algorithms"):
+        forward(model, ids, mask)
+    previous = det.state()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.raises(RuntimeError, match="not warn_only"):
+            forward(model, ids, mask)
+    finally:
+        det.restore(previous)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with det.enabled(batch_invariant=False):
+        assert torch.are_deterministic_algorithms_enabled()
+        forward(model, ids, mask)  # runs
+        with pytest.raises(RuntimeError, match="CUBLAS_WORKSPACE_CONFIG"):
+            monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+            det.check("cuda", deterministic=True, batch_invariant=False)
+    assert not torch.are_deterministic_algorithms_enabled()  # restored
+
+
+def _grads(model, forward, ids, mask, order):
+    """Parameter gradients of a summed log-prob loss over the micro-batches ``order`` (lists of rows), accumulated
+    in that order as run_micro_batches does."""
+    model.zero_grad(set_to_none=True)
+    labels = pf.next_token_labels(ids, mask)
+    for rows in order:
+        out = forward(model, ids[rows], mask[rows], labels=labels[rows])
+        (out["log_probs"].sum() + out["entropy"][mask[rows]].sum() * 1e-2).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_deterministic_backward_twice_and_micro_batch_orders():
+    torch.manual_seed(0)
+    model = build_model(ARGS).train()
+    ids, mask = padded(random_sequences([20, 3, 41, 9, 1, 30], ARGS.vocab_size, 2))
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy, deterministic=True)
+    with det.enabled(batch_invariant=False):
+        a = _grads(model, forward, ids, mask, [[0, 1, 2], [3, 4, 5]])
+        b = _grads(model, forward, ids, mask, [[0, 1, 2], [3, 4, 5]])
+        swapped = _grads(model, forward, ids, mask, [[3, 4, 5], [0, 1, 2]])
+        regrouped = _grads(model, forward, ids, mask, [[0, 1], [2, 3], [4, 5]])
+        whole = _grads(model, forward, ids, mask, [[0, 1, 2, 3, 4, 5]])
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # run to run
+        assert torch.equal(a[name], swapped[name]), name  # two micro-batches: g1 + g2 == g2 + g1
+        for other in (regrouped, whole):  # another composition: other sums, same numbers within rounding
+            torch.testing.assert_close(other[name], a[name], atol=1e-4, rtol=1e-4)
