@@ -10,6 +10,10 @@ Backends (``backend=`` a name, or None for the best available one for the inputs
 
 * ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16), when flash-attn is installed.
 * ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16), PyTorch's own flash kernel.
+
+The flash backward passes accumulate ``dq`` with atomics (not bitwise run to run) unless torch's deterministic mode
+(``torch.use_deterministic_algorithms(True)``) is on: torch's kernel reads it when the backward runs, flash-attn's
+when the forward runs (packfwd passes it as ``deterministic=True``).
 * ``"reference"``: pure PyTorch, any device and dtype, exact (float32 math for half inputs, float64 for float64).
 
 All follow flash-attn's semantics: grouped-query attention when ``h_kv`` divides ``h``; with ``causal`` and
@@ -143,10 +147,11 @@ def varlen_attention(
         return varlen_attention_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
         )
-    if name == "flash_attn":
+    if name == "flash_attn":  # deterministic backward under torch's deterministic mode, as torch's own flash
         return _flash_attn_func()(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
+            **({"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}),
         )
     return _torch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
