@@ -145,9 +145,11 @@ def test_the_router_names_a_mask_of_the_wrong_shape():
 
 def expert_load(model, forward, ids, mask):
     """Tokens handed to each expert of each MoE layer ([layers, E]), read where Megatron-Core's experts run."""
+    from megatron.core.transformer.moe.experts import SequentialMLP  # packfwd's GroupedExperts is one
+
     loads = []
     hooks = [m.register_forward_pre_hook(lambda m, a: loads.append(a[1].clone()))
-             for m in model.modules() if type(m).__name__ == "SequentialMLP"]
+             for m in model.modules() if isinstance(m, SequentialMLP)]
     try:
         with torch.no_grad():
             forward(model, ids, mask)

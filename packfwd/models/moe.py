@@ -7,7 +7,8 @@ TransformerEngine::
 
     mlp                    MoELayer
       router               PackedRouter (Megatron's TopKRouter; weight [E, hidden])
-      experts              SequentialMLP: local_experts.{e}: MLP, linear_fc1 = [gate; up], linear_fc2
+      experts              GroupedExperts (Megatron's SequentialMLP, one grouped GEMM per linear on the GPU:
+                           packfwd.models.experts): local_experts.{e}: MLP, linear_fc1 = [gate; up], linear_fc2
       shared_experts       SharedExpertMLP (Moe.shared_ffn_hidden_size > 0; every token, pads too: harmless)
 
 Routing (:func:`moe_config_fields`): softmax top-k (Qwen3-MoE, Mixtral), or DeepSeek-V3's sigmoid scores with a
@@ -144,29 +145,32 @@ def _parts(moe) -> dict:
     return dict(shared=moe.shared_ffn_hidden_size > 0, expert_bias=moe.expert_bias)
 
 
-def moe_spec():
+def moe_spec(grouped: bool | None = None):
     """The ``ModuleSpec`` of an MoE MLP: Megatron-Core's ``MoELayer`` with
-    :class:`~packfwd.models.router.PackedRouter` and ``SequentialMLP`` experts of tensor-parallel linears
+    :class:`~packfwd.models.router.PackedRouter` and :class:`~packfwd.models.experts.GroupedExperts` (Megatron's
+    ``SequentialMLP`` of tensor-parallel linears, grouped GEMMs on the GPU; ``grouped`` is its param) as experts
     (Megatron's local spec; no TransformerEngine).
 
     >>> spec = moe_spec()
     >>> spec.module.__name__, spec.submodules.router.__name__, spec.submodules.experts.module.__name__
-    ('MoELayer', 'PackedRouter', 'SequentialMLP')
+    ('MoELayer', 'PackedRouter', 'GroupedExperts')
     """
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from .experts import GroupedExperts
     from .router import PackedRouter
 
-    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    from packfwd.ops.swiglu import SwiGLU  # built only in a fused model (packfwd.models.spec's docstring)
+
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
-            experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+            experts=ModuleSpec(module=GroupedExperts, submodules=linears, params={"grouped": grouped}),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears),  # built only when configured
             router=PackedRouter,
         ),

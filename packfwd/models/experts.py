@@ -1,0 +1,231 @@
+"""The routed experts of packfwd's MoE layers as one grouped GEMM per linear: Megatron-Core's ``SequentialMLP``
+(its modules, state-dict names, shapes and sharded state dict), computed on the GPU by ``torch._grouped_mm``.
+
+::
+
+    experts                 GroupedExperts (a SequentialMLP subclass: nothing added to the state dict)
+      local_experts.{e}     MLP: linear_fc1.weight [2f, h] = [gate; up], linear_fc2.weight [h, f] (TP: f sharded)
+
+The token dispatcher hands the experts ``x [n, h]`` (the tokens routed here, sorted by local expert),
+``tokens_per_expert [E]`` (Megatron-Core's dispatchers give a CPU tensor) and ``probs [n]``; the output is
+``[n, h]`` in the same order.  Grouped (``torch._grouped_mm``: CUTLASS, no host sync, on sm90 / sm100 in bf16)::
+
+    offs = cumsum(tokens_per_expert) as int32 on x's device   (a copy from the host: no sync)
+    y    = grouped_mm(x, W1[e].T)                            [n, 2f]   rows offs[e-1]:offs[e] by expert e
+    a    = swiglu(y) * probs, rounded to x's dtype            [n, f]    (Megatron's MLP applies probs there)
+    out  = grouped_mm(a, W2[e].T)                            [n, h]
+
+Sequential: Megatron-Core's own ``SequentialMLP.forward`` (a Python loop over experts; bitwise Megatron's).
+
+Which path (:attr:`GroupedExperts.grouped`, set at build with the spec param ``grouped`` or later with
+:func:`set_grouped_experts`): ``None`` (default) grouped where ``torch._grouped_mm`` has its fused kernel (CUDA
+bf16 on sm90 / sm100) and the config is the plain SwiGLU MLP packfwd builds, else sequential; ``True`` grouped
+wherever torch can (elsewhere torch loops over groups itself and reads the offsets back: a sync), a ValueError
+where it cannot; ``False`` sequential.
+
+Weights without a copy: the constructor places each linear's weights of all local experts in one block
+``[E, out, in]`` (each parameter a view of it; values and parameter objects unchanged), so the grouped path reads
+them as one tensor and hands each parameter its slice of the gradient.  Where the weights no longer form such a
+block (``model.to(...)``, ``.cuda()``, or a distributed optimizer's buffer relocates each parameter) they are
+stacked once per forward (a copy, kept for backward), same numbers.  Tensor parallelism: each rank's experts are
+its shards along ``f`` (Megatron's expert linears communicate nothing; the dispatcher does), so the same code
+runs on every rank.  Bias, other activations, FP8 and ``moe_apply_probs_on_input`` are left to the sequential
+path (``grouped=True`` with them is a ValueError).  This module imports Megatron-Core;
+:func:`packfwd.models.moe.moe_spec` imports it only when a model is built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+from torch import Tensor
+
+from packfwd.ops.swiglu import swiglu
+
+__all__ = ["GroupedExperts", "grouped_kernel", "grouped_swiglu_mlp", "set_grouped_experts"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what torch._grouped_mm takes (its kernel: bf16 only)
+
+
+def grouped_kernel(x: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs its fused kernel (no host sync) on tensors like ``x``: a bf16 CUDA tensor
+    on an sm90 / sm100 GPU (torch's own condition), with this torch having it.
+
+    >>> grouped_kernel(torch.zeros(2, 8, dtype=torch.bfloat16))  # on the CPU torch loops over the groups
+    False
+    """
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
+def grouped_swiglu_mlp(x: Tensor, fc1: Tensor, fc2: Tensor, tokens_per_expert: Tensor, probs: Tensor) -> Tensor:
+    """Every expert's gated MLP on its rows of ``x [n, h]`` (sorted by expert; ``tokens_per_expert [E]`` of them
+    each, on the host or the device), scaled by ``probs [n]`` after the activation as Megatron-Core's MLP does:
+    ``fc1 [E, 2f, h]`` (``[gate; up]``), ``fc2 [E, h, f]``; returns ``[n, h]``.  Two ``torch._grouped_mm``.
+
+    >>> x, probs = torch.randn(5, 8), torch.rand(5)
+    >>> fc1, fc2 = torch.randn(3, 8, 8), torch.randn(3, 8, 4)
+    >>> out = grouped_swiglu_mlp(x, fc1, fc2, torch.tensor([2, 0, 3]), probs)
+    >>> want = torch.cat([(swiglu(x[:2] @ fc1[0].T) * probs[:2, None]) @ fc2[0].T,
+    ...                   (swiglu(x[2:] @ fc1[2].T) * probs[2:, None]) @ fc2[2].T])
+    >>> torch.allclose(out, want, atol=1e-5)
+    True
+    """
+    offs = _offsets(tokens_per_expert, x)
+    y = torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)  # [n, 2f]
+    a = swiglu(y)
+    a = (a * probs.unsqueeze(-1)).to(a.dtype)  # Megatron's MLP: per_token_scale after the activation
+    return torch._grouped_mm(a, fc2.transpose(-2, -1), offs=offs)  # [n, h]
+
+
+def _offsets(tokens_per_expert: Tensor, x: Tensor) -> Tensor:
+    """The end row of each expert's group, int32 on ``x``'s device, without a host sync."""
+    if tokens_per_expert.device.type == "cpu":
+        total = int(tokens_per_expert.sum())  # host values: free to check
+        if total != x.shape[0]:
+            raise ValueError(f"tokens_per_expert sums to {total} but x has {x.shape[0]} rows; the dispatcher hands "
+                             "the experts exactly the tokens it counts")
+    offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+    return offs.to(x.device, non_blocking=True)
+
+
+class GroupedExperts(SequentialMLP):
+    """Megatron-Core's ``SequentialMLP`` computed as grouped GEMMs where that pays (module docstring); built by the
+    same arguments (``grouped`` besides: None, True or False, see :attr:`grouped`)."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, grouped: bool | None = None,
+                 **kwargs):
+        super().__init__(num_local_experts, config, submodules, pg_collection, **kwargs)
+        self.unsupported = _unsupported(self.config)
+        self.grouped = grouped
+        with torch.no_grad():
+            for name in ("linear_fc1", "linear_fc2"):
+                _one_block([getattr(e, name).weight for e in self.local_experts])
+
+    @property
+    def grouped(self) -> bool | None:
+        """None: grouped where ``torch._grouped_mm``'s kernel runs (:func:`grouped_kernel`), else sequential;
+        True: grouped wherever torch can; False: Megatron-Core's sequential loop."""
+        return self._grouped
+
+    @grouped.setter
+    def grouped(self, value: bool | None) -> None:
+        if value not in (None, True, False):
+            raise TypeError(f"grouped={value!r}: pass None (automatic), True or False")
+        if value is True and self.unsupported:
+            raise ValueError(f"grouped=True: these experts {self.unsupported}, which only the sequential path "
+                             "computes; pass grouped=None or False")
+        self._grouped = value
+
+    def forward(self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor):
+        x = permuted_local_hidden_states
+        if not self._use_grouped(x):
+            return super().forward(x, tokens_per_expert, permuted_probs)
+        fc1 = _stacked([e.linear_fc1.weight for e in self.local_experts])
+        fc2 = _stacked([e.linear_fc2.weight for e in self.local_experts])
+        return grouped_swiglu_mlp(x.contiguous(), fc1, fc2, tokens_per_expert, permuted_probs), None
+
+    def _use_grouped(self, x: Tensor) -> bool:
+        if self._grouped is False or x.shape[0] == 0 or self.unsupported:  # no tokens: nothing to group
+            return False
+        if self._grouped is None:
+            return grouped_kernel(x) and _aligned(x, self.config.moe_ffn_hidden_size // self._tp_size())
+        if not hasattr(torch, "_grouped_mm") or x.dtype not in _DTYPES:
+            raise ValueError(f"grouped=True on {x.dtype} tokens: torch._grouped_mm takes {_DTYPES} (this torch: "
+                             f"{'has it' if hasattr(torch, '_grouped_mm') else 'none'}); pass grouped=None or False")
+        if not _aligned(x, self.config.moe_ffn_hidden_size // self._tp_size()):
+            raise ValueError(f"grouped=True: torch._grouped_mm needs rows of 16 bytes' multiples, and hidden "
+                             f"{x.shape[1]} or expert ffn {self.config.moe_ffn_hidden_size} (per TP rank) of "
+                             f"{x.dtype} is not; pass grouped=None or False")
+        return True
+
+    def _tp_size(self) -> int:
+        return self.tp_group.size() if self.tp_group is not None else 1
+
+
+def set_grouped_experts(model: torch.nn.Module, grouped: bool | None) -> int:
+    """Set :attr:`GroupedExperts.grouped` on every MoE layer's experts of ``model`` (any wrapper: it walks the
+    modules); returns how many were set.  ``set_grouped_experts(model, False)`` checks a model against
+    Megatron-Core's sequential experts on the same weights.
+
+    >>> set_grouped_experts(torch.nn.Linear(2, 2), False)
+    0
+    """
+    found = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in found:
+        m.grouped = grouped
+    return len(found)
+
+
+def _unsupported(config) -> str:
+    """Why the grouped path cannot compute these experts as Megatron's MLP would ('' when it can)."""
+    why = []
+    if config.add_bias_linear:
+        why.append("have biases")
+    if not config.gated_linear_unit or config.activation_func is not F.silu:
+        why.append("are not SwiGLU")
+    if getattr(config, "glu_linear_offset", 0.0) or getattr(config, "activation_func_clamp_value", None) is not None:
+        why.append("offset or clamp their GLU")
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        why.append("run in FP8 / FP4")
+    if getattr(config, "moe_apply_probs_on_input", False):
+        why.append("apply the probabilities on the input")
+    return ", ".join(why)
+
+
+def _aligned(x: Tensor, ffn: int) -> bool:
+    """torch._grouped_mm's stride rule: each operand's rows a multiple of 16 bytes."""
+    unit = 16 // x.element_size()
+    return x.shape[1] % unit == 0 and ffn % unit == 0
+
+
+def _one_block(weights: list) -> None:
+    """Place ``weights`` (same shape, dtype, device) in one new block ``[E, *shape]``, each parameter's data a view
+    of its slice (values kept)."""
+    block = torch.empty((len(weights), *weights[0].shape), dtype=weights[0].dtype, device=weights[0].device)
+    for i, w in enumerate(weights):
+        block[i].copy_(w)
+        w.data = block[i]
+
+
+def _block_view(weights: list) -> Tensor | None:
+    """``[E, out, in]`` over the weights' own memory when they lie one after another at one stride, else None.
+    Host metadata only (pointers and strides)."""
+    w0 = weights[0]
+    if not all(w.is_contiguous() and w.shape == w0.shape and w.dtype == w0.dtype and w.device == w0.device
+               for w in weights):
+        return None
+    size = w0.element_size()
+    step = (weights[1].data_ptr() - w0.data_ptr()) if len(weights) > 1 else w0.numel() * size
+    if step < w0.numel() * size or step % size:
+        return None
+    if any(w.data_ptr() != w0.data_ptr() + i * step or w.untyped_storage().data_ptr() != w0.untyped_storage().data_ptr()
+           for i, w in enumerate(weights)):
+        return None
+    return w0.detach().as_strided((len(weights), *w0.shape), (step // size, *w0.stride()))
+
+
+def _stacked(weights: list) -> Tensor:
+    """The weights as one ``[E, out, in]`` tensor in the autograd graph: a view where they form a block, else a
+    stacked copy."""
+    block = _block_view(weights)
+    if block is None:
+        return torch.stack(weights)
+    if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+        return block
+    return _Block.apply(block, *weights)
+
+
+class _Block(torch.autograd.Function):
+    """``block`` (a view over ``weights``' memory) in the graph of ``weights``: each gets its slice of the
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, block, *weights):
+        return block.view_as(block)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *grad.unbind(0))
