@@ -55,7 +55,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
-from bench_forward import forward_flops, linear_params, matmul_tflops, Timer  # noqa: E402
+from bench_forward import Timer, forward_flops, linear_params, matmul_tflops  # noqa: E402
 from common import environment, table, write_json  # noqa: E402
 
 from packfwd.forward import make_forward  # noqa: E402

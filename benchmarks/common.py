@@ -31,30 +31,43 @@ def sync(device: torch.device) -> None:
 
 
 def time_device(
-    fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 20, back_to_back: int = 1
+    fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 20, back_to_back: int = 1,
+    queued: bool = False,
 ) -> float:
     """Median milliseconds per call of ``fn()`` on the device: CUDA events around ``back_to_back`` consecutive
     calls (1: one call on an idle device, its launch overhead included; more: the device's own time per call,
-    launches overlapping the previous call's work as in a training step).  Host clock on the CPU."""
+    launches overlapping the previous call's work as in a training step).  Host clock on the CPU.
+    ``queued``: see :func:`device_ms`."""
     for _ in range(warmup):
         fn()
     sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(back_to_back):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / back_to_back)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(back_to_back):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / back_to_back)
-    return statistics.median(times)
+    return statistics.median(device_ms(fn, device, back_to_back=back_to_back, queued=queued) for _ in range(iters))
+
+
+# A device-side wait long enough for the host to enqueue a few calls behind it (~1 ms at H200 clocks).
+QUEUE_CYCLES = 2_000_000
+
+
+def device_ms(fn: Callable[[], object], device: torch.device, *, back_to_back: int = 1, queued: bool = False) -> float:
+    """Milliseconds per call of ``back_to_back`` consecutive calls, one sample (CUDA events; host clock on the CPU).
+
+    ``queued=True`` (CUDA): the stream first waits on the device (``torch.cuda._sleep``) while the host enqueues the
+    start event and the calls, so that the events time the device's work alone: without it the first call's host
+    time (Python, launch) is inside the timed region, a bias against calls with more host work than a ``copy_``."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(back_to_back):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / back_to_back
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queued and hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(QUEUE_CYCLES)
+    start.record()
+    for _ in range(back_to_back):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / back_to_back
 
 
 def time_host(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 20) -> float:

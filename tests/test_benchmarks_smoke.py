@@ -35,4 +35,8 @@ def test_transforms_smoke_records_every_transform(tmp_path):
     names = {r["transform"] for r in result["transforms"]}
     assert names == {"unpad", "pad", "to_thd cp1", "from_thd cp1", "to_thd cp2 r0", "from_thd cp2"}
     assert all(r["equal"] and r["GB/s"] > 0 for r in result["transforms"])
+    # against a copy of the same bytes: every transform, each pass's ratio, median within [min, max]
+    assert {r["transform"] for r in result["vs_copy"]} == names
+    assert all(len(r["ratios"]) == 2 and 0 < r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
+               for r in result["vs_copy"])
     assert {"torch", "device", "megatron-core"} <= set(result["env"])
