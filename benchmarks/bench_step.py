@@ -166,6 +166,17 @@ def packfwd_model(hf, device, dtype, fused: bool):
     return load_weights(model, hf_to_megatron(hf.state_dict(), args, layers=range(args.num_layers)))
 
 
+def layer_modules(model) -> dict:
+    """The classes the first decoder layer is built from (which norm, activation and RoPE a variant really ran)."""
+    layer = model.decoder.layers[0]
+    out = {name: type(m).__name__ for name, m in layer.named_modules() if name and "." not in name.replace(
+        "self_attention.", "").replace("mlp.", "")}
+    rope = getattr(layer.self_attention.core_attention, "rope", None)
+    if rope is not None:
+        out["core_attention.rope"] = f"{type(rope).__name__}(fused={getattr(rope, 'fused', None)})"
+    return out
+
+
 def compile_regions(model, scope: str, fullgraph: bool) -> int:
     """Compile each decoder layer ('layer') or its MLP and norms ('mlp_norm') in place, dynamic shapes; how many."""
     mods = []
@@ -437,8 +448,8 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
     if name.startswith("packfwd"):
         module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name == "packfwd_fused")
         step = packfwd_step(module, batch)
-        if name == "packfwd_fused":
-            row["fused_switch"] = fused_switch()
+        row["fused_switch"] = fused_switch()
+        row["layer_modules"] = layer_modules(module)
     else:
         module = hf
         step = hf_step(hf, batch) if name == "hf_padded" else liger_step(hf, batch, family)
