@@ -40,6 +40,7 @@ BENCHMARKS = {
     "fused_head": ("bench_fused_head.py", _file_args("fused_head")),
     "step": ("bench_step.py", _file_args("step")),
     "kernels": ("bench_kernels.py", _file_args("kernels")),
+    "invariance": ("bench_invariance.py", _file_args("invariance")),
 }
 
 
