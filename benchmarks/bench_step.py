@@ -395,8 +395,16 @@ def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
     fwd_flops = 4.0 * hq * d * sum(n * n for n in lengths) / 2
     out = {"tokens": t, "heads": [hq, hkv], "head_dim": d, "lengths": lengths, "rows": []}
 
+    ref = []
+
     def time_it(name, fn):
         row = {"impl": name}
+        try:  # the same numbers as varlen_attn (the first one timed)?
+            with torch.no_grad():
+                o = fn().float()
+            ref.append(o) if not ref else row.update(max_abs_diff_vs_varlen=float((o - ref[0]).abs().max()))
+        except Exception:  # noqa: BLE001 - the timing below records the error
+            pass
         for pass_, mult in (("fwd", 1), ("fwd+bwd", 3.5)):  # flash-attention's convention: bwd = 2.5 x fwd
             def run():
                 if pass_ == "fwd":
@@ -415,18 +423,25 @@ def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
     time_it("varlen_attn", lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="torch_varlen"))
     offsets = cu.long()
 
-    def njt(x, heads):  # [t, h, d] -> nested [n, h, j, d]
+    def njt(x):  # [t, h, d] -> nested [n, h, j, d]
         return torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2)
 
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-        def call(backend=backend):
-            rep = hq // hkv
-            kk, vv = (x.repeat_interleave(rep, dim=1) if rep > 1 else x for x in (k, v))
+    def cudnn_ragged(kk, vv):  # what the nested path calls for cuDNN: [t, h, d] with cu_seqlens (ragged offsets)
+        return torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, max(lengths), max(lengths), True,
+                                                       0.0, True, False)[0]
+
+    rep = hq // hkv  # k and v repeated to hq heads once, outside the timing, for the paths without GQA
+    kk, vv = (x.detach().repeat_interleave(rep, dim=1).requires_grad_() for x in (k, v))
+    time_it("cudnn ragged (aten._cudnn_attention_forward, GQA)", lambda: cudnn_ragged(k, v))
+    time_it("cudnn ragged (aten._cudnn_attention_forward, kv repeated)", lambda: cudnn_ragged(kk, vv))
+    for backend, gqa in ((SDPBackend.CUDNN_ATTENTION, True), (SDPBackend.CUDNN_ATTENTION, False),
+                         (SDPBackend.FLASH_ATTENTION, False), (SDPBackend.EFFICIENT_ATTENTION, False)):
+        def call(backend=backend, gqa=gqa):
             with sdpa_kernel([backend]):
-                o = torch.nn.functional.scaled_dot_product_attention(njt(q, hq), njt(kk, hq), njt(vv, hq),
-                                                                     is_causal=True)
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    njt(q), njt(k if gqa else kk), njt(v if gqa else vv), is_causal=True, enable_gqa=gqa)
             return o.transpose(1, 2).values()
-        time_it(f"sdpa nested {backend.name} (kv heads repeated)", call)
+        time_it(f"sdpa nested {backend.name} ({'enable_gqa' if gqa else 'kv repeated'})", call)
     return out
 
 
