@@ -56,7 +56,8 @@ def hf_and_packfwd(config: dict, device, dtype):
     from packfwd.models import from_hf
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa")).to(device, dtype).eval()
+    with torch.device(device):  # random weights drawn where they live (1B on the host would take a minute)
+        hf = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa")).to(dtype).eval()
     return hf, from_hf(hf, device=device, params_dtype=dtype).eval()
 
 
@@ -225,14 +226,27 @@ def attention_cost(lengths, cfg, device) -> list[dict]:
 # ---------------------------------------------------------------------------------- (c) CP and TP over NCCL
 
 
-def _parallel_worker(rank: int, world: int, hf, seqs, kind: str):
+PARALLEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
+                num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
+
+
+def _parallel_hf():
+    """The same random transformers model in every process (drawn on the host from one seed), bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**PARALLEL, attn_implementation="sdpa")).to(torch.bfloat16).eval()
+
+
+def _parallel_worker(rank: int, world: int, seqs, kind: str):
     from megatron.core import parallel_state as ps
 
     from packfwd.models import from_hf
     from packfwd.models.runtime import ensure_model_parallel
 
+    torch.cuda.set_device(rank)
     ensure_model_parallel(**{f"{kind}_size": world})
-    hf = hf.to(f"cuda:{rank}")
+    hf = _parallel_hf().to(f"cuda:{rank}")
     ids, mask = padded(seqs, f"cuda:{rank}")
     if kind == "tp":
         model = from_hf(hf, tp_size=world, tp_rank=rank)
@@ -246,21 +260,23 @@ def _parallel_worker(rank: int, world: int, hf, seqs, kind: str):
     return [out[i, : len(x)].float().cpu() for i, x in enumerate(seqs)]
 
 
-def parallel_layouts(hf, model, cfg, cuda) -> list[dict]:
+def parallel_layouts(cfg, cuda) -> list[dict]:
+    """CP=2 and TP=2 against 1 on a 4-layer h1024 Llama (bf16) over NCCL, each in two fresh processes."""
     if not cuda or torch.cuda.device_count() < 2:
         return [{"case": "CP=2 and TP=2 vs 1", "skipped": f"{torch.cuda.device_count() if cuda else 0} GPU(s); "
                  "needs 2 (on the CPU: tests/test_batch_invariance.py measures CP=2 over gloo)"}]
+    from packfwd.models import from_hf
     from packfwd.testing import run_local
 
     g = np.random.default_rng(7)
-    seqs = sequences(g.integers(16, 2049, 8), hf.config.vocab_size, 8)
+    seqs = sequences(g.integers(16, 2049, 8), PARALLEL["vocab_size"], 8)
+    model = from_hf(_parallel_hf().cuda()).eval()
     want = packfwd_log_probs(pf.make_forward("thd", logits_processor=log_probs_and_entropy), model, seqs, range(8))
     rows = []
     for kind in ("cp", "tp"):
-        got = run_local(_parallel_worker, 2, hf.cpu(), seqs, kind, backend="nccl", timeout=900)
+        got = run_local(_parallel_worker, 2, seqs, kind, backend="nccl", timeout=900)
         for rank, lp in enumerate(got):
             rows.append({"case": f"{kind.upper()}=2 rank {rank} vs {kind.upper()}=1", **compare(lp, want)})
-    hf.to(next(model.parameters()).device)
     return rows
 
 
@@ -286,7 +302,7 @@ def main(argv=None) -> int:
         payload["cost"] = cost(model, hf.config.vocab_size, cfg, device)
         print(table(payload["cost"], ["mode", "tokens", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "skipped"]))
     if "parallel" not in cfg.skip:
-        payload["parallel"] = parallel_layouts(hf, model, cfg, cuda)
+        payload["parallel"] = parallel_layouts(cfg, cuda)
         print(table(payload["parallel"], ["case", "bitwise", "max_abs_diff", "skipped"]))
     write_json(cfg.out, payload)
     print(f"wrote {cfg.out}")
