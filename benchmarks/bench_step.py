@@ -361,16 +361,22 @@ def profile_step(step, module, device) -> dict:
         if cuda:
             torch.cuda.synchronize()
     module.zero_grad(set_to_none=True)
+    by_name = {}  # name -> [ms, calls]: device-side events only on CUDA (kernels, memcpy, memset: no double count
+    #              through the host events that launched them); self host time of each op on the CPU
+    if cuda:
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                acc = by_name.setdefault(e.name, [0.0, 0])
+                acc[0] += e.time_range.elapsed_us() / 1e3
+                acc[1] += 1
+    else:
+        by_name = {e.key: [e.self_cpu_time_total / 1e3, e.count] for e in prof.key_averages()}
     per = {c: 0.0 for c in CATEGORIES}
     kernels = {c: [] for c in CATEGORIES}
-    for e in prof.key_averages():
-        us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) if cuda \
-            else e.self_cpu_time_total
-        if not us:
-            continue
-        c = kernel_category(e.key)
-        per[c] += us / 1e3
-        kernels[c].append((us / 1e3, e.count, e.key[:160]))
+    for key, (ms, n) in by_name.items():
+        c = kernel_category(key)
+        per[c] += ms
+        kernels[c].append((ms, n, key[:160]))
     total = sum(per.values())
     return {"total_ms": total, "source": "device kernels" if cuda else "host ops (CPU run)",
             "categories": {c: {"ms": per[c], "%": 100 * per[c] / total if total else 0.0} for c in CATEGORIES},
