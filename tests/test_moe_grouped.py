@@ -25,48 +25,56 @@ E, H, FFN = 4, 16, 8
 GROUPS = {"ragged": [3, 0, 5, 1], "one expert": [0, 0, 9, 0], "no tokens": [0, 0, 0, 0]}
 
 
-def experts_pair(dtype, grouped=None, **config):
-    """(GroupedExperts, SequentialMLP) of ``E`` experts with the same weights (Megatron's initialisation)."""
+def experts_pair(dtype, grouped=None, device="cpu", experts=E, hidden=H, ffn=FFN, **config):
+    """(GroupedExperts, SequentialMLP) of ``experts`` experts on ``device`` with the same weights (Megatron's
+    initialisation)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from packfwd.models.cpu import ensure_cuda_rng_tracker
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel()
-    fields = dict(num_layers=1, hidden_size=H, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN, num_attention_heads=1,
-                  num_moe_experts=E, moe_router_topk=2, moe_router_load_balancing_type="none", gated_linear_unit=True,
-                  activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False, params_dtype=dtype,
-                  use_cpu_initialization=True)
+    if device != "cpu":
+        ensure_cuda_rng_tracker()
+    fields = dict(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
+                  num_attention_heads=1, num_moe_experts=experts, moe_router_topk=2,
+                  moe_router_load_balancing_type="none", gated_linear_unit=True, activation_func=F.silu,
+                  add_bias_linear=False, bias_activation_fusion=False, params_dtype=dtype,
+                  use_cpu_initialization=device == "cpu")
     config = TransformerConfig(**{**fields, **config})
     pg = ProcessGroupCollection.use_mpu_process_groups()
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     torch.manual_seed(0)
-    mine = GroupedExperts(E, config, linears, pg, grouped=grouped)
-    theirs = SequentialMLP(E, config, linears, pg)
+    mine = GroupedExperts(experts, config, linears, pg, grouped=grouped)
+    theirs = SequentialMLP(experts, config, linears, pg)
     theirs.load_state_dict(mine.state_dict())
     return mine, theirs
 
 
 def run(module, x, counts, probs, grad):
-    """Output and the gradients of x, probs and every weight, for ``sum(out * grad)``."""
+    """Output and the gradients of x, probs and every weight, for ``sum(out * grad)``; ``counts`` a list (given
+    as Megatron-Core's dispatcher does: a CPU tensor) or a tensor."""
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
     module.zero_grad(set_to_none=True)
-    out, bias = module(x, torch.tensor(counts), probs)
+    out, bias = module(x, counts if isinstance(counts, torch.Tensor) else torch.tensor(counts), probs)
     assert bias is None
     (out * grad).sum().backward()
     grads = {n: p.grad for n, p in module.named_parameters()}
     return out.detach(), x.grad, probs.grad, grads
 
 
-def dispatched(counts, dtype, seed=1):
+def dispatched(counts, dtype, seed=1, hidden=H, device="cpu"):
+    """Tokens x [n, hidden], float32 probs [n] (as Megatron's router gives them) and an output gradient."""
     g = torch.Generator().manual_seed(seed)
     n = sum(counts)
-    x = torch.randn(n, H, generator=g, dtype=torch.float64).to(dtype)
-    probs = torch.rand(n, generator=g, dtype=torch.float64).float()  # Megatron's router gives float32
-    return x, probs, torch.randn(n, H, generator=g, dtype=torch.float64).to(dtype)
+    x = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    probs = torch.rand(n, generator=g, dtype=torch.float64).float()
+    grad = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    return x.to(device, dtype), probs.to(device), grad.to(device, dtype)
 
 
 def assert_same(got, want, atol=0.0, rtol=0.0):
