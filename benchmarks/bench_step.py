@@ -34,6 +34,12 @@ tensor.
 
     PYTHONPATH=. python benchmarks/bench_step.py --out benchmarks/out/step.json --profile --attention-bench
     python benchmarks/bench_step.py --smoke --out /tmp/step_smoke.json       # tiny models on the CPU (CI)
+
+On an H200 (estimated, not yet run): about 20 s of imports, then per shape a few seconds to build each model,
+~11 steps per variant (0.2-1 s each), and for ``packfwd_compiled`` the compilation (two graphs per shape, forward
+and backward: tens of seconds); about 4-5 minutes for both shapes and all variants.  ``hf_liger`` needs
+liger-kernel importable (``pip install --no-deps --target /tmp/site liger_kernel-0.8.5-py3-none-any.whl`` and
+``PYTHONPATH=.:/tmp/site``); without it the variant is recorded as skipped.
 """
 
 from __future__ import annotations
