@@ -187,8 +187,8 @@ def cost(model, vocab: int, cfg, device) -> list[dict]:
 
         with state:
             row = {"mode": mode, "tokens": sum(lengths)}
-            row["fwd ms"] = time_device(fwd, device, warmup=2, iters=cfg.runs)
-            row["fwd+bwd ms"] = time_device(fwd_bwd, device, warmup=2, iters=cfg.runs)
+            row["fwd ms"] = time_device(fwd, device, warmup=3, iters=cfg.runs)
+            row["fwd+bwd ms"] = time_device(fwd_bwd, device, warmup=3, iters=cfg.runs)
         rows.append(row)
     base = rows[0]
     for row in rows[1:]:

@@ -81,10 +81,10 @@ lengths = st.one_of(st.integers(1, 8), st.integers(1, 4096))
 compositions = st.fixed_dictionaries({
     "target": lengths,
     "others": st.lists(lengths, min_size=1, max_size=7),
-    "shorts": st.lists(st.integers(1, 8), min_size=8, max_size=64),
+    "shorts": st.lists(st.integers(1, 8), min_size=8, max_size=32),
     "seed": st.integers(0, 2**16),
 })
-EDGES = [dict(target=1, others=[4096], shorts=[1] * 64, seed=1), dict(target=4096, others=[1, 4096, 7], shorts=[2] * 9,
+EDGES = [dict(target=1, others=[4096], shorts=[1] * 32, seed=1), dict(target=4096, others=[1, 4096, 7], shorts=[2] * 9,
                                                                      seed=2)]
 
 
