@@ -133,7 +133,7 @@ def test_qwen3_is_built_with_qk_norm_and_its_head_dim():
     model = from_hf(hf)
     attention = model.decoder.layers[0].self_attention
     assert model.config.qk_layernorm and model.config.kv_channels == 24  # Megatron sums QK-norm grads over TP
-    assert type(attention.q_layernorm) is RMSNorm and attention.k_layernorm.weight.shape == (24,)
+    assert isinstance(attention.q_layernorm, RMSNorm) and attention.k_layernorm.weight.shape == (24,)
     assert attention.linear_proj.weight.shape == (32, 96)
     with pytest.raises(ValueError, match="attention_bias=False"):
         args_from_hf_config(Qwen3Config(**TINY, num_key_value_heads=2, attention_bias=True))

@@ -54,9 +54,14 @@ class ModelArgs:
     mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
     family: str = "llama"  # the entry of packfwd.models.family.FAMILIES
     moe: Moe | None = None  # a Mixture-of-Experts MLP (but on moe.dense_layers); None: dense SwiGLU everywhere
+    fused: bool = True  # packfwd's fused kernels on CUDA (RMSNorm, SwiGLU, THD RoPE; same weights, numbers within
+    #  rounding, the torch path elsewhere); False: Megatron-Core's plain modules, for checking
 
     def __post_init__(self):
         entry = family(self.family)
+        if not isinstance(self.fused, bool):
+            raise TypeError(f"ModelArgs.fused must be True (packfwd's fused kernels) or False (Megatron-Core's plain "
+                            f"modules), got {self.fused!r}")
         if self.qkv_bias is None:
             object.__setattr__(self, "qkv_bias", entry.qkv_bias)
         if self.qk_norm is None:
@@ -156,9 +161,13 @@ def transformer_config(
     last_stage_layers: int | None = None,
     init: bool = True,
 ):
-    """Megatron-Core's ``TransformerConfig`` for ``args``: no dropout, no fused kernels (the unfused paths run
-    on every device and match HF transformers' math), parameters placed for ``device``
+    """Megatron-Core's ``TransformerConfig`` for ``args``: no dropout, none of Megatron-Core's fused kernels (its
+    unfused paths run on every device and match HF transformers' math), parameters placed for ``device``
     (:func:`packfwd.models.cpu.config_overrides`).  ``init=False`` skips weight initialisation (for loading).
+
+    ``args.fused`` sets ``use_te_activation_func``: Megatron-Core's MLPs then call the activation module of their
+    spec (:class:`packfwd.ops.swiglu.SwiGLU`, which packfwd's specs always name; Megatron-Core ignores it without
+    the flag) instead of their own unfused ``glu``.
 
     >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
     ...                  num_query_groups=2)
@@ -183,6 +192,7 @@ def transformer_config(
         layernorm_epsilon=args.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
+        use_te_activation_func=args.fused,  # the spec's activation module (packfwd.ops.swiglu.SwiGLU), see above
         add_bias_linear=args.linear_bias,
         add_qkv_bias=args.qkv_bias,
         hidden_dropout=0.0,

@@ -176,7 +176,8 @@ def _check_divisible(args: ModelArgs, tp: int) -> None:
 
 def model_args(model: torch.nn.Module) -> ModelArgs:
     """The :class:`ModelArgs` a built model (or stage) was made from, read back from its config and modules (its
-    ``family`` and ``moe`` from what the constructor keeps; a model built by other means reads as a Llama).
+    ``family``, ``moe`` and ``fused`` from what the constructor keeps; a model built by other means reads as a
+    plain Llama).
 
     The model does not keep ``rope_scaling_factor``: it reads back as None (the weights do not depend on it).
 
@@ -213,4 +214,5 @@ def model_args(model: torch.nn.Module) -> ModelArgs:
         mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         family=getattr(gpt, "family", "llama"),
         moe=getattr(gpt, "moe", None),
+        fused=getattr(gpt, "fused", False),
     )

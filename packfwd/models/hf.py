@@ -84,6 +84,7 @@ def from_hf(
     vpp_size: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    fused: bool = True,
 ):
     """packfwd's Megatron-Core model (or pipeline stage) with the weights of a transformers causal LM of one of
     packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.family.FAMILIES`),
@@ -98,7 +99,8 @@ def from_hf(
 
     ``value_head``: None = a width-1 head exactly when the HF model has one (``score``); True on a causal LM
     gives a value model whose head keeps its random initialisation.  ``device``/``params_dtype`` default to the
-    HF model's.  Pipeline arguments as in :func:`packfwd.models.build_model`.
+    HF model's.  Pipeline arguments as in :func:`packfwd.models.build_model`.  ``fused``: ``ModelArgs.fused``
+    (False: Megatron-Core's plain modules, for checking; the weights are the same either way).
 
     >>> from transformers import Qwen2Config, Qwen2ForCausalLM
     >>> hf = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -128,6 +130,7 @@ def from_hf(
     args = args_from_hf_config(hf_model.config, value_head=value_head)
     if value_head and not has_score:
         args = _replace(args, value_head_bias=False)
+    args = _replace(args, fused=fused)
     first = next(hf_model.parameters())
     device = first.device if device is None else torch.device(device)
     params_dtype = first.dtype if params_dtype is None else params_dtype

@@ -107,7 +107,7 @@ class PackedGPTModel(GPTModel):
                 mtp_block_spec=mtp_spec, **rotary_kwargs,
             )
         self.rotary_pos_emb = rotary
-        self.family, self.moe = args.family, args.moe  # what model_args reads back beside the config
+        self.family, self.moe, self.fused = args.family, args.moe, args.fused  # model_args reads them back
         if args.mrope_section is not None:  # what the constructor's "mrope" branch sets (mrope.py says why not it)
             self.position_embedding_type, self.mrope_section = "mrope", list(args.mrope_section)
         numbers = [layer.layer_number - 1 for layer in self.decoder.layers]

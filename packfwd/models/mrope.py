@@ -34,7 +34,7 @@ from packfwd._validate import check_positions
 from packfwd.layout.rules import local_positions
 
 from .args import check_mrope_section
-from .rope import PackedRope, PackedRotaryEmbedding, apply_rope
+from .rope import PackedRope, PackedRotaryEmbedding
 
 __all__ = ["MropeRope", "MropeRotaryEmbedding", "mrope_angles", "mrope_positions", "rotary_modules"]
 
@@ -111,9 +111,8 @@ class MropeRope(PackedRope):
             positions = local_positions(cu_seqlens_padded, q.shape[0], cp_size, cp_rank)
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
-        angles = mrope_angles(self.rotary, positions)[:, None, :]  # [t, 1, d]
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        angles = mrope_angles(self.rotary, positions)  # [t, d]
+        return self.rotate(q, k, angles.cos().to(q.dtype), angles.sin().to(q.dtype))  # apply_rope, or fused
 
 
 def mrope_positions(position_ids: Tensor | None, input_ids: Tensor | None, *, fill: bool) -> Tensor | None:
@@ -152,11 +151,11 @@ def rotary_modules(config, args, *, packed: bool, cp_group, **rotary_kwargs):
                   cp_group=cp_group, packed=packed, **rotary_kwargs)
     if section is None:
         rotary = PackedRotaryEmbedding(**kwargs)
-        return rotary, PackedRope(rotary) if packed else None
+        return rotary, PackedRope(rotary, fused=getattr(args, "fused", False)) if packed else None
     if not packed:
         raise ValueError(
             "packed_rope=False with mrope_section: Megatron-Core's THD RoPE cannot take per-token multimodal "
             "positions (it cuts one angle table per CP rank as if the batch were one sequence); use packed_rope=True"
         )
     rotary = MropeRotaryEmbedding(mrope_section=section, **kwargs)
-    return rotary, MropeRope(rotary)
+    return rotary, MropeRope(rotary, fused=getattr(args, "fused", False))

@@ -17,6 +17,13 @@ Per layer (names as in the state dict)::
     mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...;
                            a layer with a Mixture of Experts (args.moe): the spec of its registered MLP kind
 
+Fused (``args.fused``, the default): every RMSNorm is :class:`FusedRMSNorm` (the Triton kernels of
+:mod:`packfwd.ops.rmsnorm` on CUDA), the MLP's activation is :class:`packfwd.ops.swiglu.SwiGLU` (named in the spec
+always; Megatron-Core builds it only under ``config.use_te_activation_func``, which ``transformer_config`` sets from
+``args.fused``), and the THD RoPE the model hands the core attention is fused (:mod:`packfwd.models.rope`).  Same
+parameters, same state dict; on the CPU the same numbers bit for bit (each falls back to the plain module's torch
+ops).  ``fused=False``: Megatron-Core's plain modules.
+
 Megatron-Core is imported inside the functions only.
 """
 
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RMSNorm", "block_spec", "layer_spec", "mlp_spec"]
+__all__ = ["FusedRMSNorm", "RMSNorm", "block_spec", "layer_spec", "mlp_spec"]
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -33,9 +40,9 @@ class RMSNorm(torch.nn.RMSNorm):
     Parameters take ``config.params_dtype``, and are marked ``sequence_parallel`` under sequence parallelism
     (each rank then sees a slice of the tokens, so Megatron all-reduces their gradients over the TP group).
 
-    ``fused=True`` (off by default; a spec sets it with ``ModuleSpec(module=RMSNorm, params={"fused": True})``)
-    computes the norm with the Triton kernels of :mod:`packfwd.ops.rmsnorm` where they take the input (CUDA,
-    bf16 / fp16 / fp32), else as torch does; same math, equal within float32 rounding.
+    ``fused=True`` (:class:`FusedRMSNorm`, what fused models build) computes the norm with the Triton kernels of
+    :mod:`packfwd.ops.rmsnorm` where they take the input (CUDA, bf16 / fp16 / fp32), else as torch does; same
+    math, equal within float32 rounding.
 
     >>> from types import SimpleNamespace
     >>> import torch
@@ -62,6 +69,24 @@ class RMSNorm(torch.nn.RMSNorm):
         return super().forward(x)
 
 
+class FusedRMSNorm(RMSNorm):
+    """:class:`RMSNorm` with ``fused=True``: the norm of packfwd's fused layers (``ModelArgs.fused``).  A class of
+    its own, not a spec param, because Megatron-Core 0.19 builds norms by calling the spec's class directly.
+
+    >>> from types import SimpleNamespace
+    >>> FusedRMSNorm(SimpleNamespace(params_dtype=torch.float32), hidden_size=4, eps=1e-6).fused
+    True
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(config, hidden_size, eps, fused=True)
+
+
+def _norm(args):
+    """The norm class of a model of ``args`` (None: a Llama layer, plain)."""
+    return FusedRMSNorm if args is not None and args.fused else RMSNorm
+
+
 def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = None, rope=None):
     """The ``ModuleSpec`` of global decoder layer ``layer`` (0-based) of a model of ``args`` (see the module
     docstring; None: a Llama layer, no QK-norm and a dense MLP).
@@ -85,7 +110,7 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
 
     from .attention import CoreAttention
 
-    qk_norm = RMSNorm if args is not None and args.qk_norm else IdentityOp
+    qk_norm = _norm(args) if args is not None and args.qk_norm else IdentityOp
 
     attention = ModuleSpec(
         module=SelfAttention,
@@ -101,10 +126,10 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=_norm(args),
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=_norm(args),
             mlp=mlp_spec(args, layer),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -114,21 +139,22 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
 def mlp_spec(args=None, layer: int = 0):
     """The ``ModuleSpec`` of global layer ``layer``'s MLP: gated SwiGLU where ``args.dense_mlp(layer)`` (or
     ``args`` is None), else what the MLP kind registered for ``args.moe`` builds
-    (:func:`packfwd.models.family.mlp_kind`).
+    (:func:`packfwd.models.family.mlp_kind`).  The activation module (:class:`packfwd.ops.swiglu.SwiGLU`) is
+    built only in a fused model (module docstring).
 
-    >>> mlp_spec().submodules.linear_fc1.__name__
-    'ColumnParallelLinear'
+    >>> mlp_spec().submodules.linear_fc1.__name__, mlp_spec().submodules.activation_func.__name__
+    ('ColumnParallelLinear', 'SwiGLU')
     """
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    from ..ops.swiglu import SwiGLU
     from .family import mlp_kind
 
     if args is None or args.dense_mlp(layer):
-        return ModuleSpec(
-            module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-        )
+        return ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU))
     return mlp_kind(args.moe).layer_spec(args, layer)
 
 
@@ -149,4 +175,4 @@ def block_spec(layers, *, args=None, attention_backend: str | None = None, rope=
 
     layers = range(layers) if isinstance(layers, int) else layers
     specs = [layer_spec(args, i, attention_backend=attention_backend, rope=rope) for i in layers]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=_norm(args))

@@ -20,7 +20,8 @@ last dimension is not unit-strided are copied once (any row stride is read as is
 
 ``swiglu(y)`` is the entry point: the kernels (``SwiGLUKernel``, over the launchers ``forward`` and ``backward``;
 the kernels follow them) for a CUDA tensor with Triton installed, else the torch reference ``reference``.
-Importing this module without Triton works, launching does not.
+:class:`SwiGLU` is the activation module packfwd's fused models hand Megatron-Core's MLP (the kernels on CUDA,
+Megatron's own unfused ``glu`` elsewhere).  Importing this module without Triton works, launching does not.
 
 Tested (``tests/gpu/test_swiglu_kernel.py``, on a GPU or in Triton's interpreter on the CPU) against float64
 math and Megatron-Core's own SwiGLU (the unfused ``glu`` of ``MLP.forward`` and the fused ``bias_swiglu_impl``):
@@ -86,6 +87,48 @@ def reference_backward(grad_out: Tensor, y: Tensor) -> Tensor:
     sig = torch.sigmoid(gate)
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     return torch.cat((d_gate, g * gate * sig), dim=-1).to(y.dtype)
+
+
+class SwiGLU(torch.nn.Module):
+    """The gated activation of Megatron-Core's MLP as a module: ``[*, 2f] = [gate; up] -> [*, f]``.
+
+    Megatron-Core's ``MLP`` (and the ``SequentialMLP`` experts' and the shared experts' MLPs) build it from
+    ``MLPSubmodules(activation_func=SwiGLU)`` as ``SwiGLU(config=config)`` and call it on ``linear_fc1``'s output
+    (bias added) when ``config.use_te_activation_func`` is set (Megatron's hook for an activation module, named
+    after TransformerEngine's; :func:`packfwd.models.args.transformer_config` sets it for ``ModelArgs.fused``).
+    Per-token scaling stays Megatron's, after the module.
+
+    Computes :func:`swiglu`'s kernels where they take the input (CUDA, bf16 / fp16 / fp32) and the config is the
+    plain SwiGLU (``activation_func`` silu, no ``glu_linear_offset``, no clamp); else Megatron-Core's unfused
+    ``glu`` of ``MLP.forward`` op for op, ``activation_func(gate) * (up + glu_linear_offset)`` after the clamp,
+    so on the CPU the numbers are the plain MLP's bit for bit.  No parameters, nothing in the state dict.
+
+    >>> from types import SimpleNamespace
+    >>> act = SwiGLU(config=SimpleNamespace(activation_func=torch.nn.functional.silu, glu_linear_offset=0.0,
+    ...                                     activation_func_clamp_value=None))
+    >>> act(torch.tensor([[0.0, 2.0, 3.0, 5.0]]))
+    tensor([[0.0000, 8.8080]])
+    """
+
+    def __init__(self, config, **unused):
+        super().__init__()
+        self.activation_func = config.activation_func
+        self.offset = getattr(config, "glu_linear_offset", 0.0)
+        self.clamp = getattr(config, "activation_func_clamp_value", None)
+        self.kernel = (self.activation_func is torch.nn.functional.silu and not self.offset and self.clamp is None)
+
+    def forward(self, y: Tensor) -> Tensor:
+        if self.kernel and supported(y):
+            return SwiGLUKernel.apply(y)
+        gate, up = torch.chunk(y, 2, dim=-1)  # Megatron-Core's glu (megatron/core/transformer/mlp.py)
+        if self.clamp is not None:
+            gate = gate.clamp(min=None, max=self.clamp)
+            up = up.clamp(min=-self.clamp, max=self.clamp)
+        return self.activation_func(gate) * (up + self.offset)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """Nothing to checkpoint (Megatron-Core 0.16's ``MLP.sharded_state_dict`` asks every child)."""
+        return {}
 
 
 class SwiGLUKernel(torch.autograd.Function):
