@@ -41,6 +41,7 @@ BENCHMARKS = {
     "step": ("bench_step.py", _file_args("step")),
     "kernels": ("bench_kernels.py", _file_args("kernels")),
     "invariance": ("bench_invariance.py", _file_args("invariance")),
+    "moe": ("bench_moe.py", _file_args("moe")),
 }
 
 

@@ -1,0 +1,286 @@
+"""Benchmark: a Qwen3-MoE-shaped model on one GPU, packed (THD) with grouped-GEMM experts against the same model's
+sequential experts and against transformers on the padded batch, same weights, same run.
+
+The model (``--layers``, default 12, about 4.4 B parameters, 0.9 B active per token): hidden 2048, 64 experts top-8
+(normalised), expert ffn 768, 16 query / 4 key-value heads of 128, vocab 151936, untied, bf16; transformers'
+``Qwen3MoeForCausalLM`` built on the GPU with its own initialisation, packfwd's model converted from it
+(``from_hf``).  The batch (fixed seed): 6 rows of 4096, a 1024-column prompt region left-padded (prompts of 128 to
+1024 tokens) and a response region right-padded (1 to 3072 tokens): about half real.  The loss: minus the mean
+log-prob of each real token's next token (``next_token_labels``), log-probs by ``packfwd.logits.log_probs``.
+
+Rows (``--variants``), each forward only (``fwd``: log-probs under no_grad) and forward + backward (``fwd+bwd``):
+
+* ``grouped``: ``make_forward("thd", logits_processor=<log-probs>)``, the experts as two ``torch._grouped_mm``
+  per MoE layer reading the weights in place (packfwd's default on sm90 / sm100 in bf16);
+* ``sequential``: the same model with Megatron-Core's loop over experts (``set_grouped_experts(model, False)``);
+* ``stacked``: grouped, with the weights no longer in one block, so stacked (copied) once per forward: what the
+  copy costs (this row moves the weights: it runs last);
+* ``hf_padded``: transformers (sdpa; its default experts implementation, recorded) on the padded ``[6, 4096]``.
+
+Measured in the same run: a bf16 8192^3 matmul (CUDA events, median: the ceiling); per row the median step time
+(CUDA events around the whole step from an idle device, ``--runs`` after ``--warmup``; transformers fewer),
+real tokens/s, peak memory (absolute, and above what was allocated before the step), model TFLOP/s on the active
+parameters of the real tokens (per token and layer: q, k, v, o; the router; top-8 experts' fc1 and fc2; and the
+output layer: ``2 P_active`` per token, plus causal attention ``4 h_q d l^2 / 2`` per sequence and layer; x3 for
+forward + backward) and its fraction of the ceiling.  The run fails when a row's loss differs from
+``grouped``'s beyond bf16 rounding.
+
+    PYTHONPATH=. python3 benchmarks/bench_moe.py --out benchmarks/out/moe.json          # H200: ~2-3 minutes
+    python benchmarks/bench_moe.py --smoke --out /tmp/moe_smoke.json                     # tiny, CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+from bench_forward import Timer, matmul_tflops  # noqa: E402
+from common import environment, table, write_json  # noqa: E402
+
+from packfwd import next_token_labels  # noqa: E402
+from packfwd.forward import make_forward  # noqa: E402
+from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
+
+VARIANTS = ("grouped", "sequential", "stacked", "hf_padded")
+PASSES = ("fwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 2048
+    experts: int = 64
+    top_k: int = 8
+    expert_ffn: int = 768
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 128
+    vocab: int = 151936
+    layers: int = 12
+    batch: int = 6
+    seq: int = 4096
+    prompt: int = 1024  # columns of the prompt region; prompts of prompt // 8 .. prompt tokens
+
+
+SMOKE = Shape(hidden=64, experts=8, top_k=2, expert_ffn=32, heads=4, kv_heads=2, head_dim=16, vocab=256, layers=2,
+              batch=3, seq=48, prompt=16)
+
+
+def active_params(c: Shape) -> int:
+    """Weights each token multiplies: attention (q, k, v, o), router, top-k experts (fc1 = gate + up, fc2), and
+    the output layer."""
+    attention = c.hidden * (c.heads + 2 * c.kv_heads) * c.head_dim + c.heads * c.head_dim * c.hidden
+    experts = c.top_k * 3 * c.hidden * c.expert_ffn
+    return c.layers * (attention + c.experts * c.hidden + experts) + c.vocab * c.hidden
+
+
+def forward_flops(c: Shape, lengths) -> float:
+    attention = c.layers * 4.0 * c.heads * c.head_dim * sum(n * n for n in lengths) / 2
+    return 2.0 * active_params(c) * sum(lengths) + attention
+
+
+def rl_batch(c: Shape, device, seed: int = 0) -> dict:
+    """Left-padded prompts, right-padded responses; labels, positions, host lengths."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(max(1, c.prompt // 8), c.prompt + 1, (c.batch,), generator=g)
+    responses = torch.randint(1, c.seq - c.prompt + 1, (c.batch,), generator=g)
+    col = torch.arange(c.seq)
+    mask = (col >= c.prompt - prompts[:, None]) & (col < c.prompt + responses[:, None])
+    ids = torch.randint(1, c.vocab, (c.batch, c.seq), generator=g).masked_fill(~mask, 0)
+    ids, mask = ids.to(device), mask.to(device)
+    labels = next_token_labels(ids, mask)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    return dict(ids=ids, mask=mask, labels=labels, positions=positions, lengths=mask.sum(1).tolist(),
+                n_loss=int((labels >= 0).sum()))
+
+
+def build(c: Shape, device, dtype):
+    """transformers' model (its initialisation, on ``device``) and packfwd's converted from it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from packfwd.models import from_hf
+
+    config = Qwen3MoeConfig(hidden_size=c.hidden, intermediate_size=4 * c.hidden, moe_intermediate_size=c.expert_ffn,
+                            num_experts=c.experts, num_experts_per_tok=c.top_k, norm_topk_prob=True,
+                            num_hidden_layers=c.layers, num_attention_heads=c.heads, num_key_value_heads=c.kv_heads,
+                            head_dim=c.head_dim, vocab_size=c.vocab, max_position_embeddings=c.seq,
+                            tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.manual_seed(0)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            hf = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return hf, from_hf(hf)
+
+
+@vocab_parallel
+def next_token_log_probs(logits, labels, tp_group=None):
+    return {"log_probs": log_probs(logits, labels, tp_group=tp_group)}
+
+
+def packfwd_step(model, batch, backward: bool):
+    forward = make_forward("thd", logits_processor=next_token_log_probs)
+
+    def step():
+        with torch.set_grad_enabled(backward):
+            lp = forward(model, batch["ids"], batch["mask"], seqlens=batch["lengths"], labels=batch["labels"])
+            loss = -lp["log_probs"].sum() / batch["n_loss"]
+        if backward:
+            loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def hf_step(hf, batch, backward: bool):
+    def step():
+        with torch.set_grad_enabled(backward):
+            logits = hf(input_ids=batch["ids"], attention_mask=batch["mask"], position_ids=batch["positions"]).logits
+            lp = log_probs(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+            loss = -lp.sum() / batch["n_loss"]
+        if backward:
+            loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def unblock_experts(model) -> int:
+    """Give every expert weight its own memory (the ``stacked`` row): the grouped path then stacks them."""
+    moved = 0
+    for name, p in model.named_parameters():
+        if ".local_experts." in name:
+            p.data = p.data.clone()
+            moved += 1
+    return moved
+
+
+def measure(step, module, runs: int, warmup: int, timer, device) -> dict:
+    loss = step()
+    module.zero_grad(set_to_none=True)
+    for _ in range(warmup - 1):
+        step()
+        module.zero_grad(set_to_none=True)
+    out = {}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(runs):
+        times.append(timer(step))
+        module.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        out["step_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return {"ms": statistics.median(times), "ms_runs": times, "loss": float(loss), **out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (CI): seconds")
+    ap.add_argument("--out", type=Path, default=HERE / "out" / "moe.json", help="JSON file to write")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 12; smoke 2)")
+    ap.add_argument("--runs", type=int, default=None, help="timed steps per packfwd row (default 5; smoke 1)")
+    ap.add_argument("--hf-runs", type=int, default=None, help="timed steps of transformers (default 3; smoke 1)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; smoke 1)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    cfg = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    cuda = torch.cuda.is_available() and not cfg.smoke
+    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    shape = SMOKE if cfg.smoke else Shape()
+    if cfg.layers:
+        shape = Shape(**{**asdict(shape), "layers": cfg.layers})
+    runs, hf_runs = cfg.runs or (1 if cfg.smoke else 5), cfg.hf_runs or (1 if cfg.smoke else 3)
+    warmup = cfg.warmup or (1 if cfg.smoke else 2)
+    timer = Timer(device)
+
+    from packfwd.models.experts import GroupedExperts, grouped_kernel, set_grouped_experts
+
+    ceiling = matmul_tflops(device, dtype, timer)
+    t0 = time.perf_counter()
+    hf, model = build(shape, device, dtype)
+    build_s = time.perf_counter() - t0
+    batch = rl_batch(shape, device)
+    real = sum(batch["lengths"])
+    flops = forward_flops(shape, batch["lengths"])
+    kernel = grouped_kernel(torch.zeros(1, 8, dtype=dtype, device=device))
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, {active_params(shape) / 1e9:.2f}"
+          f" B active, {shape.layers} layers ({dtype}, built in {build_s:.1f} s); batch {shape.batch} x {shape.seq}, "
+          f"{real} real tokens ({real / (shape.batch * shape.seq):.0%}); grouped_mm kernel: {kernel}; matmul "
+          f"ceiling {ceiling and round(ceiling)} TFLOP/s", flush=True)
+
+    rows = []
+    for variant in [v for v in VARIANTS if v in cfg.variants]:  # "stacked" moves the weights: after the others
+        module = hf if variant == "hf_padded" else model
+        if variant == "sequential":
+            set_grouped_experts(model, False)
+        elif variant in ("grouped", "stacked"):
+            set_grouped_experts(model, None if kernel else True)  # the CPU smoke forces the grouped path
+            if variant == "stacked":
+                unblock_experts(model)
+        for pass_ in cfg.passes:
+            backward = pass_ == "fwd+bwd"
+            step = (hf_step if variant == "hf_padded" else packfwd_step)(module, batch, backward)
+            n = hf_runs if variant == "hf_padded" else runs
+            row = {"variant": variant, "pass": pass_, **measure(step, module, n, warmup, timer, device)}
+            seconds = row["ms"] * 1e-3
+            row["tokens/s"] = real / seconds
+            row["TFLOP/s"] = (3.0 if backward else 1.0) * flops / seconds / 1e12
+            row["of_ceiling"] = row["TFLOP/s"] / ceiling if ceiling else None
+            rows.append(row)
+            print(f"  {variant} {pass_}: {row['ms']:.1f} ms, {row['tokens/s']:.0f} tok/s, {row['TFLOP/s']:.1f} "
+                  f"TFLOP/s, loss {row['loss']:.5f}, peak {row.get('peak_GiB', 0):.1f} GiB", flush=True)
+    hf_impl = getattr(hf.config, "_experts_implementation", None)
+
+    failed = []
+    for pass_ in cfg.passes:
+        ref = next((r for r in rows if r["pass"] == pass_ and r["variant"] == "grouped"), None)
+        base = next((r for r in rows if r["pass"] == pass_ and r["variant"] == "hf_padded"), None)
+        for r in rows:
+            if r["pass"] != pass_:
+                continue
+            if ref is not None:
+                r["loss_vs_grouped"] = abs(r["loss"] - ref["loss"]) / abs(ref["loss"])
+                if r["loss_vs_grouped"] > (1e-5 if cfg.smoke else 1e-2):
+                    failed.append(f"{r['variant']} {pass_}: loss {r['loss']} vs grouped {ref['loss']}")
+            if base is not None:
+                r["speedup_vs_hf"] = base["ms"] / r["ms"]
+    payload = {
+        "benchmark": "moe", "smoke": cfg.smoke, "command": " ".join(sys.argv), "env": environment(),
+        "model": {**asdict(shape), "parameters": sum(p.numel() for p in model.parameters()),
+                  "active_parameters": active_params(shape), "dtype": str(dtype)},
+        "batch": {"rows": shape.batch, "seq": shape.seq, "lengths": batch["lengths"], "real_tokens": real,
+                  "fill": real / (shape.batch * shape.seq), "ideal_speedup": shape.batch * shape.seq / real},
+        "grouped_mm_kernel": kernel, "hf_experts_implementation": hf_impl, "runs": runs, "hf_runs": hf_runs,
+        "warmup": warmup, "matmul_ceiling_TFLOP/s": ceiling, "forward_flops": flops, "build_s": build_s,
+        "results": rows, "failed": failed, "wall_s": time.perf_counter() - t_start,
+    }
+    write_json(cfg.out, payload)
+    print(table(rows, ["variant", "pass", "ms", "tokens/s", "TFLOP/s", "of_ceiling", "peak_GiB", "step_GiB",
+                       "speedup_vs_hf", "loss", "loss_vs_grouped"]))
+    print(f"transformers' experts: {hf_impl}; ideal speedup over padded {shape.batch * shape.seq / real:.2f}; "
+          f"wall {payload['wall_s']:.0f} s; wrote {cfg.out}")
+    if failed:
+        print("losses disagree: " + "; ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
