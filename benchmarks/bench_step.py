@@ -587,18 +587,22 @@ def main(argv=None) -> int:
     cfg.ceiling = ceilings[0]
     print(f"device {cfg.device} {cfg.dtype}; bf16 matmul: {cfg.ceiling and round(cfg.ceiling)} TFLOP/s; "
           f"fused switch: {fused_switch()}", flush=True)
-    shapes = [run_shape(shape, cfg, timer) for shape in cfg.shapes]
+    shapes = []
+    payload = {"benchmark": "step", "smoke": cfg.smoke, "command": " ".join(sys.argv), "env": environment(),
+               "dtype": str(cfg.dtype), "batch": cfg.batch, "seq": cfg.seq, "prompt": cfg.prompt, "fill": cfg.fill,
+               "seed": cfg.seed, "runs": cfg.runs, "warmup": cfg.warmup, "fused_switch": fused_switch(),
+               "matmul_TFLOP/s_start_end": ceilings, "ceiling_TFLOP/s": cfg.ceiling, "loss_tol": cfg.loss_tol,
+               "shapes": shapes, "complete": False}
+    for shape in cfg.shapes:
+        shapes.append(run_shape(shape, cfg, timer))
+        write_json(cfg.out, payload)  # after each shape: a run cut short by a time limit keeps what it measured
     ceilings.append(matmul_tflops(cfg.device, torch.bfloat16, timer))
     if cuda and ceilings[1] > ceilings[0]:  # the higher one is the ceiling: percentages never flatter
         for s in shapes:
             for r in s["results"]:
                 if "TFLOP/s" in r:
                     r["% ceiling"] = 100 * r["TFLOP/s"] / ceilings[1]
-    payload = {"benchmark": "step", "smoke": cfg.smoke, "command": " ".join(sys.argv), "env": environment(),
-               "dtype": str(cfg.dtype), "batch": cfg.batch, "seq": cfg.seq, "prompt": cfg.prompt, "fill": cfg.fill,
-               "seed": cfg.seed, "runs": cfg.runs, "warmup": cfg.warmup, "fused_switch": fused_switch(),
-               "matmul_TFLOP/s_start_end": ceilings, "ceiling_TFLOP/s": max(filter(None, ceilings), default=None),
-               "loss_tol": cfg.loss_tol, "shapes": shapes}
+    payload.update({"ceiling_TFLOP/s": max(filter(None, ceilings), default=None), "complete": True})
     write_json(cfg.out, payload)
     for s in shapes:
         print(f"-- {s['shape']} ({s['real_tokens']} real tokens, {s['step_TFLOP']:.1f} TFLOP per step)")
