@@ -13,8 +13,9 @@ Rows (``--variants``), each forward only (``fwd``: log-probs under no_grad) and 
 * ``grouped``: ``make_forward("thd", logits_processor=<log-probs>)``, the experts as two ``torch._grouped_mm``
   per MoE layer reading the weights in place (packfwd's default on sm90 / sm100 in bf16);
 * ``sequential``: the same model with Megatron-Core's loop over experts (``set_grouped_experts(model, False)``);
-* ``stacked``: grouped, with the weights no longer in one block, so stacked (copied) once per forward: what the
-  copy costs (this row moves the weights: it runs last);
+* ``stacked``: grouped, with the weights no longer in one block (as after a distributed optimizer relocates
+  them), so copied into one tensor in the forward and again in the backward: what the copies cost (this row moves
+  the weights: it runs last);
 * ``hf_padded``: transformers (sdpa; its default experts implementation, recorded) on the padded ``[6, 4096]``.
 
 Measured in the same run: a bf16 8192^3 matmul (CUDA events, median: the ceiling); per row the median step time

@@ -27,7 +27,7 @@ Weights without a copy: the constructor places each linear's weights of all loca
 ``[E, out, in]`` (each parameter a view of it; values and parameter objects unchanged), so the grouped path reads
 them as one tensor and hands each parameter its slice of the gradient.  Where the weights no longer form such a
 block (``model.to(...)``, ``.cuda()``, or a distributed optimizer's buffer relocates each parameter) they are
-stacked once per forward (a copy, kept for backward), same numbers.  Tensor parallelism: each rank's experts are
+stacked in the forward and again in the backward (a transient copy each time, never kept), same numbers.  Tensor parallelism: each rank's experts are
 its shards along ``f`` (Megatron's expert linears communicate nothing; the dispatcher does), so the same code
 runs on every rank.  Bias, other activations, FP8 and ``moe_apply_probs_on_input`` are left to the sequential
 path (``grouped=True`` with them is a ValueError).  This module imports Megatron-Core;
@@ -43,7 +43,7 @@ from torch import Tensor
 
 from packfwd.ops.swiglu import swiglu
 
-__all__ = ["GroupedExperts", "grouped_kernel", "grouped_swiglu_mlp", "set_grouped_experts"]
+__all__ = ["GroupedExperts", "GroupedLinear", "grouped_kernel", "grouped_swiglu_mlp", "set_grouped_experts"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what torch._grouped_mm takes (its kernel: bf16 only)
 
@@ -60,10 +60,11 @@ def grouped_kernel(x: Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
 
 
-def grouped_swiglu_mlp(x: Tensor, fc1: Tensor, fc2: Tensor, tokens_per_expert: Tensor, probs: Tensor) -> Tensor:
+def grouped_swiglu_mlp(x: Tensor, fc1, fc2, tokens_per_expert: Tensor, probs: Tensor) -> Tensor:
     """Every expert's gated MLP on its rows of ``x [n, h]`` (sorted by expert; ``tokens_per_expert [E]`` of them
     each, on the host or the device), scaled by ``probs [n]`` after the activation as Megatron-Core's MLP does:
-    ``fc1 [E, 2f, h]`` (``[gate; up]``), ``fc2 [E, h, f]``; returns ``[n, h]``.  Two ``torch._grouped_mm``.
+    ``fc1`` the experts' ``[2f, h]`` weights (``[gate; up]``), ``fc2`` their ``[h, f]`` ones (sequences of ``E``
+    tensors, or ``[E, ...]`` tensors); returns ``[n, h]``.  Two :class:`GroupedLinear`.
 
     >>> x, probs = torch.randn(5, 8), torch.rand(5)
     >>> fc1, fc2 = torch.randn(3, 8, 8), torch.randn(3, 8, 4)
@@ -74,10 +75,33 @@ def grouped_swiglu_mlp(x: Tensor, fc1: Tensor, fc2: Tensor, tokens_per_expert: T
     True
     """
     offs = _offsets(tokens_per_expert, x)
-    y = torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)  # [n, 2f]
+    y = GroupedLinear.apply(x, offs, *fc1)  # [n, 2f]
     a = swiglu(y)
     a = (a * probs.unsqueeze(-1)).to(a.dtype)  # Megatron's MLP: per_token_scale after the activation
-    return torch._grouped_mm(a, fc2.transpose(-2, -1), offs=offs)  # [n, h]
+    return GroupedLinear.apply(a, offs, *fc2)  # [n, h]
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``GroupedLinear.apply(x [n, in], offs [E], *weights [out, in])``: rows ``offs[e-1]:offs[e]`` of ``x`` times
+    ``weights[e].T``, as one ``torch._grouped_mm``, ``[n, out]``.  The weights are read as one ``[E, out, in]``
+    tensor over their own memory where they lie at one stride (no copy), else stacked; nothing but the
+    parameters themselves is saved for backward (a stacked copy is made again there, never kept).  Backward:
+    ``dx = grouped_mm(dy, W)`` and ``dW = grouped_mm(dy.T, x)`` over the same groups (an empty group: zeros)."""
+
+    @staticmethod
+    def forward(ctx, x, offs, *weights):
+        ctx.save_for_backward(x, offs, *weights)
+        return torch._grouped_mm(x, _as_one(weights).transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, *weights = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, _as_one(weights), offs=offs) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[2:]):
+            return dx, None, *(None for _ in weights)
+        dw = torch._grouped_mm(dy.transpose(0, 1), x, offs=offs)  # [E, out, in]
+        return dx, None, *dw.unbind(0)
 
 
 def _offsets(tokens_per_expert: Tensor, x: Tensor) -> Tensor:
@@ -123,8 +147,8 @@ class GroupedExperts(SequentialMLP):
         x = permuted_local_hidden_states
         if not self._use_grouped(x):
             return super().forward(x, tokens_per_expert, permuted_probs)
-        fc1 = _stacked([e.linear_fc1.weight for e in self.local_experts])
-        fc2 = _stacked([e.linear_fc2.weight for e in self.local_experts])
+        fc1 = [e.linear_fc1.weight for e in self.local_experts]
+        fc2 = [e.linear_fc2.weight for e in self.local_experts]
         return grouped_swiglu_mlp(x.contiguous(), fc1, fc2, tokens_per_expert, permuted_probs), None
 
     def _use_grouped(self, x: Tensor) -> bool:
@@ -207,25 +231,7 @@ def _block_view(weights: list) -> Tensor | None:
     return w0.detach().as_strided((len(weights), *w0.shape), (step // size, *w0.stride()))
 
 
-def _stacked(weights: list) -> Tensor:
-    """The weights as one ``[E, out, in]`` tensor in the autograd graph: a view where they form a block, else a
-    stacked copy."""
+def _as_one(weights) -> Tensor:
+    """The weights as one ``[E, out, in]`` tensor, outside autograd: a view where they form a block, else a copy."""
     block = _block_view(weights)
-    if block is None:
-        return torch.stack(weights)
-    if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
-        return block
-    return _Block.apply(block, *weights)
-
-
-class _Block(torch.autograd.Function):
-    """``block`` (a view over ``weights``' memory) in the graph of ``weights``: each gets its slice of the
-    gradient."""
-
-    @staticmethod
-    def forward(ctx, block, *weights):
-        return block.view_as(block)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (None, *grad.unbind(0))
+    return block if block is not None else torch.stack([w.detach() for w in weights])
