@@ -108,6 +108,27 @@ def test_grouped_path_equals_sequential_mlp(dtype, tol, groups, monkeypatch):
     assert_same(got, run(theirs, x, counts, probs, grad), **tol)
 
 
+def test_an_empty_experts_weight_gradient_is_zero_whatever_the_grouped_product_leaves(monkeypatch):
+    """The weight gradient of an expert without tokens is a grouped product over zero rows (``K = 0``): the grouped
+    path sets it to zero itself rather than trust the kernel to write it (here it writes NaN)."""
+    mine, theirs = experts_pair(torch.float32, grouped=True)
+    counts = GROUPS["ragged"]
+    x, probs, grad = dispatched(counts, torch.float32)
+    original = torch._grouped_mm
+
+    def unwritten(a, b, offs=None, **kw):
+        out = original(a, b, offs=offs, **kw)
+        if a.dim() == 2 and b.dim() == 2:  # the weight gradient: [E, out, in] over groups along K
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+            out[sizes == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", unwritten)
+    got = run(mine, x, counts, probs, grad)
+    assert torch.equal(got[3]["local_experts.1.linear_fc1.weight"], torch.zeros(2 * FFN, H))
+    assert_same(got, run(theirs, x, counts, probs, grad))
+
+
 def test_state_dict_is_sequential_mlps_name_for_name():
     mine, theirs = experts_pair(torch.float32)
     a, b = mine.state_dict(), theirs.state_dict()

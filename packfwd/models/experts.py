@@ -74,45 +74,55 @@ def grouped_swiglu_mlp(x: Tensor, fc1, fc2, tokens_per_expert: Tensor, probs: Te
     >>> torch.allclose(out, want, atol=1e-5)
     True
     """
-    offs = _offsets(tokens_per_expert, x)
-    y = GroupedLinear.apply(x, offs, *fc1)  # [n, 2f]
+    groups = _groups(tokens_per_expert, x)
+    y = GroupedLinear.apply(x, *groups, *fc1)  # [n, 2f]
     a = swiglu(y)
     a = (a * probs.unsqueeze(-1)).to(a.dtype)  # Megatron's MLP: per_token_scale after the activation
-    return GroupedLinear.apply(a, offs, *fc2)  # [n, h]
+    return GroupedLinear.apply(a, *groups, *fc2)  # [n, h]
 
 
 class GroupedLinear(torch.autograd.Function):
-    """``GroupedLinear.apply(x [n, in], offs [E], *weights [out, in])``: rows ``offs[e-1]:offs[e]`` of ``x`` times
-    ``weights[e].T``, as one ``torch._grouped_mm``, ``[n, out]``.  The weights are read as one ``[E, out, in]``
-    tensor over their own memory where they lie at one stride (no copy), else stacked; nothing but the
-    parameters themselves is saved for backward (a stacked copy is made again there, never kept).  Backward:
-    ``dx = grouped_mm(dy, W)`` and ``dW = grouped_mm(dy.T, x)`` over the same groups (an empty group: zeros)."""
+    """``GroupedLinear.apply(x [n, in], offs [E], empty, *weights [out, in])``: rows ``offs[e-1]:offs[e]`` of
+    ``x`` times ``weights[e].T``, as one ``torch._grouped_mm``, ``[n, out]``; ``empty``: the experts without rows
+    (indices, or a ``[E]`` bool mask).  The weights are read as one ``[E, out, in]`` tensor over their own memory
+    where they lie at one stride (no copy), else stacked; nothing but the parameters themselves is saved for
+    backward (a stacked copy is made again there, never kept).  Backward: ``dx = grouped_mm(dy, W)`` and
+    ``dW = grouped_mm(dy.T, x)`` over the same groups, an empty expert's ``dW`` set to zero (a group of ``K = 0``
+    is left to CUTLASS otherwise)."""
 
     @staticmethod
-    def forward(ctx, x, offs, *weights):
-        ctx.save_for_backward(x, offs, *weights)
+    def forward(ctx, x, offs, empty, *weights):
+        ctx.save_for_backward(x, offs, empty, *weights)
         return torch._grouped_mm(x, _as_one(weights).transpose(-2, -1), offs=offs)
 
     @staticmethod
     def backward(ctx, dy):
-        x, offs, *weights = ctx.saved_tensors
+        x, offs, empty, *weights = ctx.saved_tensors
         dy = dy.contiguous()
         dx = torch._grouped_mm(dy, _as_one(weights), offs=offs) if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[2:]):
-            return dx, None, *(None for _ in weights)
+        if not any(ctx.needs_input_grad[3:]):
+            return dx, None, None, *(None for _ in weights)
         dw = torch._grouped_mm(dy.transpose(0, 1), x, offs=offs)  # [E, out, in]
-        return dx, None, *dw.unbind(0)
+        if empty.dtype == torch.bool:
+            dw.masked_fill_(empty[:, None, None], 0)
+        elif empty.numel():
+            dw.index_fill_(0, empty, 0)
+        return dx, None, None, *dw.unbind(0)
 
 
-def _offsets(tokens_per_expert: Tensor, x: Tensor) -> Tensor:
-    """The end row of each expert's group, int32 on ``x``'s device, without a host sync."""
+def _groups(tokens_per_expert: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The end row of each expert's group (int32) and the empty experts, on ``x``'s device, without a host sync:
+    host counts (Megatron-Core's dispatchers) give the empty experts' indices, device counts a bool mask."""
     if tokens_per_expert.device.type == "cpu":
         total = int(tokens_per_expert.sum())  # host values: free to check
         if total != x.shape[0]:
             raise ValueError(f"tokens_per_expert sums to {total} but x has {x.shape[0]} rows; the dispatcher hands "
                              "the experts exactly the tokens it counts")
+        empty = torch.nonzero(tokens_per_expert == 0).flatten()
+    else:
+        empty = tokens_per_expert == 0
     offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-    return offs.to(x.device, non_blocking=True)
+    return offs.to(x.device, non_blocking=True), empty.to(x.device, non_blocking=True)
 
 
 class GroupedExperts(SequentialMLP):
