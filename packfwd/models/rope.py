@@ -112,6 +112,13 @@ class PackedRope:
                  positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if positions is None:
             positions = local_positions(cu_seqlens_padded, q.shape[0], cp_size, cp_rank)
+        if self.fused:  # one angle per pair of channels: no table laid out (no cat) where the kernels take it
+            freqs = rotary_freqs(self.rotary, positions)  # [t, d_rot / 2]
+            cos, sin = freqs.cos().to(q.dtype), freqs.sin().to(q.dtype)
+            if rope_ops.supported(q, k, cos, sin):
+                return rope_ops.rope(q, k, cos, sin, self.interleaved, paired=True, kernel=True)
+            cos, sin = rope_ops.full_table(cos, self.interleaved), rope_ops.full_table(sin, self.interleaved)
+            return self.rotate(q, k, cos, sin)
         angles = rotary_angles(self.rotary, positions)  # [t, d_rot]
         return self.rotate(q, k, angles.cos().to(q.dtype), angles.sin().to(q.dtype))
 
@@ -133,11 +140,19 @@ def rotary_angles(rotary: RotaryEmbedding, positions: Tensor) -> Tensor:
     >>> torch.equal(rotary_angles(rotary, torch.arange(5)), rotary.get_emb(5)[:, 0, 0])
     True
     """
+    return rope_ops.full_table(rotary_freqs(rotary, positions), rotary.rotary_interleaved)
+
+
+def rotary_freqs(rotary: RotaryEmbedding, positions: Tensor) -> Tensor:
+    """``[*positions.shape, d_rot / 2]`` float32: one angle per pair of channels, ``position (float32, times
+    1/interpolation factor) * inv_freq``, the products ``torch.outer`` forms in Megatron-Core's table.
+
+    >>> rotary = PackedRotaryEmbedding(kv_channels=4, rotary_percent=1.0, use_cpu_initialization=True)
+    >>> rotary_freqs(rotary, torch.tensor([0, 2])).tolist()
+    [[0.0, 0.0], [2.0, 0.019999999552965164]]
+    """
     inv_freq = rotary.inv_freq
     seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
     if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
         seq = seq * (1 / rotary.seq_len_interpolation_factor)
-    freqs = seq[..., None] * inv_freq  # [..., d/2], the products torch.outer forms
-    if rotary.rotary_interleaved:
-        return torch.stack((freqs, freqs), dim=-1).flatten(-2)
-    return torch.cat((freqs, freqs), dim=-1)
+    return seq[..., None] * inv_freq  # [..., d/2]

@@ -24,6 +24,9 @@ in; outputs and gradients are new contiguous ``[t, h, d]`` tensors.  ``cos``/``s
 ``cos`` that requires one takes the torch path).  One program per token and block of heads, no atomics:
 deterministic, bit for bit run to run.
 
+With ``paired=True`` the tables are ``[t, d_rot / 2]``, one entry per pair (``cos_a = cos_b``, as in every RoPE
+table), which spares the caller the ``cat`` that lays a table out.
+
 ``rope(q, k, cos, sin, interleaved)`` is the entry point: the kernels (:class:`RopeKernel`, over the launcher
 :func:`rotate`) where :func:`supported`, else :func:`reference` (the torch ops, differentiable).  Importing this
 module without Triton works; launching does not.  ``packfwd.models.rope.PackedRope(fused=True)`` takes it.
@@ -44,7 +47,7 @@ try:
 except ImportError:  # CPU-only installs never launch these (importing this module must still work)
     triton = None
 
-__all__ = ["RopeKernel", "reference", "rope", "rotate", "supported"]
+__all__ = ["RopeKernel", "full_table", "reference", "rope", "rotate", "supported"]
 
 # Pairs of channels (heads x d_rot/2) per program at most; warps per program.
 CONFIG = {"pairs": 2048, "num_warps": 4}
@@ -61,10 +64,14 @@ def supported(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
             and all(t.dtype == q.dtype for t in tensors) and not (cos.requires_grad or sin.requires_grad))
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, *,
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, *, paired: bool = False,
          kernel: bool | None = None) -> tuple[Tensor, Tensor]:
     """``(q, k)`` rotated: ``q [t, hq, d]``, ``k [t, hk, d]`` by ``cos``, ``sin [t, d_rot]`` (in q's dtype; each
     token's row), channels past ``d_rot`` passing through.
+
+    paired: ``cos``/``sin`` are ``[t, d_rot / 2]``, one entry per pair of channels (the two channels of a pair
+    share an angle in every RoPE table: Megatron-Core's ``get_emb`` repeats each frequency), so the caller skips
+    the table's ``cat``; the same numbers as the full table of repeated entries.
 
     kernel: None takes the Triton kernels where :func:`supported` (CUDA), else :func:`reference`; True always
     the kernels (CPU tensors only under ``TRITON_INTERPRET=1``); False always the reference.
@@ -75,13 +82,27 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fal
     >>> q_rot.round(decimals=6).abs().tolist()           # (1, 0) turned by 90 degrees
     [[[0.0, 1.0]]]
     """
-    _check(q, k, cos, sin)
+    _check(q, k, cos, sin, paired)
     if kernel is None:
         kernel = supported(q, k, cos, sin)
     if not kernel:
-        return reference(q, cos[:, None], sin[:, None], interleaved), reference(k, cos[:, None], sin[:, None],
-                                                                                interleaved)
-    return RopeKernel.apply(q, k, cos, sin, bool(interleaved))
+        if paired:
+            cos, sin = full_table(cos, interleaved), full_table(sin, interleaved)
+        cos, sin = cos[:, None], sin[:, None]
+        return reference(q, cos, sin, interleaved), reference(k, cos, sin, interleaved)
+    return RopeKernel.apply(q, k, cos, sin, bool(interleaved), bool(paired))
+
+
+def full_table(half: Tensor, interleaved: bool = False) -> Tensor:
+    """A per-pair table ``[..., d_rot / 2]`` laid out as Megatron-Core lays its rows out: ``[half, half]``, or
+    (interleaved) each entry twice in a row.
+
+    >>> full_table(torch.tensor([1, 2])).tolist(), full_table(torch.tensor([1, 2]), interleaved=True).tolist()
+    ([1, 2, 1, 2], [1, 1, 2, 2])
+    """
+    if interleaved:
+        return torch.stack((half, half), dim=-1).flatten(-2)
+    return torch.cat((half, half), dim=-1)
 
 
 def reference(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
@@ -109,30 +130,33 @@ class RopeKernel(torch.autograd.Function):
     """``(q, k)`` rotated through the kernels; saves ``cos`` and ``sin`` only.  Gradients flow to q and k."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, interleaved):
+    def forward(ctx, q, k, cos, sin, interleaved, paired=False):
         ctx.save_for_backward(cos, sin)
-        ctx.interleaved = interleaved
+        ctx.interleaved, ctx.paired = interleaved, paired
         ctx.set_materialize_grads(False)
-        return rotate(q, cos, sin, interleaved), rotate(k, cos, sin, interleaved)
+        return rotate(q, cos, sin, interleaved, paired=paired), rotate(k, cos, sin, interleaved, paired=paired)
 
     @staticmethod
     def backward(ctx, g_q, g_k):
         cos, sin = ctx.saved_tensors
-        d_q = rotate(g_q, cos, sin, ctx.interleaved, inverse=True) if g_q is not None else None
-        d_k = rotate(g_k, cos, sin, ctx.interleaved, inverse=True) if g_k is not None else None
-        return d_q, d_k, None, None, None
+        kw = dict(interleaved=ctx.interleaved, inverse=True, paired=ctx.paired)
+        d_q = rotate(g_q, cos, sin, **kw) if g_q is not None else None
+        d_k = rotate(g_k, cos, sin, **kw) if g_k is not None else None
+        return d_q, d_k, None, None, None, None
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, inverse: bool = False) -> Tensor:
-    """The launcher: ``x [t, h, d]`` (any strides) rotated by ``cos``/``sin [t, d_rot]`` as a new contiguous
-    tensor in x's dtype; ``inverse``: the backward's rotation (see the module docstring)."""
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, inverse: bool = False,
+           paired: bool = False) -> Tensor:
+    """The launcher: ``x [t, h, d]`` (any strides) rotated by ``cos``/``sin [t, d_rot]`` (``paired``:
+    ``[t, d_rot / 2]``) as a new contiguous tensor in x's dtype; ``inverse``: the backward's rotation (see the
+    module docstring)."""
     if triton is None:
         raise RuntimeError("packfwd.ops.rope's kernels need Triton; use rope() or reference() without it")
     if x.dtype not in DTYPES or cos.dtype != x.dtype or sin.dtype != x.dtype:
         raise TypeError(f"rotate: x, cos and sin must share one dtype of bf16, fp16 or fp32; got {x.dtype}, "
                         f"{cos.dtype}, {sin.dtype}")
     t, h, d = x.shape
-    half = cos.shape[-1] // 2
+    half = cos.shape[-1] if paired else cos.shape[-1] // 2
     out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -143,13 +167,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, inver
     _rope_kernel[(t, triton.cdiv(h, block_h))](
         x, x.stride(0), x.stride(1), x.stride(2), cos, sin, out, h, half, d,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(max(rest, 1)), HAS_PASS=rest > 0,
-        INTERLEAVED=bool(interleaved), INVERSE=bool(inverse), DTYPE=_CODE[x.dtype],
+        INTERLEAVED=bool(interleaved), INVERSE=bool(inverse), PAIRED=bool(paired), DTYPE=_CODE[x.dtype],
         num_warps=CONFIG["num_warps"], enable_fp_fusion=False,  # no fused multiply-add: torch's float32 bits
     )
     return out
 
 
-def _check(q, k, cos, sin) -> None:
+def _check(q, k, cos, sin, paired: bool = False) -> None:
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if not isinstance(t, Tensor):
             raise TypeError(f"rope: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -158,9 +182,10 @@ def _check(q, k, cos, sin) -> None:
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"rope: q and k must be [t, hq, d] and [t, hk, d] (same t and d); got {tuple(q.shape)} "
                          f"and {tuple(k.shape)}")
-    rot = cos.shape[-1] if cos.dim() == 2 else -1
+    rot = (cos.shape[-1] * (2 if paired else 1)) if cos.dim() == 2 else -1
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != q.shape[0] or rot < 2 or rot % 2 or rot > q.shape[2]:
-        raise ValueError(f"rope: cos and sin must both be [t, d_rot] with t = {q.shape[0]} and an even "
+        width = "d_rot / 2" if paired else "d_rot"
+        raise ValueError(f"rope: cos and sin must both be [t, {width}] with t = {q.shape[0]} and an even "
                          f"2 <= d_rot <= d = {q.shape[2]}; got {tuple(cos.shape)} and {tuple(sin.shape)}")
 
 
@@ -186,7 +211,7 @@ if triton is not None:
     def _rope_kernel(
         x, sx_t, sx_h, sx_d, cos, sin, out, H, HALF, D,
         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, HAS_PASS: tl.constexpr,
-        INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, DTYPE: tl.constexpr,
+        INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, PAIRED: tl.constexpr, DTYPE: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
@@ -202,11 +227,16 @@ if triton is not None:
         dst = out + tok * H * D + h[:, None] * D
         xa = tl.load(src + ca[None, :] * sx_d, mask=ok, other=0.0).to(tl.float32)
         xb = tl.load(src + cb[None, :] * sx_d, mask=ok, other=0.0).to(tl.float32)
-        row = tok * (2 * HALF)
-        cos_a = tl.load(cos + row + ca, mask=ok_j, other=0.0).to(tl.float32)[None, :]
-        cos_b = tl.load(cos + row + cb, mask=ok_j, other=0.0).to(tl.float32)[None, :]
-        sin_a = tl.load(sin + row + ca, mask=ok_j, other=0.0).to(tl.float32)[None, :]
-        sin_b = tl.load(sin + row + cb, mask=ok_j, other=0.0).to(tl.float32)[None, :]
+        if PAIRED:  # one entry per pair: [t, HALF]
+            cos_a = tl.load(cos + tok * HALF + j, mask=ok_j, other=0.0).to(tl.float32)[None, :]
+            sin_a = tl.load(sin + tok * HALF + j, mask=ok_j, other=0.0).to(tl.float32)[None, :]
+            cos_b, sin_b = cos_a, sin_a
+        else:  # each channel its own entry: [t, 2 HALF]
+            row = tok * (2 * HALF)
+            cos_a = tl.load(cos + row + ca, mask=ok_j, other=0.0).to(tl.float32)[None, :]
+            cos_b = tl.load(cos + row + cb, mask=ok_j, other=0.0).to(tl.float32)[None, :]
+            sin_a = tl.load(sin + row + ca, mask=ok_j, other=0.0).to(tl.float32)[None, :]
+            sin_b = tl.load(sin + row + cb, mask=ok_j, other=0.0).to(tl.float32)[None, :]
         if INVERSE:  # autograd through Megatron's ops: dx_a = g_a cos_a + g_b sin_b, dx_b = g_b cos_b - g_a sin_a
             ya = _round(_round(xa * cos_a, DTYPE) + _round(xb * sin_b, DTYPE), DTYPE)
             yb = _round(_round(xb * cos_b, DTYPE) + _round(-xa * sin_a, DTYPE), DTYPE)

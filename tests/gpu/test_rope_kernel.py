@@ -54,10 +54,10 @@ def cos_sin(angles, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def fused(q, k, cos, sin, gq, gk, interleaved):
-    """Outputs and gradients of the kernels."""
+def fused(q, k, cos, sin, gq, gk, interleaved, kernel=True, paired=False):
+    """Outputs and gradients of the kernels (``kernel=False``: of ``rope``'s torch path)."""
     q, k = q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
-    yq, yk = K.rope(q, k, cos, sin, interleaved, kernel=True)
+    yq, yk = K.rope(q, k, cos, sin, interleaved, kernel=kernel, paired=paired)
     torch.autograd.backward([yq, yk], [gq, gk])
     return yq.detach(), yk.detach(), q.grad, k.grad
 
@@ -99,6 +99,19 @@ def test_any_table(interleaved):
     q, k, _, gq, gk = make(6, 4, 2, 16, 10, torch.bfloat16, seed=10)
     cos, sin = cos_sin(torch.rand(6, 10, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 40, torch.bfloat16)
     equal(fused(q, k, cos, sin, gq, gk, interleaved), unfused(q, k, cos, sin, gq, gk, interleaved))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+def test_paired_table(interleaved):
+    """cos / sin given per pair of channels (``paired``: ``[t, d_rot / 2]``, partial rotary here): the bits of the
+    full table of repeated entries (``full_table``), through the kernels and through the torch path."""
+    q, k, angles, gq, gk = make(9, 4, 2, 16, 12, torch.bfloat16, seed=11)
+    cos, sin = cos_sin(angles[:, :6], torch.bfloat16)
+    full = (K.full_table(cos, interleaved), K.full_table(sin, interleaved))
+    want = unfused(q, k, *full, gq, gk, interleaved)
+    equal(fused(q, k, *full, gq, gk, interleaved), want)
+    equal(fused(q, k, cos, sin, gq, gk, interleaved, paired=True), want)
+    equal(fused(q, k, cos, sin, gq, gk, interleaved, kernel=False, paired=True), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -193,6 +206,8 @@ def test_refused():
         K.rope(q, k, torch.zeros(3, 10, device=DEVICE), torch.zeros(3, 10, device=DEVICE))  # d_rot > d
     with pytest.raises(ValueError, match=r"\[t, d_rot\]"):
         K.rope(q, k, cos[:2], cos[:2])  # not one row per token
+    with pytest.raises(ValueError, match=r"\[t, d_rot / 2\]"):
+        K.rope(q, k, cos, cos, paired=True)  # 8 pairs: d_rot 16 > d
     with pytest.raises(ValueError, match=r"\[t, hq, d\]"):
         K.rope(q, k[:2], cos, cos)
     with pytest.raises(TypeError, match="floating-point"):
