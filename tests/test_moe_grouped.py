@@ -4,9 +4,11 @@ Strategy: the same weights in both modules, the same dispatched tokens (ragged g
 at all).  On the CPU the default path is Megatron-Core's own loop, so it equals ``SequentialMLP`` bit for bit in
 float64 and float32, outputs and every gradient; the grouped path (``grouped=True``: torch's ``_grouped_mm``,
 which loops over the groups itself on the CPU) equals it too in float32 and within bf16 rounding in bf16.  A
-whole Qwen3-MoE model on the grouped path equals transformers per sequence, under TP=2 and EP=2 over gloo it
-equals the sequential path on each rank, and the state dict is ``SequentialMLP``'s, name for name.  The GPU
-kernel path is tested in ``tests/gpu/test_moe_cuda.py``.
+whole Qwen3-MoE model on the grouped path equals transformers per sequence, under TP=2 (+SP) and EP=2 over gloo
+it equals the sequential path on each rank, and the state dict is ``SequentialMLP``'s, name for name.  The weights
+are read in place (nothing stacked is kept for backward where they are not one block), and an empty expert's
+weight gradient is zero whatever the grouped product leaves there.  The GPU kernel path is tested in
+``tests/gpu/test_moe_cuda.py``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ The token dispatcher hands the experts ``x [n, h]`` (the tokens routed here, sor
     y    = grouped_mm(x, W1[e].T)                            [n, 2f]   rows offs[e-1]:offs[e] by expert e
     a    = swiglu(y) * probs, rounded to x's dtype            [n, f]    (Megatron's MLP applies probs there)
     out  = grouped_mm(a, W2[e].T)                            [n, h]
+    backward: dx = grouped_mm(dy, W), dW = grouped_mm(dy.T, x) (an empty expert's dW set to zero)
 
 Sequential: Megatron-Core's own ``SequentialMLP.forward`` (a Python loop over experts; bitwise Megatron's).
 
