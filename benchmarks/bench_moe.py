@@ -24,7 +24,8 @@ real tokens/s, peak memory (absolute, and above what was allocated before the st
 parameters of the real tokens (per token and layer: q, k, v, o; the router; top-8 experts' fc1 and fc2; and the
 output layer: ``2 P_active`` per token, plus causal attention ``4 h_q d l^2 / 2`` per sequence and layer; x3 for
 forward + backward) and its fraction of the ceiling.  The run fails when a row's loss differs from
-``grouped``'s beyond bf16 rounding.
+``grouped``'s beyond bf16 rounding, or a row ran another expert path than its name says (``torch._grouped_mm``
+calls of one untimed step: 2 per MoE layer forward, 6 with the backward; none for ``sequential``).
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py --out benchmarks/out/moe.json          # H200: ~2-3 minutes
     python benchmarks/bench_moe.py --smoke --out /tmp/moe_smoke.json                     # tiny, CPU, seconds
@@ -168,6 +169,18 @@ def unblock_experts(model) -> int:
     return moved
 
 
+def grouped_mm_calls(step, module) -> int:
+    """``torch._grouped_mm`` calls of one (untimed) step: which expert path a row really ran."""
+    calls, original = [], torch._grouped_mm
+    torch._grouped_mm = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        step()
+    finally:
+        torch._grouped_mm = original
+        module.zero_grad(set_to_none=True)
+    return len(calls)
+
+
 def measure(step, module, runs: int, warmup: int, timer, device) -> dict:
     loss = step()
     module.zero_grad(set_to_none=True)
@@ -240,6 +253,8 @@ def main(argv=None) -> int:
             step = (hf_step if variant == "hf_padded" else packfwd_step)(module, batch, backward)
             n = hf_runs if variant == "hf_padded" else runs
             row = {"variant": variant, "pass": pass_, **measure(step, module, n, warmup, timer, device)}
+            if variant != "hf_padded":  # grouped rows: 2 per MoE layer forward, 6 with the backward; sequential 0
+                row["grouped_mm_calls"] = grouped_mm_calls(step, module)
             seconds = row["ms"] * 1e-3
             row["tokens/s"] = real / seconds
             row["TFLOP/s"] = (3.0 if backward else 1.0) * flops / seconds / 1e12
@@ -256,6 +271,10 @@ def main(argv=None) -> int:
         for r in rows:
             if r["pass"] != pass_:
                 continue
+            per_layer = 0 if r["variant"] in ("sequential", "hf_padded") else 6 if pass_ == "fwd+bwd" else 2
+            want = per_layer * shape.layers
+            if r.get("grouped_mm_calls", want) != want:
+                failed.append(f"{r['variant']} {pass_}: {r['grouped_mm_calls']} grouped products, not {want}")
             if ref is not None:
                 r["loss_vs_grouped"] = abs(r["loss"] - ref["loss"]) / abs(ref["loss"])
                 if r["loss_vs_grouped"] > (1e-5 if cfg.smoke else 1e-2):
