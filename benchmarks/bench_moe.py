@@ -234,8 +234,8 @@ def main(argv=None) -> int:
     real = sum(batch["lengths"])
     flops = forward_flops(shape, batch["lengths"])
     kernel = grouped_kernel(torch.zeros(1, 8, dtype=dtype, device=device))
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, {active_params(shape) / 1e9:.2f}"
-          f" B active, {shape.layers} layers ({dtype}, built in {build_s:.1f} s); batch {shape.batch} x {shape.seq}, "
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e9:.2f} B parameters, {active_params(shape) / 1e9:.2f} B active, {shape.layers} layers ({dtype}, built in {build_s:.1f} s); batch {shape.batch} x {shape.seq}, "
           f"{real} real tokens ({real / (shape.batch * shape.seq):.0%}); grouped_mm kernel: {kernel}; matmul "
           f"ceiling {ceiling and round(ceiling)} TFLOP/s", flush=True)
 
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
                 r["speedup_vs_hf"] = base["ms"] / r["ms"]
     payload = {
         "benchmark": "moe", "smoke": cfg.smoke, "command": " ".join(sys.argv), "env": environment(),
-        "model": {**asdict(shape), "parameters": sum(p.numel() for p in model.parameters()),
+        "model": {**asdict(shape), "parameters": n_params,
                   "active_parameters": active_params(shape), "dtype": str(dtype)},
         "batch": {"rows": shape.batch, "seq": shape.seq, "lengths": batch["lengths"], "real_tokens": real,
                   "fill": real / (shape.batch * shape.seq), "ideal_speedup": shape.batch * shape.seq / real},
