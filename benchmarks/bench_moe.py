@@ -235,7 +235,8 @@ def main(argv=None) -> int:
     flops = forward_flops(shape, batch["lengths"])
     kernel = grouped_kernel(torch.zeros(1, 8, dtype=dtype, device=device))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e9:.2f} B parameters, {active_params(shape) / 1e9:.2f} B active, {shape.layers} layers ({dtype}, built in {build_s:.1f} s); batch {shape.batch} x {shape.seq}, "
+    print(f"model: {n_params / 1e9:.2f} B parameters, {active_params(shape) / 1e9:.2f} B active, {shape.layers} "
+          f"layers ({dtype}, built in {build_s:.1f} s); batch {shape.batch} x {shape.seq}, "
           f"{real} real tokens ({real / (shape.batch * shape.seq):.0%}); grouped_mm kernel: {kernel}; matmul "
           f"ceiling {ceiling and round(ceiling)} TFLOP/s", flush=True)
 
