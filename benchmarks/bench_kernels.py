@@ -6,8 +6,9 @@ The ops of a transformer layer outside its matrix products, at the shapes of the
 * ``rmsnorm``: ``[t, h]``; torch: ``torch.nn.functional.rms_norm`` (what ``torch.nn.RMSNorm`` runs);
 * ``rmsnorm+residual``: the add before the norm fused in; torch: ``x + r`` then ``rms_norm``;
 * ``swiglu``: ``[t, 2f] -> [t, f]``; torch: Megatron-Core's unfused gated MLP, ``silu(gate) * up``;
-* ``rope`` (where ``packfwd.ops.rope`` exists): query and key ``[t, heads, 128]`` views of the fused QKV output,
-  rotated by per-token angles; torch: packfwd's :func:`packfwd.models.rope.apply_rope` (Megatron's arithmetic).
+* ``rope``: query and key ``[t, heads, 128]`` views of the fused QKV output, rotated by per-token angles (the
+  fused kernel takes one angle per channel pair); torch: :func:`packfwd.models.rope.apply_rope` on the full
+  ``[t, 1, 128]`` table (Megatron-Core's arithmetic, what ``fused=False`` models run).
 
 Each op: forward, and forward + backward (the backward from a fixed random gradient), milliseconds (CUDA events,
 median of ``--iters`` after warm-up, back to back), the bytes the op must move at least (each input read and each
@@ -22,7 +23,6 @@ run fails past bf16 rounding).
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -34,18 +34,12 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 from common import copy_bandwidth, environment, table, time_device, write_json  # noqa: E402
 
-from packfwd.ops import rmsnorm, swiglu  # noqa: E402
+from packfwd.models.rope import apply_rope  # noqa: E402
+from packfwd.ops import rmsnorm, rope, swiglu  # noqa: E402
 
 FULL = {"t": 13312, "h": 2048, "f": 7168, "hq": 16, "hk": 8, "d": 128}
 SMOKE = {"t": 64, "h": 32, "f": 48, "hq": 4, "hk": 2, "d": 16}
 EPS = 1e-5
-
-
-def _rope_module():
-    try:
-        return importlib.import_module("packfwd.ops.rope")
-    except ImportError:
-        return None
 
 
 def cases(shape: dict, device: torch.device, dtype: torch.dtype) -> dict:
@@ -68,9 +62,24 @@ def cases(shape: dict, device: torch.device, dtype: torch.dtype) -> dict:
         "swiglu": ((y,), {"torch": lambda y: _glu(y), "fused": lambda y: swiglu.SwiGLUKernel.apply(y)},
                    3 * t * f * e),
     }
-    rope = _rope_module()
-    if rope is not None and hasattr(rope, "rope_case"):
-        out["rope"] = rope.rope_case(shape, device, dtype, g)  # (inputs, impls, bytes): the module's own case
+    # RoPE: q and k as the strided views Megatron-Core's QKV split hands the core attention ([t, groups, (hq/hk + 2)
+    # * d] -> q [t, hq, d], k [t, hk, d]); per-token angles [t, d/2] (positions of 8 packed sequences)
+    hq, hk, d = shape["hq"], shape["hk"], shape["d"]
+    qkv = rand(t, hk, (hq // hk + 2) * d)
+    positions = torch.arange(t) % (t // 8)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    half = (positions[:, None].float() * inv_freq[None]).to(device)
+    cos_h, sin_h = half.cos().to(dtype), half.sin().to(dtype)
+    cos_f, sin_f = rope.full_table(half).cos().to(dtype)[:, None], rope.full_table(half).sin().to(dtype)[:, None]
+
+    def split(qkv):
+        q = qkv[..., : hq // hk * d].reshape(t, hq, d)  # a copy under GQA, as Megatron-Core's reshape of the query
+        return q, qkv[..., hq // hk * d: (hq // hk + 1) * d]
+
+    out["rope"] = ((qkv,), {
+        "torch": lambda qkv: tuple(apply_rope(x, cos_f, sin_f) for x in split(qkv)),
+        "fused": lambda qkv: rope.rope(*split(qkv), cos_h, sin_h, paired=True, kernel=True)},
+        2 * t * (hq + hk) * d * e)
     return out
 
 

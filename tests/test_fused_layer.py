@@ -21,7 +21,7 @@ from packfwd.models import ModelArgs, build_model
 from packfwd.models.family import Moe
 from packfwd.models.gpt import model_args
 from packfwd.models.rope import PackedRope
-from packfwd.models.spec import FusedRMSNorm, RMSNorm
+from packfwd.models.spec import RMSNorm
 from packfwd.ops.swiglu import SwiGLU
 
 from .test_hf_interop import ragged_batch
@@ -75,7 +75,8 @@ def test_switch_builds_fused_or_plain_modules(name):
     fused, plain = both(CASES[name])
     want_norms = 2 * 2 + 1 + (4 if CASES[name].qk_norm else 0)
     assert len(norms(fused)) == len(norms(plain)) == want_norms
-    assert all(type(m) is FusedRMSNorm and m.fused for m in norms(fused))
+    # the norms stay torch's (one fused CUDA kernel, faster than packfwd's Triton one on the H200: spec docstring)
+    assert all(type(m) is RMSNorm and not m.fused for m in norms(fused))
     assert all(type(m) is RMSNorm and not m.fused for m in norms(plain))
     want_mlps = 1 + (4 + 1 if name == "moe" else 1)  # layer 0 dense; layer 1 dense, or 4 experts and a shared one
     assert len(mlps(fused)) == len(mlps(plain)) == want_mlps
@@ -139,7 +140,7 @@ def test_from_hf_takes_the_switch():
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64)).eval()
     fused, plain = from_hf(hf), from_hf(hf, fused=False)
     assert model_args(fused).fused and not model_args(plain).fused
-    assert type(plain.decoder.final_layernorm) is RMSNorm and type(fused.decoder.final_layernorm) is FusedRMSNorm
+    assert type(plain.decoder.final_layernorm) is RMSNorm and type(fused.decoder.final_layernorm) is RMSNorm
     ids = torch.randint(0, 64, (2, 5))
     with torch.no_grad():
         assert torch.equal(fused(ids, None, None), plain(ids, None, None))

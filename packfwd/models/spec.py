@@ -17,12 +17,14 @@ Per layer (names as in the state dict)::
     mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...;
                            a layer with a Mixture of Experts (args.moe): the spec of its registered MLP kind
 
-Fused (``args.fused``, the default): every RMSNorm is :class:`FusedRMSNorm` (the Triton kernels of
-:mod:`packfwd.ops.rmsnorm` on CUDA), the MLP's activation is :class:`packfwd.ops.swiglu.SwiGLU` (named in the spec
+Fused (``args.fused``, the default): the MLP's activation is :class:`packfwd.ops.swiglu.SwiGLU` (named in the spec
 always; Megatron-Core builds it only under ``config.use_te_activation_func``, which ``transformer_config`` sets from
 ``args.fused``), and the THD RoPE the model hands the core attention is fused (:mod:`packfwd.models.rope`).  Same
 parameters, same state dict; on the CPU the same numbers bit for bit (each falls back to the plain module's torch
-ops).  ``fused=False``: Megatron-Core's plain modules.
+ops).  ``fused=False``: Megatron-Core's plain modules.  The norms stay :class:`RMSNorm` either way: torch's own
+``rms_norm`` is one fused CUDA kernel, faster than :class:`FusedRMSNorm`'s Triton kernels on an H200 (at the 1B
+step's ``[13312, 2048]`` bf16: forward+backward 0.148 ms against 0.244, ``benchmarks/bench_kernels.py``,
+RESULTS section 11); :class:`FusedRMSNorm` stays for a spec that asks for it.
 
 Megatron-Core is imported inside the functions only.
 """
@@ -40,7 +42,7 @@ class RMSNorm(torch.nn.RMSNorm):
     Parameters take ``config.params_dtype``, and are marked ``sequence_parallel`` under sequence parallelism
     (each rank then sees a slice of the tokens, so Megatron all-reduces their gradients over the TP group).
 
-    ``fused=True`` (:class:`FusedRMSNorm`, what fused models build) computes the norm with the Triton kernels of
+    ``fused=True`` (:class:`FusedRMSNorm`, for a spec that names it) computes the norm with the Triton kernels of
     :mod:`packfwd.ops.rmsnorm` where they take the input (CUDA, bf16 / fp16 / fp32), else as torch does; same
     math, equal within float32 rounding.
 
@@ -70,8 +72,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 class FusedRMSNorm(RMSNorm):
-    """:class:`RMSNorm` with ``fused=True``: the norm of packfwd's fused layers (``ModelArgs.fused``).  A class of
-    its own, not a spec param, because Megatron-Core 0.19 builds norms by calling the spec's class directly.
+    """:class:`RMSNorm` with ``fused=True``, for a spec that names it (packfwd's fused models keep :class:`RMSNorm`:
+    torch's own fused kernel is faster, see the module docstring).  A class of its own, not a spec param, because
+    Megatron-Core 0.19 builds norms by calling the spec's class directly.
 
     >>> from types import SimpleNamespace
     >>> FusedRMSNorm(SimpleNamespace(params_dtype=torch.float32), hidden_size=4, eps=1e-6).fused
@@ -83,8 +86,8 @@ class FusedRMSNorm(RMSNorm):
 
 
 def _norm(args):
-    """The norm class of a model of ``args`` (None: a Llama layer, plain)."""
-    return FusedRMSNorm if args is not None and args.fused else RMSNorm
+    """The norm class of a model of ``args``: :class:`RMSNorm`, fused or not (module docstring)."""
+    return RMSNorm
 
 
 def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = None, rope=None):

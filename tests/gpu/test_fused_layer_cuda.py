@@ -97,7 +97,8 @@ def test_fp32_matches_plain(kernels):
     ids, mask, lengths = batch()
     got = step(fused, ids, mask, lengths)
     layers = ARGS.num_layers
-    assert kernels == {"rmsnorm": 4 * layers + 1, "swiglu": layers, "rope": layers}
+    # no RMSNorm kernel: the fused models keep torch's own rms_norm (faster on the H200; spec docstring)
+    assert kernels == {"swiglu": layers, "rope": layers}
     want = step(plain, ids, mask, lengths)
     assert rel(got[0], want[0]) < 1e-5 and got[0][mask].abs().sum() > 0
     for name in want[1]:
