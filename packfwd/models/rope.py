@@ -151,8 +151,10 @@ def rotary_freqs(rotary: RotaryEmbedding, positions: Tensor) -> Tensor:
     >>> rotary_freqs(rotary, torch.tensor([0, 2])).tolist()
     [[0.0, 0.0], [2.0, 0.019999999552965164]]
     """
-    inv_freq = rotary.inv_freq
-    seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
+    # on the positions' device (the tokens'): a rotary module built on the CPU and moved keeps a CPU inv_freq (an
+    # attribute, not a buffer); one float32 product per entry, the same bits on either device
+    inv_freq = rotary.inv_freq.to(positions.device)
+    seq = positions.to(dtype=inv_freq.dtype)
     if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
         seq = seq * (1 / rotary.seq_len_interpolation_factor)
     return seq[..., None] * inv_freq  # [..., d/2]

@@ -72,11 +72,13 @@ def batch():
 
 
 def models(dtype):
-    out = []
-    for fused in (True, False):
-        torch.manual_seed(0)
-        out.append(build_model(dataclasses.replace(ARGS, fused=fused), device=DEVICE, params_dtype=dtype))
-    return out
+    """``(fused, plain)`` with the same weights: the plain model loads the fused one's state dict (a seed does not
+    make two CUDA builds equal: Megatron-Core draws CUDA weights from its own RNG tracker, which runs on)."""
+    torch.manual_seed(0)
+    fused = build_model(dataclasses.replace(ARGS, fused=True), device=DEVICE, params_dtype=dtype)
+    plain = build_model(dataclasses.replace(ARGS, fused=False), device=DEVICE, params_dtype=dtype)
+    plain.load_state_dict(fused.state_dict())
+    return fused, plain
 
 
 def step(model, ids, mask, lengths):
