@@ -241,7 +241,13 @@ def test_batch_invariant_is_refused_where_it_is_not_a_guarantee():
         pf.make_forward("thd", tp_size=2, batch_invariant=True)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         pf.make_forward("thd", deterministic=1)
-    assert pf.make_forward("thd", batch_invariant=True).layout == pf.make_forward("thd").layout
+    # no batch smaller than a GEMM tile: every sequence aligned to 16 rows (a lone 1-token sequence took other
+    # cuBLAS kernels on the H200); a given alignment must be a multiple of 16
+    assert pf.make_forward("thd", batch_invariant=True).layout == pf.make_forward("thd", seq_align=16).layout
+    assert pf.make_forward("thd", batch_invariant=True, seq_align=32).layout.seq_align == 32
+    assert pf.make_forward("thd", cp_size=3, cp_group=object(), batch_invariant=True).layout.seq_align == 48
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pf.make_forward("thd", seq_align=8, batch_invariant=True)
 
 
 def test_batch_invariant_checks_the_cublas_state(monkeypatch):

@@ -36,11 +36,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
 
-__all__ = ["WORKSPACE_CONFIGS", "check", "check_layout", "enable", "enabled", "guarded", "restore", "state"]
+__all__ = ["INVARIANT_MIN_ROWS", "WORKSPACE_CONFIGS", "check", "check_layout", "enable", "enabled", "guarded",
+           "invariant_seq_align", "restore", "state"]
+
+# Under batch_invariant=True no packed batch has fewer rows than this: every sequence is aligned to a multiple of
+# it.  On an H200 a lone 1-token sequence (GEMM M = 1) took other cuBLAS kernels than any batch of 33 or more rows
+# (its logits 0.0176 off: tests/gpu/test_batch_invariance_cuda.py at 1b81660), and cuBLAS serves M = 1 with GEMV
+# kernels; 16 rows is one tensor-core tile row block, what every larger batch's kernels take.
+INVARIANT_MIN_ROWS = 16
 
 # The cuBLAS workspace settings torch accepts under deterministic algorithms (cuBLAS's reproducibility note).
 WORKSPACE_CONFIGS = (":4096:8", ":16:8")
@@ -110,6 +118,23 @@ def enabled(*, batch_invariant: bool = True, deterministic: bool = True):
         yield
     finally:
         restore(previous)
+
+
+def invariant_seq_align(seq_align: int | None, cp_size: int, tp_size: int) -> int:
+    """THD's per-sequence alignment under ``batch_invariant=True``: None gives the smallest multiple of
+    :data:`INVARIANT_MIN_ROWS` the layout takes; a given one must be a multiple of it (ValueError otherwise).
+
+    >>> invariant_seq_align(None, 1, 1), invariant_seq_align(None, 3, 1), invariant_seq_align(64, 2, 2)
+    (16, 48, 64)
+    """
+    if seq_align is None:
+        return math.lcm(INVARIANT_MIN_ROWS, 2 * cp_size if cp_size > 1 else 1, tp_size)
+    if not isinstance(seq_align, int) or isinstance(seq_align, bool) or seq_align % INVARIANT_MIN_ROWS:
+        raise ValueError(
+            f"seq_align={seq_align!r} with batch_invariant=True: every sequence must be aligned to a multiple of "
+            f"{INVARIANT_MIN_ROWS} rows (a batch of fewer rows takes other GEMM kernels than larger ones, e.g. a lone "
+            f"1-token sequence); pass a multiple of {INVARIANT_MIN_ROWS}, or None for the smallest valid one")
+    return seq_align
 
 
 def check_layout(data_format: str, tp_size: int, *, deterministic, batch_invariant) -> None:

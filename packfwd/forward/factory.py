@@ -45,6 +45,7 @@ from ..models.moe import (check_aux_loss_model, check_every_ep_rank_runs, model_
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
 from .deterministic import check_layout as check_guarantees
+from .deterministic import invariant_seq_align
 from .deterministic import guarded
 from .head import fused_head
 from .layouts import Bshd, Thd
@@ -142,6 +143,8 @@ def make_forward(
     packed with; ``deterministic=True``: the parameter gradients of a batch are the same bits run after run.  Each
     checks the torch / cuBLAS state it needs at every call and raises naming the fix
     (``packfwd.forward.deterministic.enable()`` sets it): see :mod:`packfwd.forward.deterministic`.
+    ``batch_invariant=True`` also aligns every sequence to a multiple of 16 rows (``seq_align``: None gives the
+    smallest valid multiple; another value must be a multiple of 16), so no batch is smaller than a GEMM tile.
 
     ``check_group``: a process group whose ranks must all get the same batch (e.g. Megatron-Core's
     tensor-and-context-parallel group).  With it, each call validates its inputs and plans the packing on every
@@ -178,6 +181,8 @@ def make_forward(
     if cp_size > 1 and cp_group is None:
         raise ValueError("cp_size > 1 needs cp_group (to gather every CP rank's outputs); pass the CP process group")
     check_guarantees(data_format, tp_size, deterministic=deterministic, batch_invariant=batch_invariant)
+    if batch_invariant:  # no packed batch smaller than one GEMM tile's rows (deterministic.INVARIANT_MIN_ROWS)
+        seq_align = invariant_seq_align(seq_align, cp_size, tp_size)
     layout = Thd(tp_size, cp_size, cp_rank, cp_group, seq_align) if data_format == "thd" else Bshd(tp_size)
     spec = ForwardLayout(data_format, tp_size, cp_size, cp_rank,
                          rules.check_seq_align(seq_align, cp_size, tp_size) if data_format == "thd" else None)
