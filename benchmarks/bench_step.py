@@ -569,11 +569,14 @@ def main(argv=None) -> int:
                     help="packfwd_compiled: leave Megatron-Core's per-call tp_group warning (a graph break per linear)")
     ap.add_argument("--compile-on-cpu", action="store_true", help="run packfwd_compiled on the CPU too")
     ap.add_argument("--profile", action="store_true", help="one profiled step per variant: time by kernel category")
+    ap.add_argument("--fp32", action="store_true",
+                    help="float32 models on the GPU too (a correctness check of every variant against transformers "
+                         "with bf16 rounding out of the way; packfwd's attention then runs its reference backend)")
     ap.add_argument("--attention-bench", action="store_true", help="varlen_attn vs SDPA on nested tensors")
     cfg = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not cfg.smoke
     cfg.device = torch.device("cuda" if cuda else "cpu")
-    cfg.dtype = torch.bfloat16 if cuda else torch.float32
+    cfg.dtype = torch.float32 if not cuda or cfg.fp32 else torch.bfloat16
     cfg.batch = cfg.batch or (2 if cfg.smoke else 6)
     cfg.seq = cfg.seq or (32 if cfg.smoke else 4096)
     cfg.prompt = cfg.prompt if cfg.prompt is not None else (8 if cfg.smoke else 1024)
