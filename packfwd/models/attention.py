@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .varlen import BACKENDS, varlen_attention
+from .varlen import BACKENDS, available_backends, varlen_attention
 
 __all__ = ["CoreAttention"]
 
@@ -70,6 +70,7 @@ class CoreAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.backend = backend
+        available_backends("cuda")  # look the CUDA kernels up now, eagerly: a compiled forward reads what they found
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.cp_group = getattr(pg_collection, "cp", None)
         # RoPE of THD batches (packfwd.models.rope.PackedRope, from the layer spec): applied here, with no host

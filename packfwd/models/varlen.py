@@ -27,7 +27,8 @@ reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2
 ``torch_varlen`` or ``flash_attn``).
 
 :class:`packfwd.models.attention.CoreAttention` runs packfwd's models' attention through :func:`varlen_attention`.
-This file imports neither Megatron-Core nor the optional kernels until they are used.
+This file imports neither Megatron-Core nor the optional kernels until they are used (a ``CoreAttention`` looks
+them up when built, so that a compiled forward only reads what they found).
 """
 
 from __future__ import annotations
@@ -70,13 +71,22 @@ def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
     >>> available_backends("cpu")
     ('reference',)
     """
-    on_cuda = torch.device(device).type == "cuda"
-    names = []
-    if on_cuda and _flash_attn_func() is not None:
-        names.append("flash_attn")
-    if on_cuda and _torch_varlen_func() is not None:
-        names.append("torch_varlen")
-    return (*names, "reference")
+    if torch.device(device).type != "cuda":
+        return ("reference",)
+    kernels = _kernels()
+    return (*(name for name in ("flash_attn", "torch_varlen") if kernels[name] is not None), "reference")
+
+
+# The optional kernels by backend name (None: absent) as last looked up eagerly.  A compiled forward reads this
+# plain dict: dynamo ignores lru_cache and would trace the imports, and a failing one (flash-attn not installed)
+# breaks the graph.  CoreAttention looks them up when built; with nothing recorded a compiled call traces them.
+_KERNELS: dict = {}
+
+
+def _kernels() -> dict:
+    if not _KERNELS or not torch.compiler.is_compiling():
+        _KERNELS.update(flash_attn=_flash_attn_func(), torch_varlen=_torch_varlen_func())
+    return _KERNELS
 
 
 def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
@@ -85,7 +95,8 @@ def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> s
     if backend is None:
         if dtype in _HALF:
             return usable[0]
-        if len(usable) > 1:  # a CUDA device with a flash kernel, which would take fp16/bf16 only
+        # a CUDA device with a flash kernel, which takes fp16/bf16 only (a compiled call cannot warn unbroken)
+        if len(usable) > 1 and not torch.compiler.is_compiling():
             _warn_slow_dtype(dtype, usable[0])
         return "reference"
     if backend not in BACKENDS:
@@ -148,7 +159,7 @@ def varlen_attention(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
         )
     if name == "flash_attn":  # deterministic backward under torch's deterministic mode, as torch's own flash
-        return _flash_attn_func()(
+        return _KERNELS["flash_attn"](  # recorded by _resolve
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             dropout_p=0.0, softmax_scale=softmax_scale, causal=causal,
             **({"deterministic": True} if torch.are_deterministic_algorithms_enabled() else {}),
@@ -159,7 +170,7 @@ def varlen_attention(
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
     """``varlen_attn`` across its signatures: torch 2.10 has ``is_causal`` and no scale or GQA; later versions
     take ``window_size=(-1, 0)`` for causal, ``scale`` and ``enable_gqa``."""
-    fn = _torch_varlen_func()
+    fn = _KERNELS["torch_varlen"]  # recorded by _resolve
     params = inspect.signature(fn).parameters
     kwargs = {}
     if "window_size" in params:
