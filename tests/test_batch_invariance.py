@@ -316,3 +316,166 @@ def test_deterministic_backward_twice_and_micro_batch_orders():
         assert torch.equal(a[name], swapped[name]), name  # two micro-batches: g1 + g2 == g2 + g1
         for other in (regrouped, whole):  # another composition: other sums, same numbers within rounding
             torch.testing.assert_close(other[name], a[name], atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------- across parallel layouts, over gloo
+# TP=2 (+SP) and CP=2 against one process, on the CPU (the NCCL comparison needs two GPUs: bench_invariance (c)).
+# Bound: units of eps * max |want| (about an ulp of the largest value): measured on this batch and 4 others (1-250
+# tokens), float32 and float64 alike: logits at most 2.7 (largest |logit| ~0.7), log-probs and entropy at most 1.5
+# (largest ~5, about ln 128: one ulp of a row's own value).  8 leaves room for another CPU's GEMM blocking.
+
+ULP_BOUND = 8
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| in units of eps * max |want|."""
+    return float((got.double() - want.double()).abs().max()) / (torch.finfo(want.dtype).eps *
+                                                                  float(want.abs().max()))
+
+
+def _tp_shards(state: dict, tp: int) -> list[dict]:
+    from packfwd.models.hf_weights import hf_to_megatron, megatron_to_hf
+
+    hf = megatron_to_hf([state], ARGS)
+    return [hf_to_megatron(hf, ARGS, tp_size=tp, tp_rank=r) for r in range(tp)]
+
+
+def _layouts_worker(rank: int, world: int, states: dict, ids, mask, pieces: dict):
+    """TP=2 with and without SP, then CP=2, for each dtype: this rank's outputs (and the TP pieces' inputs)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.hf import load_weights
+    from packfwd.models.runtime import ensure_model_parallel
+
+    labels, out = pf.next_token_labels(ids, mask), {}
+    for dtype, (whole, shards) in states.items():
+        ensure_model_parallel(tp_size=world)
+        for sp in (True, False):
+            model = load_weights(build_model(ARGS, params_dtype=dtype, tp_size=world, sequence_parallel=sp),
+                                 shards[rank]).eval()
+            with torch.no_grad():
+                got = pf.make_forward("thd", logits_processor=log_probs_and_entropy, tp_size=world)(
+                    model, ids, mask, labels=labels)
+                got["logits"] = pf.make_forward("thd", tp_size=world)(model, ids, mask)  # [b, s, v / 2]
+            out[dtype, "tp", sp] = got
+        x, logits, lab = (p.to(dtype) if p.is_floating_point() else p for p in pieces.values())
+        k, v = x.shape[-1] // world, logits.shape[-1] // world
+        with torch.no_grad():  # the row-parallel output projection of layer 0 (no SP: all-reduced), on its heads
+            out[dtype, "row_parallel"] = model.decoder.layers[0].self_attention.linear_proj(
+                x[..., rank * k : (rank + 1) * k].contiguous())[0]
+        out[dtype, "vocab_parallel"] = log_probs_and_entropy(
+            logits[:, rank * v : (rank + 1) * v].contiguous(), lab, tp_group=dist.group.WORLD)
+        ps.destroy_model_parallel()
+        ensure_model_parallel(cp_size=world)
+        model = load_weights(build_model(ARGS, params_dtype=dtype), whole).eval()
+        kw = {"cp_size": world, "cp_rank": ps.get_context_parallel_rank(), "cp_group": ps.get_context_parallel_group()}
+        with torch.no_grad():
+            got = pf.make_forward("thd", logits_processor=log_probs_and_entropy, **kw)(model, ids, mask,
+                                                                                      labels=labels)
+            got["logits"] = pf.make_forward("thd", **kw)(model, ids, mask)  # all-gathered: the whole batch
+        out[dtype, "cp"] = got
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    """One gloo run of every two-rank case: ``(one process's outputs, the pieces, the ranks' outputs)``."""
+    from packfwd.testing import run_local
+
+    ids, mask = padded(random_sequences([30, 7, 64, 1, 19], ARGS.vocab_size, 11))
+    labels = pf.next_token_labels(ids, mask)
+    g = torch.Generator().manual_seed(3)
+    pieces = {"x": torch.randn(37, 1, ARGS.hidden_size, generator=g, dtype=torch.float64),  # [t, b, h]
+              "logits": 3 * torch.randn(37, ARGS.vocab_size, generator=g, dtype=torch.float64),
+              "labels": torch.randint(-1, ARGS.vocab_size, (37,), generator=g)}
+    states, want = {}, {}
+    for dtype in (torch.float32, torch.float64):
+        model = model_of(ARGS, dtype)
+        whole = {k: p.detach().clone() for k, p in model.named_parameters()}
+        states[dtype] = (whole, _tp_shards(whole, 2))
+        with torch.no_grad():
+            want[dtype] = pf.make_forward("thd", logits_processor=log_probs_and_entropy)(model, ids, mask,
+                                                                                        labels=labels)
+            want[dtype]["logits"] = pf.make_forward("thd")(model, ids, mask)
+    return want, pieces, run_local(_layouts_worker, 2, states, ids, mask, pieces, backend="gloo", timeout=300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["tp2_sp", "tp2", "cp2"])
+def test_tp2_and_cp2_move_outputs_by_a_few_ulps_over_gloo(layouts, dtype, kind):
+    """TP=2 (with and without SP) and CP=2 against one process: logits, log-probs and entropy within
+    ``ULP_BOUND`` units of eps * max |value| (printed: the max |diff|, in ulps, and whether bitwise).  Not
+    bitwise by construction (see the tests below and docs/INVARIANCE.md): TP's row-parallel layers sum two
+    half-K products, CP's ranks run attention and GEMMs on other shapes."""
+    want, _, ranks = layouts
+    key = {"tp2_sp": (dtype, "tp", True), "tp2": (dtype, "tp", False), "cp2": (dtype, "cp")}[kind]
+    for rank, out in enumerate(ranks):
+        got = dict(out[key])
+        if kind != "cp2":  # each rank's vocab slice, in rank order
+            got["logits"] = torch.cat([r[key]["logits"] for r in ranks], -1)
+        for name, w in want[dtype].items():
+            d, ulps = float((got[name].double() - w.double()).abs().max()), _ulps(got[name], w)
+            print(f"{kind} vs 1, rank {rank}, {dtype} {name}: max |diff| {d:.3g} ({ulps:.2f} ulp of max "
+                  f"|{name}| {float(w.abs().max()):.3g}), bitwise {torch.equal(got[name], w)}")
+            assert ulps <= ULP_BOUND, (kind, rank, name, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tp2_sequence_parallelism_changes_no_bit(layouts, dtype):
+    """SP only moves rows: the reduce-scatter adds the same two partials as the all-reduce (a + b == b + a), the
+    norms and the pointwise layers are per token, the column-parallel GEMMs see the all-gathered rows."""
+    _, _, ranks = layouts
+    for out in ranks:
+        for name, x in out[dtype, "tp", True].items():
+            assert torch.equal(x, out[dtype, "tp", False][name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tp2_row_parallel_is_bitwise_only_the_sum_of_the_same_two_half_products(layouts, dtype):
+    """Megatron's row-parallel linear (layer 0's attention output projection) over 2 ranks is bitwise
+    ``x[:, :k/2] @ W[:, :k/2].T + x[:, k/2:] @ W[:, k/2:].T`` (2 terms: the all-reduce's order cannot matter),
+    and so equal to TP=1's one GEMM over the whole k only within rounding: a fixed reduction order makes TP=2
+    equal TP=1 only if TP=1 also summed those two halves."""
+    _, pieces, ranks = layouts
+    model = model_of(ARGS, dtype)
+    layer = model.decoder.layers[0].self_attention.linear_proj
+    x, w = pieces["x"].to(dtype), layer.weight.detach()
+    k = x.shape[-1] // 2
+    halves = torch.matmul(x[..., :k], w[:, :k].t()) + torch.matmul(x[..., k:], w[:, k:].t())
+    with torch.no_grad():
+        one = layer(x)[0]
+    for out in ranks:
+        assert torch.equal(out[dtype, "row_parallel"], halves)
+    d = float((halves - one).abs().max())
+    print(f"row-parallel {dtype}: vs the two halves bitwise; vs TP=1's one GEMM max |diff| {d:.3g} "
+          f"({_ulps(halves, one):.2f} ulp), bitwise {torch.equal(halves, one)}")
+    assert _ulps(halves, one) <= ULP_BOUND
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_vocab_parallel_log_probs_are_bitwise_the_merge_of_the_two_half_vocab_blocks(layouts, dtype):
+    """On the same logits, the vocab-parallel log-probs and entropy over 2 ranks are bitwise what one process
+    gets by merging the statistics of the two half-vocab blocks (``logits._merge``), and equal to the whole-row
+    reduction of TP=1 within rounding only: TP=1 sums exp over the whole row in one torch reduction, TP=2 sums
+    each half, rescales the half without the max by exp(m_r - m) and adds the two."""
+    from packfwd import logits as lg
+
+    _, pieces, ranks = layouts
+    logits, labels = pieces["logits"].to(dtype), pieces["labels"]
+    whole = log_probs_and_entropy(logits, labels)
+    t, v = logits.shape
+    inv_t = torch.ones(t, dtype=dtype)
+    blocks = [lg._block_stats(logits[:, c : c + v // 2], inv_t, *lg._label_columns(labels, c, v // 2), True, True)
+              for c in (0, v // 2)]
+    m, s, e, zl, _ = lg._merge(*blocks, inv_t)
+    *_, logp, ent = lg._finish(m, s, e, zl, labels >= 0)
+    for out in ranks:
+        assert torch.equal(out[dtype, "vocab_parallel"]["log_probs"], logp)
+        assert torch.equal(out[dtype, "vocab_parallel"]["entropy"], ent)
+    for name, got in (("log_probs", logp), ("entropy", ent)):
+        print(f"vocab-parallel {dtype} {name}: vs the half-vocab merge bitwise; vs TP=1 max |diff| "
+              f"{float((got - whole[name]).abs().max()):.3g} ({_ulps(got, whole[name]):.2f} ulp), "
+              f"bitwise {torch.equal(got, whole[name])}")
+        assert _ulps(got, whole[name]) <= ULP_BOUND
