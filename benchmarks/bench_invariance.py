@@ -15,7 +15,9 @@ step's lengths, 16 heads of 128) forward + backward with torch's deterministic m
 with ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set before the first matmul), so only the option differs.
 
 (c) CP=1 against CP=2 and TP=1 against TP=2 (NCCL; two GPUs): the 8 targets' log-probs, bitwise count and max
-|diff|; recorded as skipped on one GPU.  (On the CPU, CP=2 over gloo is measured by tests/test_batch_invariance.py.)
+|diff|.  With fewer than two GPUs (or --smoke) the same comparison runs on the CPU over gloo instead, labelled
+"CPU/gloo": TP=2 with sequence parallelism and CP=2, float32 and float64, log-probs and logits, on a small Llama
+(the smoke model with --smoke); tests/test_batch_invariance.py asserts the CPU bounds and why they are not bitwise.
 
     PYTHONPATH=. python benchmarks/bench_invariance.py --out benchmarks/out/invariance.json      # the GPU
     python benchmarks/bench_invariance.py --smoke --out /tmp/invariance_smoke.json               # CPU, seconds
@@ -263,8 +265,7 @@ def _parallel_worker(rank: int, world: int, seqs, kind: str):
 def parallel_layouts(cfg, cuda) -> list[dict]:
     """CP=2 and TP=2 against 1 on a 4-layer h1024 Llama (bf16) over NCCL, each in two fresh processes."""
     if not cuda or torch.cuda.device_count() < 2:
-        return [{"case": "CP=2 and TP=2 vs 1", "skipped": f"{torch.cuda.device_count() if cuda else 0} GPU(s); "
-                 "needs 2 (on the CPU: tests/test_batch_invariance.py measures CP=2 over gloo)"}]
+        return cpu_parallel_layouts(cfg, torch.cuda.device_count() if cuda else 0)
     from packfwd.models import from_hf
     from packfwd.testing import run_local
 
@@ -277,6 +278,78 @@ def parallel_layouts(cfg, cuda) -> list[dict]:
         got = run_local(_parallel_worker, 2, seqs, kind, backend="nccl", timeout=900)
         for rank, lp in enumerate(got):
             rows.append({"case": f"{kind.upper()}=2 rank {rank} vs {kind.upper()}=1", **compare(lp, want)})
+    return rows
+
+
+# ------------------------------------------------------------------ (c) on the CPU over gloo, fewer than 2 GPUs
+
+
+CPU_PARALLEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _cpu_parallel_hf(config: dict, dtype):
+    """The same random transformers model in every process (one seed), in ``dtype``, on the CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa")).to(dtype).eval()
+
+
+def _cpu_parallel_worker(rank: int, world: int, config: dict, seqs):
+    """This rank's per-sequence (log-probs, logits) under TP=2 + SP and CP=2, float32 and float64 (gloo)."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models import from_hf
+    from packfwd.models.runtime import ensure_model_parallel
+
+    out = {}
+    for dtype in (torch.float32, torch.float64):
+        hf = _cpu_parallel_hf(config, dtype)
+        for kind in ("tp", "cp"):
+            ensure_model_parallel(**{f"{kind}_size": world})
+            if kind == "tp":
+                model, kw = from_hf(hf, tp_size=world, tp_rank=rank, sequence_parallel=True), {"tp_size": world}
+            else:
+                model, kw = from_hf(hf), {"cp_size": world, "cp_rank": ps.get_context_parallel_rank(),
+                                          "cp_group": ps.get_context_parallel_group()}
+            out[str(dtype), kind] = _per_sequence(model.eval(), seqs, **kw)
+            ps.destroy_model_parallel()
+    return out
+
+
+def _per_sequence(model, seqs, **layout) -> tuple[list, list]:
+    """(log-probs [n], logits [n, v_local]) of each sequence's real tokens (CP: all-gathered by the forward)."""
+    ids, mask = padded(seqs, next(model.parameters()).device)
+    with torch.no_grad():
+        lp = pf.make_forward("thd", logits_processor=log_probs_and_entropy, **layout)(
+            model, ids, mask, labels=pf.next_token_labels(ids, mask))["log_probs"]
+        logits = pf.make_forward("thd", **layout)(model, ids, mask)
+    return ([lp[i, : len(x)].cpu() for i, x in enumerate(seqs)],
+            [logits[i, : len(x)].cpu() for i, x in enumerate(seqs)])
+
+
+def cpu_parallel_layouts(cfg, gpus: int) -> list[dict]:
+    """TP=2 (+SP) and CP=2 against 1 on the CPU over gloo, float32 and float64: every row labelled CPU/gloo."""
+    from packfwd.models import from_hf
+    from packfwd.testing import run_local
+
+    config = SMOKE if cfg.smoke else CPU_PARALLEL
+    g = np.random.default_rng(7)
+    seqs = sequences(g.integers(2 if cfg.smoke else 16, (24 if cfg.smoke else 256) + 1, 8), config["vocab_size"], 8)
+    ranks = run_local(_cpu_parallel_worker, 2, config, seqs, backend="gloo", timeout=900)
+    why = f"{gpus} GPU(s): NCCL needs 2"
+    rows = []
+    for dtype in (torch.float32, torch.float64):
+        lp_want, logits_want = _per_sequence(from_hf(_cpu_parallel_hf(config, dtype)).eval(), seqs)
+        name = str(dtype).removeprefix("torch.")
+        for kind, label in (("tp", "TP=2+SP"), ("cp", "CP=2")):
+            for rank, (lp, logits) in enumerate(r[str(dtype), kind] for r in ranks):
+                if kind == "tp":  # each rank's vocab slice, in rank order
+                    logits = [torch.cat(parts, -1) for parts in zip(*(r[str(dtype), kind][1] for r in ranks))]
+                case = f"CPU/gloo {name} {label} rank {rank} vs {label[:2]}=1"
+                rows.append({"case": case, "output": "log_probs", **compare(lp, lp_want), "why": why})
+                rows.append({"case": case, "output": "logits", **compare(logits, logits_want), "why": why})
     return rows
 
 
@@ -303,7 +376,7 @@ def main(argv=None) -> int:
         print(table(payload["cost"], ["mode", "tokens", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "skipped"]))
     if "parallel" not in cfg.skip:
         payload["parallel"] = parallel_layouts(cfg, cuda)
-        print(table(payload["parallel"], ["case", "bitwise", "max_abs_diff", "skipped"]))
+        print(table(payload["parallel"], ["case", "output", "bitwise", "max_abs_diff", "skipped"]))
     write_json(cfg.out, payload)
     print(f"wrote {cfg.out}")
     return 0
