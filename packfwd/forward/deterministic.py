@@ -12,8 +12,10 @@ is still to be measured on a GPU):
   cuBLAS picks a kernel per shape and may split the reduction over ``K`` (split-K), which changes the rounding.
   The option therefore needs split-K off: ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction =
   (False, False)`` (fp16 too; torch >= 2.10) with the cuBLASLt backend, which torch needs to honour it (it then
-  asks cuBLASLt for kernels with ``CUBLASLT_REDUCTION_SCHEME_NONE``).  On the CPU the GEMMs block by the batch
-  size and nothing turns that off: refused there (outputs agree within rounding, see the tests).
+  asks cuBLASLt for kernels with ``CUBLASLT_REDUCTION_SCHEME_NONE``), and every sequence aligned to
+  :data:`INVARIANT_MIN_ROWS` rows (``make_forward`` sets ``seq_align``: :func:`invariant_seq_align`), so no batch is
+  smaller than a GEMM tile's rows.  On the CPU the GEMMs block by the batch size and nothing turns that off:
+  refused there (outputs agree within rounding, see the tests).
 * ``deterministic=True``: parameter gradients of the same batch are the same bits run after run.  packfwd's own
   backward passes are deterministic by construction (a plan's gather is a partial bijection, so its backward is the
   inverse gather: every gradient row written once, no atomics; the Triton kernels use none); what is not, on
