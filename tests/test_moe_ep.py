@@ -6,6 +6,10 @@ sequences alone, and the single-process model's on the same batch; the expert we
 equal the single-process model's gradients of the loss summed over both batches (nothing to all-reduce: each
 expert lives on one rank), the other weights' after the data-parallel all-reduce; the experts' load counts real
 tokens only; ``to_hf_state_dict`` gathers the experts back bit for bit.
+
+EP=2 x TP=2 with sequence parallelism (four processes, TP fastest): the two TP ranks of an expert-parallel rank
+share its batch, each routing its slice of the tokens; the experts are TP-sharded as the dense MLP is (Megatron-Core's
+default ``expert_tensor_parallel_size``, TP's).  The same checks, with the TP shards merged.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ def small_batch(seed: int = 1):
     return torch.randint(1, V, (3, 6), generator=g).masked_fill(~mask, 0), mask
 
 
-def loss_of(logits, rank: int):
-    """A loss that weighs every logit differently (fixed per rank)."""
+def loss_of(logits, rank: int, vocab: slice = slice(None)):
+    """A loss that weighs every logit differently (fixed per rank); a TP rank's ``vocab`` slice of it."""
     g = torch.Generator().manual_seed(100 + rank)
-    return (logits * torch.randn(logits.shape, generator=g, dtype=logits.dtype)).sum()
+    weights = torch.randn((*logits.shape[:-1], V), generator=g, dtype=logits.dtype)
+    return (logits * weights[..., vocab]).sum()
 
 
 def _ep_worker(rank: int, world: int, hf, batches):
@@ -115,8 +120,86 @@ def test_ep_refusals():
     args = args_from_hf_config(hf_model("qwen3_moe-norm").config)
     with pytest.raises(ValueError, match="num_experts=4 does not split over ep_size=3"):
         _check_expert_parallel(args, 3, 1, 1)
-    with pytest.raises(NotImplementedError, match="ep_size=2 with tp_size=2, cp_size=1, pp_size=1"):
+    with pytest.raises(NotImplementedError, match="ep_size=2 with tp_size=2 and sequence_parallel=False"):
         _check_expert_parallel(args, 2, 2, 1)
+    assert _check_expert_parallel(args, 2, 2, 1, sequence_parallel=True, etp=2) == 2
+    with pytest.raises(NotImplementedError, match="expert_tensor_parallel_size=1 and tp_size=2"):
+        _check_expert_parallel(args, 2, 2, 1, sequence_parallel=True, etp=1)
+    with pytest.raises(NotImplementedError, match="ep_size=2 with cp_size=1, pp_size=2"):
+        _check_expert_parallel(args, 2, 2, 2, sequence_parallel=True)
     assert _check_expert_parallel(args, 1, 2, 2) == 1
     with pytest.raises(ValueError, match="ep_size=2, ep_rank=2 for 4 experts"):
         expert_shard({}, 4, ep_size=2, ep_rank=2)
+
+
+def _tp_ep_worker(rank: int, world: int, hf, batches):
+    """(tp, ep) = (rank % 2, rank // 2): TP fastest, the expert-parallel ranks are the data-parallel ones."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.cpu import host_collectives
+    from packfwd.models.hf import _weights
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(tp_size=2, ep_size=2)
+    tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    model = from_hf(hf, tp_size=2, tp_rank=tp, ep_size=2, ep_rank=ep, sequence_parallel=True)
+    ids, mask = batches[ep]
+    logits = make_forward("thd", tp_size=2)(model, ids, mask)  # this TP rank's half of the vocabulary
+    with host_collectives():
+        loss_of(logits, ep, vocab=slice(tp * V // 2, (tp + 1) * V // 2)).backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if ".local_experts." not in name:  # the data-parallel all-reduce of the weights the EP ranks replicate
+            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+        grads[name] = p.grad.clone()
+    weights = {n: t.detach().clone() for n, t in _weights(model).items()}
+    ps.destroy_model_parallel()
+    return dict(tp=tp, ep=ep, logits=logits.detach(), grads=grads, weights=weights,
+                etp=model.config.expert_tensor_parallel_size)
+
+
+def test_ep2_with_tp2_sp_equals_one_process():
+    """EP=2 x TP=2 (+SP), four gloo processes: ranks (tp0, ep0), (tp1, ep0) run batch A, (tp0, ep1), (tp1, ep1)
+    batch B (another shape); the experts' tensor-parallel size is TP's (Megatron-Core's default), so the
+    dispatcher gathers the tokens of all four ranks (each SP rank's slice, padded to the most).  Logits equal
+    transformers per sequence and the single process's; every gradient equals the single process's gradient of
+    the loss summed over both batches, TP- and EP-sharded (a weight TP replicates: summed over the two TP ranks,
+    each holding its tokens' part); the weights merge back to the HF state dict bit for bit."""
+    from packfwd.models import megatron_to_hf
+    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.hf_moe import merge_expert_shards
+    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.testing import run_local
+
+    hf = hf_model("qwen3_moe-norm")
+    batches = [ragged_batch(), small_batch()]
+    model = from_hf(hf)
+    want_logits, total = [], 0
+    for ep, (ids, mask) in enumerate(batches):
+        logits = make_forward("thd")(model, ids, mask)
+        want_logits.append(logits.detach())
+        total = total + loss_of(logits, ep)
+    total.backward()
+    args = args_from_hf_config(hf.config)
+    whole = {n: p.grad for n, p in model.named_parameters()}
+    want_hf = megatron_to_hf([whole], args)
+
+    ranks = run_local(_tp_ep_worker, 4, hf, batches, backend="gloo", timeout=300)
+    by = {(r["tp"], r["ep"]): r for r in ranks}
+    assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)] and [r["etp"] for r in ranks] == [2] * 4
+    for ep, (ids, mask) in enumerate(batches):
+        logits = torch.cat([by[0, ep]["logits"], by[1, ep]["logits"]], dim=-1)
+        torch.testing.assert_close(logits, want_logits[ep], atol=1e-10, rtol=0)
+        assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5, what=f"ep rank {ep} ")
+        for tp in (0, 1):
+            mine = expert_shard(hf_to_megatron(want_hf, args, tp_size=2, tp_rank=tp), 4, ep_size=2, ep_rank=ep)
+            got = by[tp, ep]["grads"]
+            assert sorted(got) == sorted(mine)
+            assert sum(".local_experts." in n for n in got) == 2 * 2 * 2  # 2 MoE layers x 2 experts x fc1, fc2
+            for name, grad in mine.items():
+                g = got[name] + by[1 - tp, ep]["grads"][name] if grad.shape == whole[name].shape else got[name]
+                torch.testing.assert_close(g, grad, atol=1e-10, rtol=1e-10, msg=name)
+    shards = [merge_expert_shards([by[tp, 0]["weights"], by[tp, 1]["weights"]]) for tp in (0, 1)]
+    back, hf_state = megatron_to_hf(shards, args), hf.state_dict()
+    assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())

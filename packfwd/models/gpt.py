@@ -66,7 +66,8 @@ def build_model(
     ``parallel_state`` says): an MoE layer holds experts ``[r * E / ep, (r + 1) * E / ep)`` of expert-parallel rank
     ``r``; expert-parallel ranks are data-parallel ranks, each with a batch of its own shape
     (:mod:`packfwd.models.dispatch`; on the CPU run the backward inside ``host_collectives()``).  Built and tested
-    with TP = CP = PP = 1 only (other combinations raise NotImplementedError).
+    with CP = PP = 1, and TP = 1 or TP > 1 with ``sequence_parallel=True`` (the experts' TP size is TP's); other
+    combinations raise NotImplementedError.
 
     ``sequence_parallel=True`` on the CPU (gloo): the forward works as is, the backward must run inside
     ``packfwd.models.cpu.host_collectives()`` (Megatron allocates its gather buffers on CUDA otherwise; see
@@ -107,7 +108,8 @@ def build_model(
     ensure_model_parallel(tp_size=tp_size, cp_size=cp_size, ep_size=ep_size)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     _check_divisible(args, tp)
-    ep = _check_expert_parallel(args, parallel_state.get_expert_model_parallel_world_size(), tp, pp_size)
+    ep = _check_expert_parallel(args, parallel_state.get_expert_model_parallel_world_size(), tp, pp_size,
+                                sequence_parallel, parallel_state.get_expert_tensor_parallel_world_size())
     config = transformer_config(
         args, params_dtype=params_dtype, device=device, tp_size=tp,
         cp_size=parallel_state.get_context_parallel_world_size(), sequence_parallel=sequence_parallel,
@@ -149,9 +151,15 @@ def _mark_tensor_parallel(model):
     return model
 
 
-def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int) -> int:
+def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequence_parallel: bool = False,
+                           etp: int | None = None) -> int:
     """The expert-parallel size of ``args``'s model in a world of ``ep`` expert-parallel ranks (1 for a dense
-    model); ValueError / NotImplementedError where the experts cannot be split as asked."""
+    model); ValueError / NotImplementedError where the experts cannot be split as asked.
+
+    With TP the experts' tensor-parallel size ``etp`` (None: TP's) must be TP's (Megatron-Core's default
+    ``expert_tensor_parallel_size``; HF weights shard the experts like the dense MLP), and the dispatcher gathers the tokens of the TP x EP group:
+    built with sequence parallelism only (each TP rank routes its own slice of the tokens).  CP and PP with EP
+    are not built: the dispatcher pads over the TP x EP group only, and neither is tested."""
     if ep == 1 or args.moe is None:
         return 1
     from megatron.core import parallel_state
@@ -160,9 +168,17 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int) -> i
         raise ValueError(f"num_experts={args.moe.num_experts} does not split over ep_size={ep}; pick an "
                          "expert-parallel size that divides it")
     cp = parallel_state.get_context_parallel_world_size()
-    if tp > 1 or cp > 1 or pp_size > 1:
-        raise NotImplementedError(f"ep_size={ep} with tp_size={tp}, cp_size={cp}, pp_size={pp_size}: packfwd builds "
-                                  "and tests expert parallelism with TP = CP = PP = 1 only")
+    if cp > 1 or pp_size > 1:
+        raise NotImplementedError(f"ep_size={ep} with cp_size={cp}, pp_size={pp_size}: packfwd builds and tests "
+                                  "expert parallelism with CP = PP = 1 only (TP with sequence parallelism is built)")
+    if tp > 1 and not sequence_parallel:
+        raise NotImplementedError(f"ep_size={ep} with tp_size={tp} and sequence_parallel=False: packfwd builds and "
+                                  "tests expert parallelism with TP under sequence parallelism only; pass "
+                                  "sequence_parallel=True")
+    if etp is not None and etp != tp:
+        raise NotImplementedError(f"ep_size={ep} with expert_tensor_parallel_size={etp} and tp_size={tp}: packfwd "
+                                  "shards the experts like the dense MLP; initialise megatron.core.parallel_state "
+                                  "with expert_tensor_parallel_size=None (TP's size)")
     return ep
 
 
