@@ -154,8 +154,9 @@ def _tp_ep_worker(rank: int, world: int, hf, batches):
             dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
         grads[name] = p.grad.clone()
     weights = {n: t.detach().clone() for n, t in _weights(model).items()}
+    state = to_hf_state_dict(model)  # gathers over the expert-parallel group, then the TP group
     ps.destroy_model_parallel()
-    return dict(tp=tp, ep=ep, logits=logits.detach(), grads=grads, weights=weights,
+    return dict(tp=tp, ep=ep, logits=logits.detach(), grads=grads, weights=weights, state=state,
                 etp=model.config.expert_tensor_parallel_size)
 
 
@@ -165,7 +166,8 @@ def test_ep2_with_tp2_sp_equals_one_process():
     dispatcher gathers the tokens of all four ranks (each SP rank's slice, padded to the most).  Logits equal
     transformers per sequence and the single process's; every gradient equals the single process's gradient of
     the loss summed over both batches, TP- and EP-sharded (a weight TP replicates: summed over the two TP ranks,
-    each holding its tokens' part); the weights merge back to the HF state dict bit for bit."""
+    each holding its tokens' part); the weights merge back to the HF state dict bit for bit, and ``to_hf_state_dict``
+    gives it on every rank."""
     from packfwd.models import megatron_to_hf
     from packfwd.models.hf import args_from_hf_config
     from packfwd.models.hf_moe import merge_expert_shards
@@ -201,5 +203,6 @@ def test_ep2_with_tp2_sp_equals_one_process():
                 g = got[name] + by[1 - tp, ep]["grads"][name] if grad.shape == whole[name].shape else got[name]
                 torch.testing.assert_close(g, grad, atol=1e-10, rtol=1e-10, msg=name)
     shards = [merge_expert_shards([by[tp, 0]["weights"], by[tp, 1]["weights"]]) for tp in (0, 1)]
-    back, hf_state = megatron_to_hf(shards, args), hf.state_dict()
-    assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())
+    hf_state = hf.state_dict()
+    for back in [megatron_to_hf(shards, args)] + [r["state"] for r in ranks]:
+        assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())

@@ -178,9 +178,8 @@ def _check_whole_model(hf_model) -> None:
 
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """The HF transformers state dict of a packfwd model (its part of it, for a pipeline stage), on the
-    model's device.  The model must not be TP-sharded; for TP gather every rank's ``model.state_dict()`` and
-    call :func:`megatron_to_hf`.  Under expert parallelism it gathers the experts of every expert-parallel rank
-    (a collective: call it on all of them; each gets the whole state dict).
+    model's device.  Under tensor parallelism it gathers every TP rank's shard, under expert parallelism the experts
+    of every expert-parallel rank (collectives: call it on all of those ranks; each gets the whole state dict).
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -189,26 +188,26 @@ def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     >>> sorted(state) == sorted(hf.state_dict()) and all(torch.equal(state[k], v) for k, v in hf.state_dict().items())
     True
     """
+    from megatron.core import parallel_state
+
     from .gpt import model_args, unwrap
 
     gpt = unwrap(model)
-    if gpt.config.tensor_model_parallel_size != 1:
-        raise ValueError("to_hf_state_dict takes an unsharded model (TP size 1); for TP gather every rank's "
-                         "state_dict and call packfwd.models.megatron_to_hf(shards, args)")
     args = model_args(gpt)
     layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
     shard = {n: p.detach() for n, p in _weights(gpt).items()}
-    if gpt.config.expert_model_parallel_size > 1:
-        shard = merge_expert_shards(_gather_expert_parallel(shard))
-    return megatron_to_hf([shard], args, layers=layers, pre_process=gpt.pre_process, post_process=gpt.post_process)
+    if gpt.config.expert_model_parallel_size > 1:  # the experts' TP size is TP's (gpt._check_expert_parallel)
+        shard = merge_expert_shards(_gather(shard, parallel_state.get_expert_model_parallel_group()))
+    shards = [shard]
+    if gpt.config.tensor_model_parallel_size > 1:
+        shards = _gather(shard, parallel_state.get_tensor_model_parallel_group())
+    return megatron_to_hf(shards, args, layers=layers, pre_process=gpt.pre_process, post_process=gpt.post_process)
 
 
-def _gather_expert_parallel(shard: dict[str, Tensor]) -> list[dict[str, Tensor]]:
-    """Every expert-parallel rank's ``shard``, in rank order (gathered as objects: bitwise, any device)."""
+def _gather(shard: dict[str, Tensor], group) -> list[dict[str, Tensor]]:
+    """Every rank of ``group``'s ``shard``, in rank order (gathered as objects: bitwise, any device)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    group = parallel_state.get_expert_model_parallel_group()
     shards: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(shards, shard, group=group)
     return [{n: t.to(next(iter(shard.values())).device) for n, t in s.items()} for s in shards]
