@@ -145,6 +145,7 @@ def _tp_ep_worker(rank: int, world: int, hf, batches):
     tp, ep = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
     model = from_hf(hf, tp_size=2, tp_rank=tp, ep_size=2, ep_rank=ep, sequence_parallel=True)
     ids, mask = batches[ep]
+    load = expert_load(model, make_forward("thd", tp_size=2), ids, mask)
     logits = make_forward("thd", tp_size=2)(model, ids, mask)  # this TP rank's half of the vocabulary
     with host_collectives():
         loss_of(logits, ep, vocab=slice(tp * V // 2, (tp + 1) * V // 2)).backward()
@@ -156,14 +157,15 @@ def _tp_ep_worker(rank: int, world: int, hf, batches):
     weights = {n: t.detach().clone() for n, t in _weights(model).items()}
     state = to_hf_state_dict(model)  # gathers over the expert-parallel group, then the TP group
     ps.destroy_model_parallel()
-    return dict(tp=tp, ep=ep, logits=logits.detach(), grads=grads, weights=weights, state=state,
+    return dict(tp=tp, ep=ep, logits=logits.detach(), grads=grads, weights=weights, state=state, load=load,
                 etp=model.config.expert_tensor_parallel_size)
 
 
 def test_ep2_with_tp2_sp_equals_one_process():
     """EP=2 x TP=2 (+SP), four gloo processes: ranks (tp0, ep0), (tp1, ep0) run batch A, (tp0, ep1), (tp1, ep1)
     batch B (another shape); the experts' tensor-parallel size is TP's (Megatron-Core's default), so the
-    dispatcher gathers the tokens of all four ranks (each SP rank's slice, padded to the most).  Logits equal
+    dispatcher gathers the tokens of all four ranks (each SP rank's slice, padded to the most), and each rank's
+    experts are handed every real token routed to them, no pad.  Logits equal
     transformers per sequence and the single process's; every gradient equals the single process's gradient of
     the loss summed over both batches, TP- and EP-sharded (a weight TP replicates: summed over the two TP ranks,
     each holding its tokens' part); the weights merge back to the HF state dict bit for bit, and ``to_hf_state_dict``
@@ -177,11 +179,12 @@ def test_ep2_with_tp2_sp_equals_one_process():
     hf = hf_model("qwen3_moe-norm")
     batches = [ragged_batch(), small_batch()]
     model = from_hf(hf)
-    want_logits, total = [], 0
+    want_logits, want_load, total = [], 0, 0
     for ep, (ids, mask) in enumerate(batches):
         logits = make_forward("thd")(model, ids, mask)
         want_logits.append(logits.detach())
         total = total + loss_of(logits, ep)
+        want_load = want_load + expert_load(model, make_forward("thd"), ids, mask)
     total.backward()
     args = args_from_hf_config(hf.config)
     whole = {n: p.grad for n, p in model.named_parameters()}
@@ -194,7 +197,8 @@ def test_ep2_with_tp2_sp_equals_one_process():
         logits = torch.cat([by[0, ep]["logits"], by[1, ep]["logits"]], dim=-1)
         torch.testing.assert_close(logits, want_logits[ep], atol=1e-10, rtol=0)
         assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5, what=f"ep rank {ep} ")
-        for tp in (0, 1):
+        for tp in (0, 1):  # SP slices of 11 / 6 tokens (one SP pad in A), padded to 11: no pad routed
+            assert torch.equal(by[tp, ep]["load"], want_load[:, 2 * ep:2 * ep + 2])
             mine = expert_shard(hf_to_megatron(want_hf, args, tp_size=2, tp_rank=tp), 4, ep_size=2, ep_rank=ep)
             got = by[tp, ep]["grads"]
             assert sorted(got) == sorted(mine)

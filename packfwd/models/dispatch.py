@@ -4,7 +4,9 @@ Megatron-Core's ``"allgather"`` token dispatcher gathers every token of the tens
 (``tp_ep``) to every rank of it, each rank runs its own experts on the tokens routed to them, and a reduce-scatter
 hands each rank back the outputs of its own tokens.  Its all-gather and reduce-scatter split the tokens in equal
 parts: it assumes every rank holds as many tokens as the others.  Expert-parallel ranks are data-parallel ranks,
-each with its own batch (``b`` and ``s`` of its own, THD streams of their own length), so they do not.
+each with its own batch (``b`` and ``s`` of its own, THD streams of their own length), so they do not.  With TP
+(sequence parallelism; the experts' TP size is TP's) each TP rank holds its slice of its expert-parallel rank's
+stream: the slices of one batch are equal, those of another batch are not, and all are padded alike.
 
 :class:`PaddedAllGatherDispatcher` pads this rank's tokens to the most any rank of the group holds, learnt with one
 all-reduce (MAX) of an integer per MoE layer and forward, a host sync (learning a max length is the one sync
