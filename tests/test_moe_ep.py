@@ -132,7 +132,7 @@ def test_ep_refusals():
         expert_shard({}, 4, ep_size=2, ep_rank=2)
 
 
-def _tp_ep_worker(rank: int, world: int, hf, batches):
+def _tp_ep_worker(rank: int, world: int, hf, batches, dense):
     """(tp, ep) = (rank % 2, rank // 2): TP fastest, the expert-parallel ranks are the data-parallel ones."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -156,25 +156,26 @@ def _tp_ep_worker(rank: int, world: int, hf, batches):
         grads[name] = p.grad.clone()
     weights = {n: t.detach().clone() for n, t in _weights(model).items()}
     state = to_hf_state_dict(model)  # gathers over the expert-parallel group, then the TP group
+    dense_state = to_hf_state_dict(from_hf(dense, tp_size=2, tp_rank=tp))  # a dense model: the TP group only
     ps.destroy_model_parallel()
     return dict(tp=tp, ep=ep, logits=logits.detach(), grads=grads, weights=weights, state=state, load=load,
-                etp=model.config.expert_tensor_parallel_size)
+                dense_state=dense_state, etp=model.config.expert_tensor_parallel_size)
 
 
 def test_ep2_with_tp2_sp_equals_one_process():
     """EP=2 x TP=2 (+SP), four gloo processes: ranks (tp0, ep0), (tp1, ep0) run batch A, (tp0, ep1), (tp1, ep1)
     batch B (another shape); the experts' tensor-parallel size is TP's (Megatron-Core's default), so the
     dispatcher gathers the tokens of all four ranks (each SP rank's slice, padded to the most), and each rank's
-    experts are handed every real token routed to them, no pad.  Logits equal
-    transformers per sequence and the single process's; every gradient equals the single process's gradient of
-    the loss summed over both batches, TP- and EP-sharded (a weight TP replicates: summed over the two TP ranks,
+    experts are handed every real token routed to them, no pad.  Logits equal transformers per sequence and the
+    single process's; every gradient equals the single process's gradient of the loss summed over both batches, TP- and EP-sharded (a weight TP replicates: summed over the two TP ranks,
     each holding its tokens' part); the weights merge back to the HF state dict bit for bit, and ``to_hf_state_dict``
-    gives it on every rank."""
+    gives it on every rank (and a dense Qwen3's under TP=2 too)."""
     from packfwd.models import megatron_to_hf
     from packfwd.models.hf import args_from_hf_config
     from packfwd.models.hf_moe import merge_expert_shards
     from packfwd.models.hf_weights import hf_to_megatron
     from packfwd.testing import run_local
+    from tests.test_families import hf_model as dense_model
 
     hf = hf_model("qwen3_moe-norm")
     batches = [ragged_batch(), small_batch()]
@@ -190,7 +191,8 @@ def test_ep2_with_tp2_sp_equals_one_process():
     whole = {n: p.grad for n, p in model.named_parameters()}
     want_hf = megatron_to_hf([whole], args)
 
-    ranks = run_local(_tp_ep_worker, 4, hf, batches, backend="gloo", timeout=300)
+    dense = dense_model("qwen3")
+    ranks = run_local(_tp_ep_worker, 4, hf, batches, dense, backend="gloo", timeout=300)
     by = {(r["tp"], r["ep"]): r for r in ranks}
     assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)] and [r["etp"] for r in ranks] == [2] * 4
     for ep, (ids, mask) in enumerate(batches):
@@ -210,3 +212,6 @@ def test_ep2_with_tp2_sp_equals_one_process():
     hf_state = hf.state_dict()
     for back in [megatron_to_hf(shards, args)] + [r["state"] for r in ranks]:
         assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())
+    dense_state = dense.state_dict()
+    for back in [r["dense_state"] for r in ranks]:
+        assert sorted(back) == sorted(dense_state) and all(torch.equal(back[k], v) for k, v in dense_state.items())
