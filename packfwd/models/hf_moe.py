@@ -99,7 +99,8 @@ _LOCAL = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 def expert_shard(state: Mapping[str, Tensor], num_experts: int, ep_size: int, ep_rank: int) -> dict[str, Tensor]:
     """Expert-parallel rank ``ep_rank``'s part of a Megatron-Core state dict of all ``num_experts`` experts per MoE
     layer: every tensor but the experts', and experts ``[r * E / ep, (r + 1) * E / ep)`` renumbered from
-    ``local_experts.0`` (Megatron-Core numbers a rank's experts locally).  The same tensors, not copies.
+    ``local_experts.0`` (Megatron-Core numbers a rank's experts locally).  The same tensors, not copies.  Of a TP
+    rank's state dict (the experts TP-sharded as the dense MLP, at TP's size), rank ``(tp, ep)``'s part.
 
     >>> sd = {f"l.mlp.experts.local_experts.{e}.linear_fc2.weight": torch.full((1,), e) for e in range(4)}
     >>> sd["l.mlp.router.weight"] = torch.zeros(4, 1)
