@@ -125,8 +125,9 @@ def test_ep_refusals():
     assert _check_expert_parallel(args, 2, 2, 1, sequence_parallel=True, etp=2) == 2
     with pytest.raises(NotImplementedError, match="expert_tensor_parallel_size=1 and tp_size=2"):
         _check_expert_parallel(args, 2, 2, 1, sequence_parallel=True, etp=1)
-    with pytest.raises(NotImplementedError, match="ep_size=2 with cp_size=1, pp_size=2"):
-        _check_expert_parallel(args, 2, 2, 2, sequence_parallel=True)
+    assert _check_expert_parallel(args, 2, 2, 2, sequence_parallel=True) == 2  # PP: test_ep2_with_pp2_...
+    with pytest.raises(NotImplementedError, match="ep_size=2 with cp_size=2: .* use cp_size=1 with ep_size > 1"):
+        _check_expert_parallel(args, 2, 1, 1, cp=2)
     assert _check_expert_parallel(args, 1, 2, 2) == 1
     with pytest.raises(ValueError, match="ep_size=2, ep_rank=2 for 4 experts"):
         expert_shard({}, 4, ep_size=2, ep_rank=2)
@@ -215,3 +216,98 @@ def test_ep2_with_tp2_sp_equals_one_process():
     dense_state = dense.state_dict()
     for back in [r["dense_state"] for r in ranks]:
         assert sorted(back) == sorted(dense_state) and all(torch.equal(back[k], v) for k, v in dense_state.items())
+
+
+def _pp_ep_worker(rank: int, world: int, hf, batches):
+    """(ep, pp) = (rank % 2, rank // 2): each pipeline stage's two expert-parallel (data-parallel) ranks run their
+    own batches, two micro-batches each, through packfwd's CPU pipeline schedule."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.parallel import pipeline_forward_backward
+
+    ensure_model_parallel(pp_size=2, ep_size=2)
+    pp, ep = ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+    stage = from_hf(hf, pp_rank=pp, pp_size=2, ep_size=2, ep_rank=ep)
+    ids, mask = batches[ep]
+    weights = torch.randn((*ids.shape, V), generator=torch.Generator().manual_seed(100 + ep), dtype=torch.float64)
+    rows = torch.arange(ids.shape[0]).chunk(2)  # A: 2 + 2 rows, B: 2 + 1
+    loads = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: loads.append(a[1].clone()))
+             for m in stage.modules() if isinstance(m, SequentialMLP)]
+    outs = pipeline_forward_backward(
+        [stage], lambda s, r: make_forward("thd")(s, ids[r], mask[r]), rows,
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        loss_fn=lambda logits, r: (logits * weights[r]).sum())  # summed: loss_of(the whole batch's logits, ep)
+    for h in hooks:
+        h.remove()
+    grads = {}
+    for name, p in stage.named_parameters():
+        if ".local_experts." not in name:  # the data-parallel all-reduce of the weights the EP ranks replicate
+            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+        grads[name] = p.grad.clone()
+    moe_layers = len(loads) // len(rows)  # per micro-batch, in layer order: summed over the micro-batches
+    load = torch.stack(loads).view(len(rows), moe_layers, -1).sum(0)
+    state = to_hf_state_dict(stage)  # this stage's part, the experts gathered over its expert-parallel group
+    layers = [layer.layer_number - 1 for layer in stage.decoder.layers]
+    ps.destroy_model_parallel()
+    return dict(pp=pp, ep=ep, logits=None if outs is None else torch.cat([o.detach() for o in outs]), grads=grads,
+                load=load, state=state, layers=layers)
+
+
+def test_ep2_with_pp2_equals_one_process():
+    """EP=2 x PP=2, four gloo processes: ranks (pp0, ep0), (pp1, ep0) run batch A, (pp0, ep1), (pp1, ep1) batch B
+    (another shape), in two micro-batches each through packfwd.parallel.pipeline_forward_backward.  Stage 0 holds
+    layers 0 (MoE) and 1 (dense), stage 1 layers 2 and 3 (MoE); each stage's MoE layers exchange tokens over that
+    stage's expert-parallel group (Megatron-Core's pipeline groups are the same for the expert and dense parts).
+    The last stage's logits equal transformers per sequence and the single process's; every gradient equals the
+    single process's gradient of the loss summed over both batches (EP-sharded experts); each expert is handed every
+    real token routed to it and no pad; the stages' parts of the HF state dict make it whole, bit for bit."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from packfwd.models import megatron_to_hf
+    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.testing import run_local
+    from tests.test_moe import CONFIGS, TINY, randomise
+
+    hf = randomise(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 4},
+                                                      **CONFIGS["qwen3_moe-norm"][1])))
+    batches = [ragged_batch(), small_batch()]
+    model = from_hf(hf)
+    want_logits, want_load, total = [], 0, 0
+    for ep, (ids, mask) in enumerate(batches):
+        logits = make_forward("thd")(model, ids, mask)
+        want_logits.append(logits.detach())
+        total = total + loss_of(logits, ep)
+        want_load = want_load + expert_load(model, make_forward("thd"), ids, mask)  # [3 MoE layers, 4 experts]
+    total.backward()
+    args = args_from_hf_config(hf.config)
+    want_hf = megatron_to_hf([{n: p.grad for n, p in model.named_parameters()}], args)
+
+    ranks = run_local(_pp_ep_worker, 4, hf, batches, backend="gloo", timeout=300)
+    by = {(r["pp"], r["ep"]): r for r in ranks}
+    assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [by[pp, 0]["layers"] for pp in (0, 1)] == [[0, 1], [2, 3]]
+    for ep, (ids, mask) in enumerate(batches):
+        assert by[0, ep]["logits"] is None
+        logits = by[1, ep]["logits"]
+        torch.testing.assert_close(logits, want_logits[ep], atol=1e-10, rtol=0)
+        assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5, what=f"ep rank {ep} ")
+        for pp, moe in ((0, slice(0, 1)), (1, slice(1, 3))):
+            got = by[pp, ep]
+            assert torch.equal(got["load"], want_load[moe, 2 * ep:2 * ep + 2])
+            mine = expert_shard(hf_to_megatron(want_hf, args, layers=got["layers"], pre_process=pp == 0,
+                                               post_process=pp == 1), 4, ep_size=2, ep_rank=ep)
+            assert sorted(got["grads"]) == sorted(mine)
+            assert sum(".local_experts." in n for n in mine) == 2 * 2 * (moe.stop - moe.start)
+            for name, grad in mine.items():
+                torch.testing.assert_close(got["grads"][name], grad, atol=1e-10, rtol=1e-10, msg=f"{pp=} {name}")
+    assert want_load.sum() == 3 * 2 * sum(mask.sum() for _, mask in batches)  # 3 MoE layers, top-2, no pad
+    hf_state = hf.state_dict()
+    for ep in (0, 1):
+        back = {**by[0, ep]["state"], **by[1, ep]["state"]}
+        assert not set(by[0, ep]["state"]) & set(by[1, ep]["state"])
+        assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())

@@ -152,14 +152,20 @@ def _mark_tensor_parallel(model):
 
 
 def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequence_parallel: bool = False,
-                           etp: int | None = None) -> int:
+                           etp: int | None = None, cp: int | None = None) -> int:
     """The expert-parallel size of ``args``'s model in a world of ``ep`` expert-parallel ranks (1 for a dense
     model); ValueError / NotImplementedError where the experts cannot be split as asked.
 
     With TP the experts' tensor-parallel size ``etp`` (None: TP's) must be TP's (Megatron-Core's default
     ``expert_tensor_parallel_size``; HF weights shard the experts like the dense MLP), and the dispatcher gathers the tokens of the TP x EP group:
-    built with sequence parallelism only (each TP rank routes its own slice of the tokens).  CP and PP with EP
-    are not built: the dispatcher pads over the TP x EP group only, and neither is tested."""
+    built with sequence parallelism only (each TP rank routes its own slice of the tokens).
+
+    With PP each stage's MoE layers exchange tokens over that stage's TP x EP group (Megatron-Core's pipeline
+    groups are the same for the expert and the dense parts), the EP peers of a stage running the same layers on
+    their own batches in the same order (tested: PP=2 x EP=2 through ``packfwd.parallel.pipeline_forward_backward``).
+    CP (``cp``; None: the parallel state's) with EP is not built: Megatron-Core draws the expert-parallel ranks
+    from the CP x DP ranks (its expert grid has no CP), so one sequence's CP shares would be exchanged as if they
+    were other batches, with routing and padding packfwd has not checked."""
     if ep == 1 or args.moe is None:
         return 1
     from megatron.core import parallel_state
@@ -167,10 +173,12 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
     if args.moe.num_experts % ep:
         raise ValueError(f"num_experts={args.moe.num_experts} does not split over ep_size={ep}; pick an "
                          "expert-parallel size that divides it")
-    cp = parallel_state.get_context_parallel_world_size()
-    if cp > 1 or pp_size > 1:
-        raise NotImplementedError(f"ep_size={ep} with cp_size={cp}, pp_size={pp_size}: packfwd builds and tests "
-                                  "expert parallelism with CP = PP = 1 only (TP with sequence parallelism is built)")
+    cp = parallel_state.get_context_parallel_world_size() if cp is None else cp
+    if cp > 1:
+        raise NotImplementedError(f"ep_size={ep} with cp_size={cp}: packfwd does not build expert parallelism with "
+                                  "context parallelism (Megatron-Core takes the expert-parallel ranks from the CP x DP "
+                                  "ranks, and packfwd's dispatcher is not checked on CP shares); use cp_size=1 with "
+                                  "ep_size > 1 (TP with sequence parallelism and PP are built), or ep_size=1 with CP")
     if tp > 1 and not sequence_parallel:
         raise NotImplementedError(f"ep_size={ep} with tp_size={tp} and sequence_parallel=False: packfwd builds and "
                                   "tests expert parallelism with TP under sequence parallelism only; pass "
