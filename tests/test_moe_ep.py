@@ -39,6 +39,20 @@ def loss_of(logits, rank: int, vocab: slice = slice(None)):
     return (logits * weights[..., vocab]).sum()
 
 
+def one_process(hf, batches):
+    """The reference of every test here: one process's model of ``hf``, its THD logits of each batch, the experts'
+    load over all batches, and (on its parameters) the gradients of the loss summed over the batches."""
+    model = from_hf(hf)
+    want_logits, want_load, total = [], 0, 0
+    for rank, (ids, mask) in enumerate(batches):
+        logits = make_forward("thd")(model, ids, mask)
+        want_logits.append(logits.detach())
+        total = total + loss_of(logits, rank)
+        want_load = want_load + expert_load(model, make_forward("thd"), ids, mask)
+    total.backward()
+    return model, want_logits, want_load
+
+
 def _ep_worker(rank: int, world: int, hf, batches):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -81,14 +95,7 @@ def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
 
     hf = hf_model("qwen3_moe-norm")
     batches = [ragged_batch(), small_batch()]
-    model = from_hf(hf)
-    want_logits, want_load, total = [], 0, 0
-    for rank, (ids, mask) in enumerate(batches):
-        logits = make_forward("thd")(model, ids, mask)
-        want_logits.append(logits.detach())
-        total = total + loss_of(logits, rank)
-        want_load = want_load + expert_load(model, make_forward("thd"), ids, mask)
-    total.backward()
+    model, want_logits, want_load = one_process(hf, batches)
     want_grads = {n: p.grad for n, p in model.named_parameters()}
 
     ranks = run_local(_ep_worker, 2, hf, batches, backend="gloo", timeout=300)
@@ -180,14 +187,7 @@ def test_ep2_with_tp2_sp_equals_one_process():
 
     hf = hf_model("qwen3_moe-norm")
     batches = [ragged_batch(), small_batch()]
-    model = from_hf(hf)
-    want_logits, want_load, total = [], 0, 0
-    for ep, (ids, mask) in enumerate(batches):
-        logits = make_forward("thd")(model, ids, mask)
-        want_logits.append(logits.detach())
-        total = total + loss_of(logits, ep)
-        want_load = want_load + expert_load(model, make_forward("thd"), ids, mask)
-    total.backward()
+    model, want_logits, want_load = one_process(hf, batches)
     args = args_from_hf_config(hf.config)
     whole = {n: p.grad for n, p in model.named_parameters()}
     want_hf = megatron_to_hf([whole], args)
@@ -276,14 +276,7 @@ def test_ep2_with_pp2_equals_one_process():
     hf = randomise(Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 4},
                                                       **CONFIGS["qwen3_moe-norm"][1])))
     batches = [ragged_batch(), small_batch()]
-    model = from_hf(hf)
-    want_logits, want_load, total = [], 0, 0
-    for ep, (ids, mask) in enumerate(batches):
-        logits = make_forward("thd")(model, ids, mask)
-        want_logits.append(logits.detach())
-        total = total + loss_of(logits, ep)
-        want_load = want_load + expert_load(model, make_forward("thd"), ids, mask)  # [3 MoE layers, 4 experts]
-    total.backward()
+    model, want_logits, want_load = one_process(hf, batches)
     args = args_from_hf_config(hf.config)
     want_hf = megatron_to_hf([{n: p.grad for n, p in model.named_parameters()}], args)
 
