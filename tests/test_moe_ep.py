@@ -130,8 +130,11 @@ def test_ep_refusals():
     with pytest.raises(NotImplementedError, match="ep_size=2 with tp_size=2 and sequence_parallel=False"):
         _check_expert_parallel(args, 2, 2, 1)
     assert _check_expert_parallel(args, 2, 2, 1, sequence_parallel=True, etp=2) == 2
-    with pytest.raises(NotImplementedError, match="expert_tensor_parallel_size=1 and tp_size=2"):
-        _check_expert_parallel(args, 2, 2, 1, sequence_parallel=True, etp=1)
+    assert _check_expert_parallel(args, 2, 2, 1, sequence_parallel=True, etp=1) == 2  # test_ep2_with_tp2_etp1_...
+    with pytest.raises(NotImplementedError, match="expert_tensor_parallel_size=2 and tp_size=4"):
+        _check_expert_parallel(args, 2, 4, 1, sequence_parallel=True, etp=2)
+    with pytest.raises(NotImplementedError, match="ep_size=1 with expert_tensor_parallel_size=1 and tp_size=2"):
+        _check_expert_parallel(args, 1, 2, 1, sequence_parallel=True, etp=1)
     assert _check_expert_parallel(args, 2, 2, 2, sequence_parallel=True) == 2  # PP: test_ep2_with_pp2_...
     with pytest.raises(NotImplementedError, match="ep_size=2 with cp_size=2: .* use cp_size=1 with ep_size > 1"):
         _check_expert_parallel(args, 2, 1, 1, cp=2)
@@ -303,4 +306,90 @@ def test_ep2_with_pp2_equals_one_process():
     for ep in (0, 1):
         back = {**by[0, ep]["state"], **by[1, ep]["state"]}
         assert not set(by[0, ep]["state"]) & set(by[1, ep]["state"])
+        assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())
+
+
+def _tp_etp1_worker(rank: int, world: int, hf, batches):
+    """TP=2 (+SP), experts whole (ETP=1), EP=2: Megatron-Core's expert grid makes each TP group an expert-parallel
+    group, so (tp, ep, dp) = (rank % 2, rank % 2, rank // 2), and the experts are replicated over the DP ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.cpu import host_collectives
+    from packfwd.models.hf import _weights
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(tp_size=2, ep_size=2, etp_size=1)
+    tp, ep, dp = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(), ps.get_data_parallel_rank()
+    groups = [dist.get_process_group_ranks(g) for g in (ps.get_tensor_model_parallel_group(),
+                                                         ps.get_expert_model_parallel_group())]
+    model = from_hf(hf, tp_size=2, tp_rank=tp, ep_size=2, ep_rank=ep, expert_tp_size=1, sequence_parallel=True)
+    ids, mask = batches[dp]
+    load = expert_load(model, make_forward("thd", tp_size=2), ids, mask)
+    logits = make_forward("thd", tp_size=2)(model, ids, mask)  # this TP rank's half of the vocabulary
+    with host_collectives():
+        loss_of(logits, dp, vocab=slice(tp * V // 2, (tp + 1) * V // 2)).backward()
+    grads = {}
+    for name, p in model.named_parameters():  # experts over the expert-DP ranks, the rest over the DP ranks
+        expert = ".local_experts." in name
+        dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group())
+        grads[name] = p.grad.clone()
+    weights = {n: t.detach().clone() for n, t in _weights(model).items()}
+    state = to_hf_state_dict(model)
+    ps.destroy_model_parallel()
+    return dict(tp=tp, ep=ep, dp=dp, groups=groups, logits=logits.detach(), grads=grads, weights=weights,
+                state=state, load=load, etp=model.config.expert_tensor_parallel_size)
+
+
+def test_ep2_with_tp2_sp_etp1_equals_one_process():
+    """TP=2 (+SP) with whole experts (Megatron-Core's ``expert_tensor_parallel_size=1``, as Qwen3-MoE recipes run)
+    and EP=2, four gloo processes: each TP group is an expert-parallel group (Megatron-Core's expert grid: ETP, EP,
+    then expert-DP), so TP rank r holds experts [2r, 2r + 2) whole, the dense weights TP-sharded; ranks 0, 1 run
+    batch A, ranks 2, 3 batch B (another shape).  Logits equal transformers per sequence and the single process's;
+    each expert is handed its batch's real tokens routed to it and no pad (SP pad of A); every gradient equals the
+    single process's of the loss summed over both batches (experts all-reduced over expert-DP, other weights over
+    DP; a weight TP replicates summed over the TP ranks); experts whole and bit for bit; to_hf_state_dict gives the
+    HF state dict bit for bit on every rank."""
+    from packfwd.models import megatron_to_hf
+    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.testing import run_local
+
+    hf = hf_model("qwen3_moe-norm")
+    batches = [ragged_batch(), small_batch()]
+    model, want_logits, _ = one_process(hf, batches)
+    args = args_from_hf_config(hf.config)
+    whole = {n: p.grad for n, p in model.named_parameters()}
+    whole_experts = {n: g for n, g in whole.items() if ".local_experts." in n}
+    want_hf = megatron_to_hf([whole], args)
+    loads = [expert_load(model, make_forward("thd"), ids, mask) for ids, mask in batches]
+
+    ranks = run_local(_tp_etp1_worker, 4, hf, batches, backend="gloo", timeout=300)
+    by = {(r["tp"], r["dp"]): r for r in ranks}
+    assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)] and [r["etp"] for r in ranks] == [1] * 4
+    for r in ranks:
+        assert r["ep"] == r["tp"] and r["groups"] == [[2 * r["dp"], 2 * r["dp"] + 1]] * 2  # EP group = TP group
+    params = dict(model.named_parameters())
+    for dp, (ids, mask) in enumerate(batches):
+        logits = torch.cat([by[0, dp]["logits"], by[1, dp]["logits"]], dim=-1)
+        torch.testing.assert_close(logits, want_logits[dp], atol=1e-10, rtol=0)
+        assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=2e-5, rtol=1e-5, what=f"dp rank {dp} ")
+        for tp in (0, 1):
+            got = by[tp, dp]
+            assert torch.equal(got["load"], loads[dp][:, 2 * tp:2 * tp + 2])  # the EP group is batch dp's only
+            mine = expert_shard({**hf_to_megatron(want_hf, args, tp_size=2, tp_rank=tp), **whole_experts}, 4,
+                                ep_size=2, ep_rank=tp)
+            assert sorted(got["grads"]) == sorted(mine)
+            experts = [n for n in mine if ".local_experts." in n]
+            assert len(experts) == 2 * 2 * 2  # 2 MoE layers x 2 experts x fc1, fc2: whole, [2f, h] and [h, f]
+            for name in experts:
+                assert got["weights"][name].shape == params[name].shape
+                assert torch.equal(got["weights"][name], expert_shard(params, 4, 2, tp)[name].detach())
+            for name, grad in mine.items():
+                replicated = ".local_experts." not in name and grad.shape == whole[name].shape
+                g = got["grads"][name] + by[1 - tp, dp]["grads"][name] if replicated else got["grads"][name]
+                torch.testing.assert_close(g, grad, atol=1e-10, rtol=1e-10, msg=f"{tp=} {dp=} {name}")
+    assert sum(load.sum() for load in loads) == 2 * 2 * sum(mask.sum() for _, mask in batches)  # no pad routed
+    hf_state = hf.state_dict()
+    for back in [r["state"] for r in ranks]:
         assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())

@@ -41,6 +41,7 @@ def build_model(
     tp_size: int | None = None,
     cp_size: int | None = None,
     ep_size: int | None = None,
+    expert_tp_size: int | None = None,
     sequence_parallel: bool = False,
     pp_rank: int = 0,
     pp_size: int = 1,
@@ -66,8 +67,9 @@ def build_model(
     ``parallel_state`` says): an MoE layer holds experts ``[r * E / ep, (r + 1) * E / ep)`` of expert-parallel rank
     ``r``; expert-parallel ranks are data-parallel ranks, each with a batch of its own shape
     (:mod:`packfwd.models.dispatch`; on the CPU run the backward inside ``host_collectives()``).  Built and tested
-    with CP = PP = 1, and TP = 1 or TP > 1 with ``sequence_parallel=True`` (the experts' TP size is TP's); other
-    combinations raise NotImplementedError.
+    with CP = 1, PP >= 1, and TP = 1 or TP > 1 with ``sequence_parallel=True``; the experts' TP size
+    ``expert_tp_size`` (Megatron-Core's ``expert_tensor_parallel_size``; None: TP's) is TP's or 1 (whole experts,
+    the expert-parallel group then made of TP ranks); other combinations raise NotImplementedError.
 
     ``sequence_parallel=True`` on the CPU (gloo): the forward works as is, the backward must run inside
     ``packfwd.models.cpu.host_collectives()`` (Megatron allocates its gather buffers on CUDA otherwise; see
@@ -105,11 +107,12 @@ def build_model(
     if not 0 <= pp_rank < pp_size or not 0 <= vpp_rank < vpp_size:
         raise ValueError(f"pp_rank={pp_rank}, vpp_rank={vpp_rank} must lie in [0, pp_size={pp_size}) and "
                          f"[0, vpp_size={vpp_size})")
-    ensure_model_parallel(tp_size=tp_size, cp_size=cp_size, ep_size=ep_size)
+    ensure_model_parallel(tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, etp_size=expert_tp_size)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     _check_divisible(args, tp)
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     ep = _check_expert_parallel(args, parallel_state.get_expert_model_parallel_world_size(), tp, pp_size,
-                                sequence_parallel, parallel_state.get_expert_tensor_parallel_world_size())
+                                sequence_parallel, etp)
     config = transformer_config(
         args, params_dtype=params_dtype, device=device, tp_size=tp,
         cp_size=parallel_state.get_context_parallel_world_size(), sequence_parallel=sequence_parallel,
@@ -117,6 +120,8 @@ def build_model(
         last_stage_layers=last_stage_layers, init=init,
     )
     config.expert_model_parallel_size = ep  # Megatron-Core's MoE layers read their groups; keep the config true
+    if args.moe is not None:
+        config.expert_tensor_parallel_size = etp  # 1: whole experts (from_hf and to_hf_state_dict read it)
     if not is_host(device):
         ensure_cuda_rng_tracker()
     elif sequence_parallel:
@@ -156,9 +161,12 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
     """The expert-parallel size of ``args``'s model in a world of ``ep`` expert-parallel ranks (1 for a dense
     model); ValueError / NotImplementedError where the experts cannot be split as asked.
 
-    With TP the experts' tensor-parallel size ``etp`` (None: TP's) must be TP's (Megatron-Core's default
-    ``expert_tensor_parallel_size``; HF weights shard the experts like the dense MLP), and the dispatcher gathers the tokens of the TP x EP group:
-    built with sequence parallelism only (each TP rank routes its own slice of the tokens).
+    With TP the experts' tensor-parallel size ``etp`` (None: TP's) is TP's (Megatron-Core's default
+    ``expert_tensor_parallel_size``: HF weights shard the experts like the dense MLP) or 1 (whole experts, as
+    Qwen3-MoE recipes run; the expert-parallel group is then made of TP ranks); the dispatcher gathers the tokens of
+    the ETP x EP group: built with sequence parallelism only (each TP rank routes its own slice of the tokens).
+    Another ETP, or ETP=1 without expert parallelism, is a NotImplementedError (not built: HF weights and the way
+    back are split at TP's size or 1 only).
 
     With PP each stage's MoE layers exchange tokens over that stage's TP x EP group (Megatron-Core's pipeline
     groups are the same for the expert and the dense parts), the EP peers of a stage running the same layers on
@@ -166,7 +174,14 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
     CP (``cp``; None: the parallel state's) with EP is not built: Megatron-Core draws the expert-parallel ranks
     from the CP x DP ranks (its expert grid has no CP), so one sequence's CP shares would be exchanged as if they
     were other batches, with routing and padding packfwd has not checked."""
-    if ep == 1 or args.moe is None:
+    if args.moe is None:
+        return 1
+    if etp is not None and etp != tp and (etp != 1 or ep == 1):
+        raise NotImplementedError(f"ep_size={ep} with expert_tensor_parallel_size={etp} and tp_size={tp}: packfwd "
+                                  "builds the experts TP-sharded like the dense MLP, or whole (size 1) under expert "
+                                  "parallelism; initialise megatron.core.parallel_state with "
+                                  "expert_tensor_parallel_size=None (TP's size), or 1 with ep_size > 1")
+    if ep == 1:
         return 1
     from megatron.core import parallel_state
 
@@ -183,10 +198,6 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
         raise NotImplementedError(f"ep_size={ep} with tp_size={tp} and sequence_parallel=False: packfwd builds and "
                                   "tests expert parallelism with TP under sequence parallelism only; pass "
                                   "sequence_parallel=True")
-    if etp is not None and etp != tp:
-        raise NotImplementedError(f"ep_size={ep} with expert_tensor_parallel_size={etp} and tp_size={tp}: packfwd "
-                                  "shards the experts like the dense MLP; initialise megatron.core.parallel_state "
-                                  "with expert_tensor_parallel_size=None (TP's size)")
     return ep
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .args import ModelArgs
 from .family import family_of_hf_config
-from .hf_moe import expert_shard, merge_expert_shards
+from .hf_moe import expert_shard, expert_tp_shard, merge_expert_shards
 from .hf_weights import hf_to_megatron, megatron_to_hf
 
 __all__ = ["args_from_hf_config", "from_hf", "load_weights", "to_hf_state_dict"]
@@ -77,6 +77,7 @@ def from_hf(
     tp_rank: int | None = None,
     ep_size: int | None = None,
     ep_rank: int | None = None,
+    expert_tp_size: int | None = None,
     sequence_parallel: bool = False,
     pp_rank: int = 0,
     pp_size: int = 1,
@@ -95,7 +96,8 @@ def from_hf(
     existing ``megatron.core.parallel_state`` and loads this process's TP shard.  ``tp_size``/``tp_rank``, when
     given, must match that state; so must ``ep_size``/``ep_rank`` (expert parallelism: this rank holds experts
     ``[r * E / ep, (r + 1) * E / ep)`` of each MoE layer, :func:`packfwd.models.hf_moe.expert_shard`; see
-    :func:`packfwd.models.build_model`).
+    :func:`packfwd.models.build_model`), and ``expert_tp_size`` (the experts' TP size, None: TP's; 1: each rank's
+    experts whole, the dense weights TP-sharded).
 
     ``value_head``: None = a width-1 head exactly when the HF model has one (``score``); True on a causal LM
     gives a value model whose head keeps its random initialisation.  ``device``/``params_dtype`` default to the
@@ -134,7 +136,7 @@ def from_hf(
     first = next(hf_model.parameters())
     device = first.device if device is None else torch.device(device)
     params_dtype = first.dtype if params_dtype is None else params_dtype
-    ensure_model_parallel(tp_size=tp_size, ep_size=ep_size)
+    ensure_model_parallel(tp_size=tp_size, ep_size=ep_size, etp_size=expert_tp_size)
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     if tp_rank is not None and tp_rank != rank:
         raise ValueError(f"tp_rank={tp_rank} but this process is TP rank {rank}; pass tp_rank={rank} or None")
@@ -144,13 +146,17 @@ def from_hf(
                          "or None")
     model = build_model(
         args, device=device, params_dtype=params_dtype, attention_backend=attention_backend, ep_size=ep_size,
-        sequence_parallel=sequence_parallel, pp_rank=pp_rank, pp_size=pp_size, vpp_rank=vpp_rank,
-        vpp_size=vpp_size, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers, init=False,
+        expert_tp_size=expert_tp_size, sequence_parallel=sequence_parallel, pp_rank=pp_rank, pp_size=pp_size,
+        vpp_rank=vpp_rank, vpp_size=vpp_size, first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers, init=False,
     )
     layers = layer_partition(args.num_layers, pp_size, vpp_size, first_stage_layers=first_stage_layers,
                              last_stage_layers=last_stage_layers)[pp_rank][vpp_rank]
     weights = hf_to_megatron(hf_model.state_dict(), args, tp_size=tp, tp_rank=rank, layers=layers,
                              pre_process=model.pre_process, post_process=model.post_process)
+    if args.moe is not None and model.config.expert_tensor_parallel_size != tp:  # 1 (build_model): whole experts
+        whole = hf_to_megatron(hf_model.state_dict(), args, layers=layers, pre_process=False, post_process=False)
+        weights.update({n: t for n, t in whole.items() if ".local_experts." in n})
     ep = model.config.expert_model_parallel_size
     if ep > 1:
         weights = expert_shard(weights, args.moe.num_experts, ep, erank)
@@ -179,7 +185,8 @@ def _check_whole_model(hf_model) -> None:
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """The HF transformers state dict of a packfwd model (its part of it, for a pipeline stage), on the
     model's device.  Under tensor parallelism it gathers every TP rank's shard, under expert parallelism the experts
-    of every expert-parallel rank (collectives: call it on all of those ranks; each gets the whole state dict).
+    of every expert-parallel rank (collectives: call it on all of those ranks; each gets the whole state dict);
+    whole experts (``expert_tensor_parallel_size=1``) are cut as TP's would be before the TP gather.
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -196,10 +203,16 @@ def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     args = model_args(gpt)
     layers = [layer.layer_number - 1 for layer in gpt.decoder.layers]
     shard = {n: p.detach() for n, p in _weights(gpt).items()}
-    if gpt.config.expert_model_parallel_size > 1:  # the experts' TP size is TP's (gpt._check_expert_parallel)
-        shard = merge_expert_shards(_gather(shard, parallel_state.get_expert_model_parallel_group()))
+    tp, etp = gpt.config.tensor_model_parallel_size, gpt.config.expert_tensor_parallel_size
+    if gpt.config.expert_model_parallel_size > 1:  # the experts' TP size is TP's or 1 (gpt._check_expert_parallel)
+        merged = merge_expert_shards(_gather(shard, parallel_state.get_expert_model_parallel_group()))
+        if etp != tp:  # the expert-parallel peers are other TP ranks: keep this rank's dense shard
+            merged.update({n: t for n, t in shard.items() if ".local_experts." not in n})
+        shard = merged
+    if args.moe is not None and etp != tp:
+        shard = expert_tp_shard(shard, tp, parallel_state.get_tensor_model_parallel_rank())
     shards = [shard]
-    if gpt.config.tensor_model_parallel_size > 1:
+    if tp > 1:
         shards = _gather(shard, parallel_state.get_tensor_model_parallel_group())
     return megatron_to_hf(shards, args, layers=layers, pre_process=gpt.pre_process, post_process=gpt.post_process)
 

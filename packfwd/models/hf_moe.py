@@ -20,7 +20,9 @@ too)::
 Every tensor keeps its dtype both ways: a float32 ``gate.weight`` (transformers keeps it float32 in a bf16 GLM-4.5 /
 DeepSeek-V3) lands in the router's float32 weight when the router has its own dtype (``Moe.router_dtype``), so it
 converts bit for bit.  A TP rank holds ``[gate_r; up_r]`` rows of each ``linear_fc1`` and the matching columns of
-``linear_fc2`` (the experts' tensor-parallel size is the model's); the router and its bias are replicated.  An
+``linear_fc2`` (the experts' tensor-parallel size is the model's, Megatron-Core's default
+``expert_tensor_parallel_size``); the router and its bias are replicated.  With ``expert_tensor_parallel_size=1`` the
+experts are whole on every TP rank (:func:`expert_tp_shard` cuts them as TP's would be, for the way back).  An
 expert-parallel rank holds the experts ``experts`` (global ids), numbered ``local_experts.0 ...`` in order.
 """
 
@@ -33,7 +35,8 @@ import re
 import torch
 from torch import Tensor
 
-__all__ = ["deepseek_moe_fields", "expert_shard", "merge_expert_shards", "moe_from_hf", "moe_to_hf"]
+__all__ = ["deepseek_moe_fields", "expert_shard", "expert_tp_shard", "merge_expert_shards", "moe_from_hf",
+           "moe_to_hf"]
 
 _SHARED = ("gate_proj", "up_proj", "down_proj")
 
@@ -123,6 +126,31 @@ def expert_shard(state: Mapping[str, Tensor], num_experts: int, ep_size: int, ep
             out[name] = t
         elif ep_rank * local <= int(m[2]) < (ep_rank + 1) * local:
             out[f"{m[1]}{int(m[2]) - ep_rank * local}{m[3]}"] = t
+    return out
+
+
+def expert_tp_shard(state: Mapping[str, Tensor], tp_size: int, tp_rank: int) -> dict[str, Tensor]:
+    """``state`` (a Megatron-Core state dict with whole experts: ``expert_tensor_parallel_size=1``) with every
+    expert's ``linear_fc1.weight`` / ``linear_fc2.weight`` cut to TP rank ``tp_rank``'s part as at the experts'
+    default TP size (``[gate_r; up_r]`` rows, ``down`` columns), so that the TP ranks' dicts merge like the dense
+    MLP's (:func:`moe_to_hf`).  Other tensors are the same tensors; cut ones are new.
+
+    >>> e = "l.mlp.experts.local_experts.0."
+    >>> sd = {e + "linear_fc1.weight": torch.arange(8.).view(4, 2),
+    ...       e + "linear_fc2.weight": torch.arange(4.).view(2, 2)}
+    >>> parts = [expert_tp_shard(sd, 2, r) for r in (0, 1)]
+    >>> parts[1][e + "linear_fc1.weight"].tolist()  # rank 1: gate row 1, then up row 1 ([gate; up] = rows 0-1, 2-3)
+    [[2.0, 3.0], [6.0, 7.0]]
+    >>> gate, up, down = _mlp_to_hf(parts, e)  # the TP ranks' parts merge back like a dense MLP's
+    >>> torch.equal(torch.cat([gate, up]), sd[e + "linear_fc1.weight"]), torch.equal(down, sd[e + "linear_fc2.weight"])
+    (True, True)
+    """
+    out = dict(state)
+    for name, t in state.items():
+        m = _LOCAL.match(name)
+        if m is not None and m[3] == ".linear_fc1.weight":
+            prefix = name[:-len("linear_fc1.weight")]
+            out.update(_mlp_from_hf(t, state[prefix + "linear_fc2.weight"], prefix, tp_size, tp_rank))
     return out
 
 

@@ -29,6 +29,7 @@ def ensure_model_parallel(
     pp_size: int | None = None,
     vpp_size: int | None = None,
     ep_size: int | None = None,
+    etp_size: int | None = None,
 ) -> None:
     """Make ``megatron.core.parallel_state`` usable; check its sizes against the given ones (None: any).
 
@@ -38,7 +39,10 @@ def ensure_model_parallel(
     initialised, Megatron's state not yet), it initialises Megatron's groups with the given sizes (None: 1), the
     ranks laid out in Megatron's default order (TP fastest, then CP, DP, PP); ``ep_size`` splits the experts over
     ``ep_size`` consecutive data-parallel ranks (Megatron-Core's ``expert_model_parallel_size``: expert-parallel
-    ranks are data-parallel ranks, each with its own batch).
+    ranks are data-parallel ranks, each with its own batch).  ``etp_size`` is the experts' tensor-parallel size
+    (Megatron-Core's ``expert_tensor_parallel_size``; None: TP's); with ``etp_size=1`` the expert grid (ETP, then
+    EP, then expert-DP) puts ``ep_size`` consecutive ranks in an expert-parallel group: with TP=2, EP=2 each TP
+    group is an expert-parallel group (the TP ranks of one batch hold different experts, whole).
 
     >>> ensure_model_parallel(tp_size=1)
     >>> from megatron.core import parallel_state
@@ -48,7 +52,8 @@ def ensure_model_parallel(
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    wanted = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "vpp_size": vpp_size, "ep_size": ep_size}
+    wanted = {"tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size, "vpp_size": vpp_size, "ep_size": ep_size,
+              "etp_size": etp_size}
     if not dist.is_initialized():
         if any((v or 1) != 1 for v in wanted.values()):
             given = ", ".join(f"{k}={v}" for k, v in wanted.items() if v is not None)
@@ -64,6 +69,7 @@ def ensure_model_parallel(
             virtual_pipeline_model_parallel_size=vpp_size if (vpp_size or 1) > 1 else None,
             context_parallel_size=cp_size or 1,
             expert_model_parallel_size=ep_size or 1,
+            expert_tensor_parallel_size=etp_size,
         )
     have = {
         "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
@@ -71,6 +77,7 @@ def ensure_model_parallel(
         "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "vpp_size": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
         "ep_size": parallel_state.get_expert_model_parallel_world_size(),
+        "etp_size": parallel_state.get_expert_tensor_parallel_world_size(),
     }
     for name, want in wanted.items():
         if want is not None and want != have[name]:
