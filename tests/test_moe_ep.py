@@ -53,6 +53,24 @@ def one_process(hf, batches):
     return model, want_logits, want_load
 
 
+def aux_of(model, forward, ids, mask):
+    """An aux-loss-only forward and backward of ``model`` (its gradients zeroed first): the loss and the routers'
+    weight gradients."""
+    from packfwd.models.cpu import host_collectives
+
+    model.zero_grad(set_to_none=True)
+    loss = forward(model, ids, mask)["moe_aux_loss"]
+    with host_collectives():
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
+
+
+def one_process_aux(hf, batches):
+    """Per batch, one process's ``moe_aux_loss`` and the routers' gradients of it alone."""
+    model = from_hf(hf)
+    return [aux_of(model, make_forward("thd", moe_aux_loss=True), ids, mask) for ids, mask in batches]
+
+
 def _ep_worker(rank: int, world: int, hf, batches):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -72,6 +90,7 @@ def _ep_worker(rank: int, world: int, hf, batches):
         if ".local_experts." not in name:  # the data-parallel all-reduce of the replicated weights
             dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
         grads[name] = p.grad.clone()
+    aux = aux_of(model, make_forward("thd", moe_aux_loss=True), ids, mask)  # this rank's batch's, no all-reduce
     state = to_hf_state_dict(model)
     experts = sum(1 for n in grads if n.startswith("decoder.layers.0.mlp.experts.local_experts."))
     refused = []  # a rank that skips the model would leave its expert-parallel peer waiting in the token exchange
@@ -87,7 +106,7 @@ def _ep_worker(rank: int, world: int, hf, batches):
             refused.append("expert-parallel peers" in str(error))
     ps.destroy_model_parallel()
     return dict(logits=logits.detach(), grads=grads, load=load, state=state, experts_in_layer0=experts,
-                refused=refused)
+                refused=refused, aux=aux)
 
 
 def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
@@ -99,7 +118,13 @@ def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
     want_grads = {n: p.grad for n, p in model.named_parameters()}
 
     ranks = run_local(_ep_worker, 2, hf, batches, backend="gloo", timeout=300)
+    want_aux = one_process_aux(hf, batches)
     for rank, ((ids, mask), got) in enumerate(zip(batches, ranks)):
+        # the aux loss of the rank's own batch (the dispatcher's pads never count), and its router gradients
+        torch.testing.assert_close(got["aux"][0], want_aux[rank][0], atol=1e-12, rtol=1e-12)
+        assert sorted(got["aux"][1]) == sorted(want_aux[rank][1])
+        for name, grad in want_aux[rank][1].items():
+            torch.testing.assert_close(got["aux"][1][name], grad, atol=1e-12, rtol=1e-10, msg=name)
         assert got["experts_in_layer0"] == 2 * 2  # 2 of 4 experts, linear_fc1 and linear_fc2 each
         assert got["refused"] == [True, True]  # an empty batch and a plan with an empty micro-batch
         logits = got["logits"]
@@ -165,12 +190,13 @@ def _tp_ep_worker(rank: int, world: int, hf, batches, dense):
         if ".local_experts." not in name:  # the data-parallel all-reduce of the weights the EP ranks replicate
             dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
         grads[name] = p.grad.clone()
+    aux = aux_of(model, make_forward("thd", tp_size=2, moe_aux_loss=True), ids, mask)
     weights = {n: t.detach().clone() for n, t in _weights(model).items()}
     state = to_hf_state_dict(model)  # gathers over the expert-parallel group, then the TP group
     dense_state = to_hf_state_dict(from_hf(dense, tp_size=2, tp_rank=tp))  # a dense model: the TP group only
     ps.destroy_model_parallel()
     return dict(tp=tp, ep=ep, logits=logits.detach(), grads=grads, weights=weights, state=state, load=load,
-                dense_state=dense_state, etp=model.config.expert_tensor_parallel_size)
+                dense_state=dense_state, etp=model.config.expert_tensor_parallel_size, aux=aux)
 
 
 def test_ep2_with_tp2_sp_equals_one_process():
@@ -198,6 +224,7 @@ def test_ep2_with_tp2_sp_equals_one_process():
     dense = dense_model("qwen3")
     ranks = run_local(_tp_ep_worker, 4, hf, batches, dense, backend="gloo", timeout=300)
     by = {(r["tp"], r["ep"]): r for r in ranks}
+    check_tp_aux(by, one_process_aux(hf, batches))
     assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)] and [r["etp"] for r in ranks] == [2] * 4
     for ep, (ids, mask) in enumerate(batches):
         logits = torch.cat([by[0, ep]["logits"], by[1, ep]["logits"]], dim=-1)
@@ -219,6 +246,18 @@ def test_ep2_with_tp2_sp_equals_one_process():
     dense_state = dense.state_dict()
     for back in [r["dense_state"] for r in ranks]:
         assert sorted(back) == sorted(dense_state) and all(torch.equal(back[k], v) for k, v in dense_state.items())
+
+
+def check_tp_aux(by, want_aux):
+    """``by[tp, batch]["aux"]``: each TP rank's aux loss is its whole batch's (the SP slices' routing pooled over
+    the TP group), and the two TP ranks' router gradients sum to the one process's."""
+    for b, (loss, grads) in enumerate(want_aux):
+        for tp in (0, 1):
+            torch.testing.assert_close(by[tp, b]["aux"][0], loss, atol=1e-12, rtol=1e-12, msg=f"{tp=} {b=}")
+        assert sorted(by[0, b]["aux"][1]) == sorted(grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(by[0, b]["aux"][1][name] + by[1, b]["aux"][1][name], grad, atol=1e-12,
+                                       rtol=1e-10, msg=f"{b=} {name}")
 
 
 def _pp_ep_worker(rank: int, world: int, hf, batches):
@@ -334,11 +373,12 @@ def _tp_etp1_worker(rank: int, world: int, hf, batches):
         expert = ".local_experts." in name
         dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group())
         grads[name] = p.grad.clone()
+    aux = aux_of(model, make_forward("thd", tp_size=2, moe_aux_loss=True), ids, mask)
     weights = {n: t.detach().clone() for n, t in _weights(model).items()}
     state = to_hf_state_dict(model)
     ps.destroy_model_parallel()
     return dict(tp=tp, ep=ep, dp=dp, groups=groups, logits=logits.detach(), grads=grads, weights=weights,
-                state=state, load=load, etp=model.config.expert_tensor_parallel_size)
+                state=state, load=load, etp=model.config.expert_tensor_parallel_size, aux=aux)
 
 
 def test_ep2_with_tp2_sp_etp1_equals_one_process():
@@ -366,6 +406,7 @@ def test_ep2_with_tp2_sp_etp1_equals_one_process():
 
     ranks = run_local(_tp_etp1_worker, 4, hf, batches, backend="gloo", timeout=300)
     by = {(r["tp"], r["dp"]): r for r in ranks}
+    check_tp_aux(by, one_process_aux(hf, batches))
     assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)] and [r["etp"] for r in ranks] == [1] * 4
     for r in ranks:
         assert r["ep"] == r["tp"] and r["groups"] == [[2 * r["dp"], 2 * r["dp"] + 1]] * 2  # EP group = TP group
