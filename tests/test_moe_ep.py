@@ -9,7 +9,9 @@ tokens only; ``to_hf_state_dict`` gathers the experts back bit for bit.
 
 EP=2 x TP=2 with sequence parallelism (four processes, TP fastest): the two TP ranks of an expert-parallel rank
 share its batch, each routing its slice of the tokens; the experts are TP-sharded as the dense MLP is (Megatron-Core's
-default ``expert_tensor_parallel_size``, TP's).  The same checks, with the TP shards merged.
+default ``expert_tensor_parallel_size``, TP's).  The same checks, with the TP shards merged.  EP x PP, EP with
+whole experts under TP (ETP=1), and EP with CP (Megatron-Core's expert-parallel ranks drawn from the CP x DP ranks)
+likewise.
 """
 
 from __future__ import annotations
@@ -161,8 +163,6 @@ def test_ep_refusals():
     with pytest.raises(NotImplementedError, match="ep_size=1 with expert_tensor_parallel_size=1 and tp_size=2"):
         _check_expert_parallel(args, 1, 2, 1, sequence_parallel=True, etp=1)
     assert _check_expert_parallel(args, 2, 2, 2, sequence_parallel=True) == 2  # PP: test_ep2_with_pp2_...
-    with pytest.raises(NotImplementedError, match="ep_size=2 with cp_size=2: .* use cp_size=1 with ep_size > 1"):
-        _check_expert_parallel(args, 2, 1, 1, cp=2)
     assert _check_expert_parallel(args, 1, 2, 2) == 1
     with pytest.raises(ValueError, match="ep_size=2, ep_rank=2 for 4 experts"):
         expert_shard({}, 4, ep_size=2, ep_rank=2)
@@ -434,3 +434,120 @@ def test_ep2_with_tp2_sp_etp1_equals_one_process():
     hf_state = hf.state_dict()
     for back in [r["state"] for r in ranks]:
         assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], v) for k, v in hf_state.items())
+
+
+def _cp_ep_worker(rank: int, world: int, hf, batches):
+    """CP=2, DP=2, EP=4 (each rank one expert): Megatron-Core draws the expert-parallel ranks from the CP x DP ranks,
+    so one expert-parallel group holds both CP shares of batch A (ranks 0, 1) and of batch B (ranks 2, 3)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(cp_size=2, ep_size=4)
+    cp, dp, ep = ps.get_context_parallel_rank(), ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank()
+    group = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    model = from_hf(hf, ep_size=4, ep_rank=ep)
+    ids, mask = batches[dp]
+    forward = make_forward("thd", cp_size=2, cp_rank=cp, cp_group=ps.get_context_parallel_group())
+    load = expert_load(model, forward, ids, mask)
+    logits = forward(model, ids, mask)  # the whole batch's, gathered over the CP group
+    with host_collectives():
+        loss_of(logits, dp).backward()  # both CP ranks of a batch take the same loss: their gradients add up
+    grads = {}
+    for name, p in model.named_parameters():  # experts: nothing to reduce (one copy each); the rest over CP x DP
+        if ".local_experts." not in name:
+            dist.all_reduce(p.grad, group=ps.get_data_parallel_group(with_context_parallel=True))
+        grads[name] = p.grad.clone()
+    aux = aux_of(model, make_forward("thd", cp_size=2, cp_rank=cp, cp_group=ps.get_context_parallel_group(),
+                                     moe_aux_loss=True), ids, mask)
+    state = to_hf_state_dict(model)
+    ps.destroy_model_parallel()
+    return dict(cp=cp, dp=dp, ep=ep, group=group, logits=logits.detach(), grads=grads, load=load, aux=aux,
+                state=state)
+
+
+def test_ep4_with_cp2_and_dp2_equals_one_process():
+    """Expert parallelism with context parallelism, four gloo processes (CP=2 x DP=2, EP=4 over all of them): an
+    expert-parallel rank's tokens are its CP share of its own batch (A on ranks 0, 1; B, another shape, on 2, 3), each
+    share padded to 2 x CP per sequence; the dispatcher exchanges the four ranks' real tokens and no pad.  Logits equal
+    transformers per sequence and the single process's; each expert is handed every real token routed to it (the
+    single process's load over both batches); expert gradients equal the single process's of the loss summed over
+    both batches, the other weights' after the CP x DP all-reduce; each rank's aux loss is its batch's, the two CP
+    ranks' router gradients summing to the single process's; to_hf_state_dict gives the HF state dict bit for bit."""
+    from packfwd.testing import run_local
+
+    hf = hf_model("qwen3_moe-norm")
+    batches = [ragged_batch(), small_batch()]
+    model, want_logits, want_load = one_process(hf, batches)
+    want_grads = {n: p.grad for n, p in model.named_parameters()}
+    want_aux = one_process_aux(hf, batches)
+
+    ranks = run_local(_cp_ep_worker, 4, hf, batches, backend="gloo", timeout=300)
+    assert [(r["cp"], r["dp"], r["ep"]) for r in ranks] == [(0, 0, 0), (1, 0, 1), (0, 1, 2), (1, 1, 3)]
+    assert all(r["group"] == [0, 1, 2, 3] for r in ranks)  # one expert-parallel group over both batches
+    hf_state = hf.state_dict()
+    for r in ranks:
+        ids, mask = batches[r["dp"]]
+        torch.testing.assert_close(r["logits"], want_logits[r["dp"]], atol=1e-10, rtol=0)
+        assert_equals_hf_per_sequence(hf, r["logits"], ids, mask, atol=2e-5, rtol=1e-5, what=f"rank {r['ep']} ")
+        assert torch.equal(r["load"], want_load[:, r["ep"]:r["ep"] + 1])  # its expert: both batches' real tokens
+        mine = expert_shard(want_grads, 4, ep_size=4, ep_rank=r["ep"])
+        assert sorted(r["grads"]) == sorted(mine)
+        for name, grad in mine.items():
+            torch.testing.assert_close(r["grads"][name], grad, atol=1e-10, rtol=1e-10, msg=f"rank {r['ep']} {name}")
+        loss, router = want_aux[r["dp"]]
+        torch.testing.assert_close(r["aux"][0], loss, atol=1e-12, rtol=1e-12)
+        peer = ranks[r["ep"] ^ 1]  # the other CP share of the same batch
+        for name, grad in router.items():
+            torch.testing.assert_close(r["aux"][1][name] + peer["aux"][1][name], grad, atol=1e-12, rtol=1e-10)
+        assert sorted(r["state"]) == sorted(hf_state)
+        assert all(torch.equal(r["state"][k], v) for k, v in hf_state.items())
+    assert want_load.sum() == 2 * 2 * sum(mask.sum() for _, mask in batches)  # two MoE layers, top-2, no pad
+
+
+def _tp_cp_ep_worker(rank: int, world: int, hf, batch):
+    """TP=2 (+SP) x CP=2, EP=2 (ETP=TP's): Megatron-Core's expert grid puts all four ranks in one tensor-and-expert
+    group; each rank routes its SP slice of its CP share."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(tp_size=2, cp_size=2, ep_size=2)
+    tp, cp, ep = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank(), ps.get_expert_model_parallel_rank()
+    model = from_hf(hf, tp_size=2, tp_rank=tp, ep_size=2, ep_rank=ep, sequence_parallel=True)
+    forward = make_forward("thd", tp_size=2, cp_size=2, cp_rank=cp, cp_group=ps.get_context_parallel_group(),
+                           moe_aux_loss=True)
+    load = expert_load(model, forward, *batch)
+    with torch.no_grad():
+        out = forward(model, *batch)
+    ps.destroy_model_parallel()
+    return dict(tp=tp, cp=cp, ep=ep, logits=out["logits"], aux=out["moe_aux_loss"], load=load)
+
+
+def test_ep2_with_tp2_sp_and_cp2_routes_every_real_token_once():
+    """TP=2 (+SP) x CP=2 with EP=2, four gloo processes, one batch: the TP ranks' vocabulary halves are the single
+    process's logits; each rank's experts are handed the single process's load (every real token of both CP shares
+    routed to them, no pad); every rank's aux loss is the whole batch's.  (Gradients under CP x EP are checked
+    without TP, above.)"""
+    from packfwd.testing import run_local
+
+    hf = hf_model("qwen3_moe-norm")
+    batch = ragged_batch()
+    model = from_hf(hf)
+    out = make_forward("thd", moe_aux_loss=True)(model, *batch)
+    want_load = expert_load(model, make_forward("thd"), *batch)
+    ranks = run_local(_tp_cp_ep_worker, 4, hf, batch, backend="gloo", timeout=300)
+    by = {(r["tp"], r["cp"]): r for r in ranks}
+    assert sorted(by) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for cp in (0, 1):
+        logits = torch.cat([by[0, cp]["logits"], by[1, cp]["logits"]], dim=-1)
+        torch.testing.assert_close(logits, out["logits"].detach(), atol=1e-10, rtol=0)
+    for r in ranks:
+        torch.testing.assert_close(r["aux"], out["moe_aux_loss"].detach(), atol=1e-12, rtol=1e-12)
+        # an expert-parallel rank's two TP ranks run their shards of its experts on the same tokens: each is handed
+        # every real token of both CP shares routed to those experts, and no pad
+        assert torch.equal(r["load"], want_load[:, 2 * r["ep"]:2 * r["ep"] + 2])
+    assert sorted(r["ep"] for r in ranks) == [0, 0, 1, 1]
+    assert want_load.sum() == 2 * 2 * batch[1].sum()  # two MoE layers, top-2, no pad routed

@@ -67,7 +67,8 @@ def build_model(
     ``parallel_state`` says): an MoE layer holds experts ``[r * E / ep, (r + 1) * E / ep)`` of expert-parallel rank
     ``r``; expert-parallel ranks are data-parallel ranks, each with a batch of its own shape
     (:mod:`packfwd.models.dispatch`; on the CPU run the backward inside ``host_collectives()``).  Built and tested
-    with CP = 1, PP >= 1, and TP = 1 or TP > 1 with ``sequence_parallel=True``; the experts' TP size
+    with CP >= 1 (the expert-parallel ranks drawn from the CP x DP ranks), PP >= 1, and TP = 1 or TP > 1 with
+    ``sequence_parallel=True``; the experts' TP size
     ``expert_tp_size`` (Megatron-Core's ``expert_tensor_parallel_size``; None: TP's) is TP's or 1 (whole experts,
     the expert-parallel group then made of TP ranks); other combinations raise NotImplementedError.
 
@@ -157,7 +158,7 @@ def _mark_tensor_parallel(model):
 
 
 def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequence_parallel: bool = False,
-                           etp: int | None = None, cp: int | None = None) -> int:
+                           etp: int | None = None) -> int:
     """The expert-parallel size of ``args``'s model in a world of ``ep`` expert-parallel ranks (1 for a dense
     model); ValueError / NotImplementedError where the experts cannot be split as asked.
 
@@ -171,9 +172,9 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
     With PP each stage's MoE layers exchange tokens over that stage's TP x EP group (Megatron-Core's pipeline
     groups are the same for the expert and the dense parts), the EP peers of a stage running the same layers on
     their own batches in the same order (tested: PP=2 x EP=2 through ``packfwd.parallel.pipeline_forward_backward``).
-    CP (``cp``; None: the parallel state's) with EP is not built: Megatron-Core draws the expert-parallel ranks
-    from the CP x DP ranks (its expert grid has no CP), so one sequence's CP shares would be exchanged as if they
-    were other batches, with routing and padding packfwd has not checked."""
+    With CP Megatron-Core draws the expert-parallel ranks from the CP x DP ranks (its expert grid has no CP): a
+    rank's tokens are its CP share of its batch, exchanged with the other shares and batches as any ranks' tokens
+    of their own count are (routing is per token, the plan's pads are routed nowhere; tested: CP=2 x DP=2, EP=4)."""
     if args.moe is None:
         return 1
     if etp is not None and etp != tp and (etp != 1 or ep == 1):
@@ -188,12 +189,6 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
     if args.moe.num_experts % ep:
         raise ValueError(f"num_experts={args.moe.num_experts} does not split over ep_size={ep}; pick an "
                          "expert-parallel size that divides it")
-    cp = parallel_state.get_context_parallel_world_size() if cp is None else cp
-    if cp > 1:
-        raise NotImplementedError(f"ep_size={ep} with cp_size={cp}: packfwd does not build expert parallelism with "
-                                  "context parallelism (Megatron-Core takes the expert-parallel ranks from the CP x DP "
-                                  "ranks, and packfwd's dispatcher is not checked on CP shares); use cp_size=1 with "
-                                  "ep_size > 1 (TP with sequence parallelism and PP are built), or ep_size=1 with CP")
     if tp > 1 and not sequence_parallel:
         raise NotImplementedError(f"ep_size={ep} with tp_size={tp} and sequence_parallel=False: packfwd builds and "
                                   "tests expert parallelism with TP under sequence parallelism only; pass "
