@@ -28,8 +28,8 @@ import re
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2ForTokenClassification, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          Qwen2ForCausalLM, Qwen2ForTokenClassification, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from packfwd.models import build_model, from_hf
 from packfwd.models.hf import args_from_hf_config
@@ -52,6 +52,8 @@ CASES = {  # name: (model class, config)
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(**TINY, **MOE, intermediate_size=48, moe_intermediate_size=16,
                                                       num_experts=4, norm_topk_prob=True, head_dim=16)),
     "mixtral": (MixtralForCausalLM, MixtralConfig(**TINY, **MOE, intermediate_size=16, num_local_experts=4)),
+    "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(**TINY, **MOE, intermediate_size=48, moe_intermediate_size=16,
+                                                      num_experts=4, shared_expert_intermediate_size=24)),
 }
 
 

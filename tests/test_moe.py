@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from packfwd.forward import make_forward
@@ -38,8 +39,11 @@ CONFIGS = {  # name: (config, model class); each MoE layer has 4 experts, top-2
                                                           num_experts=4, norm_topk_prob=False, decoder_sparse_step=2,
                                                           head_dim=8, tie_word_embeddings=True)),
     "mixtral": (MixtralConfig, dict(intermediate_size=16, num_local_experts=4)),
+    "qwen2_moe": (Qwen2MoeConfig, dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4,  # a gated
+                                       shared_expert_intermediate_size=24, mlp_only_layers=[2])),   # shared expert
 }
-CAUSAL_LM = {Qwen3MoeConfig: Qwen3MoeForCausalLM, MixtralConfig: MixtralForCausalLM}
+CAUSAL_LM = {Qwen3MoeConfig: Qwen3MoeForCausalLM, MixtralConfig: MixtralForCausalLM,
+             Qwen2MoeConfig: Qwen2MoeForCausalLM}
 LAYOUTS = [("thd", {}), ("thd", {"seq_align": 8}), ("bshd", {})]
 
 
@@ -107,6 +111,24 @@ def test_tp_shards_of_the_experts():
     assert torch.equal(shards[1]["decoder.layers.0.mlp.router.weight"], sd["model.layers.0.mlp.gate.weight"])
     back = megatron_to_hf(shards, args)
     assert sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+
+
+def test_tp_shards_of_the_gated_shared_expert():
+    """Qwen2-MoE: the shared expert TP-sharded like a dense MLP, its sigmoid gate replicated; back bit for bit."""
+    hf = hf_model("qwen2_moe")
+    args, sd = args_from_hf_config(hf.config), hf.state_dict()
+    assert args.moe.shared_expert_gate and args.moe.shared_ffn_hidden_size == 24 and args.moe.dense_layers == (2,)
+    shards = [hf_to_megatron(sd, args, tp_size=2, tp_rank=r) for r in (0, 1)]
+    for r in (0, 1):
+        assert torch.equal(shards[r]["decoder.layers.1.mlp.shared_experts.gate_weight"],
+                           sd["model.layers.1.mlp.shared_expert_gate.weight"])
+        fc1 = shards[r]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"]
+        gate, up = (sd[f"model.layers.1.mlp.shared_expert.{n}_proj.weight"][12 * r:12 * (r + 1)] for n in ("gate", "up"))
+        assert torch.equal(fc1, torch.cat([gate, up]))
+    back = megatron_to_hf(shards, args)
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=0"):
+        args_from_hf_config(Qwen2MoeConfig(**TINY, **{**CONFIGS["qwen2_moe"][1], "shared_expert_intermediate_size": 0}))
 
 
 def test_config_reads_the_moe_choices():
@@ -250,24 +272,30 @@ def _parallel_worker(rank: int, world: int, hf, layouts):
         forward = make_forward("thd", tp_size=tp, cp_size=cp, cp_rank=cp_rank, moe_aux_loss=True,
                                cp_group=ps.get_context_parallel_group() if cp > 1 else None)
         out = forward(model, *ragged_batch())
-        with host_collectives():
-            out["moe_aux_loss"].backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
+        with host_collectives():  # under TP each rank's logits are its vocabulary half: their sums add up
+            (out["moe_aux_loss"] + out["logits"].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n.endswith(GATES)}
         results[name] = dict(logits=out["logits"].detach(), loss=out["moe_aux_loss"].detach(), grads=grads)
     ps.destroy_model_parallel()
     return results
 
 
-def test_tp2_sp_and_cp2_over_gloo_equal_one_process():
+GATES = ("router.weight", "shared_experts.gate_weight")  # the gradients the parallel test compares
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-norm", "qwen2_moe"])
+def test_tp2_sp_and_cp2_over_gloo_equal_one_process(name):
     """Sequence-parallel TP=2 routes each rank's half of the tokens (the plan's pads cut with them), CP=2 each
-    rank's zigzag share: logits and aux loss equal the single process's, router gradients sum to its."""
+    rank's zigzag share: logits and aux loss equal the single process's, the gradients of the routers (of the aux
+    loss) and of Qwen2-MoE's shared-expert gates (replicated over TP: of the logits' part of it) sum to its."""
     from packfwd.testing import run_local
 
-    hf = hf_model("qwen3_moe-norm")
+    hf = hf_model(name)
     model = from_hf(hf)
     out = make_forward("thd", moe_aux_loss=True)(model, *ragged_batch())
-    out["moe_aux_loss"].backward()
-    want = {n: p.grad for n, p in model.named_parameters() if n.endswith("router.weight")}
+    (out["moe_aux_loss"] + out["logits"].sum()).backward()
+    want = {n: p.grad for n, p in model.named_parameters() if n.endswith(GATES)}
+    assert len(want) == 2 * (1 + name.startswith("qwen2"))  # two MoE layers: routers (and gates)
     ranks = run_local(_parallel_worker, 2, hf, [("tp2_sp", 2, 1), ("cp2", 1, 2)], backend="gloo", timeout=300)
     tp = [r["tp2_sp"] for r in ranks]
     torch.testing.assert_close(torch.cat([r["logits"] for r in tp], -1), out["logits"].detach(), atol=1e-10, rtol=0)

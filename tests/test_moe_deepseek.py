@@ -202,7 +202,6 @@ def test_the_router_dtype_is_fp32_for_deepseek_routing_only():
     (dict(score_function="sigmoid", normalize_top_k=False), ValueError, "pass normalize_top_k=True"),
     (dict(score_function="sigmoid", top_k=1), ValueError, "pass normalize_top_k=False"),
     (dict(expert_bias=True), ValueError, "sigmoid scores only"),
-    (dict(shared_ffn_hidden_size=8, shared_expert_gate=True), NotImplementedError, "shared_expert_gate"),
     (dict(num_groups=4, group_top_k=4, top_k=2), ValueError, "group_top_k <= top_k"),
 ])
 def test_routing_megatron_core_cannot_build_is_refused(moe, error, match):
@@ -210,6 +209,16 @@ def test_routing_megatron_core_cannot_build_is_refused(moe, error, match):
 
     with pytest.raises(error, match=match):
         moe_config_fields(Moe(**{**dict(num_experts=8, top_k=2, ffn_hidden_size=16), **moe}), 1)
+
+
+def test_a_shared_expert_gate_needs_a_shared_expert():
+    with pytest.raises(ValueError, match="shared_expert_gate=True gates a shared expert: give it a width"):
+        Moe(num_experts=8, top_k=2, ffn_hidden_size=16, shared_expert_gate=True)
+    from packfwd.models.moe import moe_config_fields
+
+    fields = moe_config_fields(Moe(num_experts=8, top_k=2, ffn_hidden_size=16, shared_ffn_hidden_size=8,
+                                   shared_expert_gate=True), 1)
+    assert fields["moe_shared_expert_gate"] and fields["moe_shared_expert_intermediate_size"] == 8
 
 
 def test_group_scores_transformers_and_megatron_disagree_on_are_refused():

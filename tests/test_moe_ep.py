@@ -111,10 +111,11 @@ def _ep_worker(rank: int, world: int, hf, batches):
                 refused=refused, aux=aux)
 
 
-def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process():
+@pytest.mark.parametrize("name", ["qwen3_moe-norm", "qwen2_moe"])  # Qwen2-MoE: a gated shared expert on every rank
+def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process(name):
     from packfwd.testing import run_local
 
-    hf = hf_model("qwen3_moe-norm")
+    hf = hf_model(name)
     batches = [ragged_batch(), small_batch()]
     model, want_logits, want_load = one_process(hf, batches)
     want_grads = {n: p.grad for n, p in model.named_parameters()}

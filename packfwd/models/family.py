@@ -23,6 +23,7 @@ family entry and the MLP-kind protocol are the one vocabulary a new family is wr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -57,6 +58,9 @@ class Moe:
         for name in ("num_experts", "top_k", "ffn_hidden_size"):
             _check_int(f"Moe.{name}", getattr(self, name), 1)
         _check_int("Moe.shared_ffn_hidden_size", self.shared_ffn_hidden_size, 0)
+        if self.shared_expert_gate and not self.shared_ffn_hidden_size:
+            raise ValueError("Moe.shared_expert_gate=True gates a shared expert: give it a width "
+                             "(shared_ffn_hidden_size > 0) or pass shared_expert_gate=False")
         if self.top_k > self.num_experts:
             raise ValueError(f"Moe.top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.score_function not in ("softmax", "sigmoid"):
@@ -101,7 +105,8 @@ class Family:
     norm: str = "rmsnorm"  # every norm (packfwd builds RMSNorm only)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (HF q_norm/k_norm; Megatron qk_layernorm)
     qkv_bias: bool = False  # a bias on q, k and v only, always (Qwen2)
-    qkv_bias_flag: str | None = None  # else the HF flag putting a bias on q, k, v only (GLM-4.5's attention_bias)
+    qkv_bias_flag: str | None = None  # the HF flag putting a bias on q, k, v only (GLM-4.5's attention_bias);
+    #                                   qkv_bias is its value when a config lacks it
     qk_norm_flag: str | None = None  # the HF flag turning QK-norm on (GLM-4.5's use_qk_norm); None: qk_norm
     partial_rope: bool = False  # rope_parameters["partial_rotary_factor"] is read (ModelArgs.rotary_percent)
     linear_bias_flags: tuple[str, ...] = ()  # HF flags putting a bias on every linear (must be equal: Megatron's
@@ -146,7 +151,7 @@ class Family:
                              "(the training step would differ from transformers'); set attention_dropout=0.0")
         theta, factor = self._rope(cfg)
         heads = cfg.num_attention_heads
-        qkv_bias = bool(getattr(cfg, self.qkv_bias_flag, False)) if self.qkv_bias_flag else self.qkv_bias
+        qkv_bias = bool(getattr(cfg, self.qkv_bias_flag, self.qkv_bias)) if self.qkv_bias_flag else self.qkv_bias
         qk_norm = bool(getattr(cfg, self.qk_norm_flag, False)) if self.qk_norm_flag else self.qk_norm
         return dict(
             family=self.name,
@@ -225,6 +230,19 @@ def _qwen3_moe(cfg) -> Moe | None:
                normalize_top_k=bool(cfg.norm_topk_prob), dense_layers=dense)
 
 
+def _qwen2_moe(cfg) -> Moe | None:
+    """Qwen2-MoE's MLPs: Qwen3-MoE's layout of dense and MoE layers, and in each MoE layer one shared expert of
+    width ``shared_expert_intermediate_size`` gated by a sigmoid (``shared_expert_gate``)."""
+    moe = _qwen3_moe(cfg)
+    if moe is None:
+        return None
+    if not cfg.shared_expert_intermediate_size:
+        raise ValueError("shared_expert_intermediate_size=0: a Qwen2-MoE layer always has its gated shared expert; "
+                         "give it a width, or convert the model as qwen3_moe (no shared expert)")
+    return dataclasses.replace(moe, shared_ffn_hidden_size=cfg.shared_expert_intermediate_size,
+                               shared_expert_gate=True)
+
+
 def _mixtral(cfg) -> Moe:
     """Mixtral's MLPs: every layer softmax top-k, renormalised, experts as wide as ``intermediate_size``."""
     return Moe(num_experts=cfg.num_local_experts, top_k=cfg.num_experts_per_tok,
@@ -251,6 +269,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", ("qwen3",), qk_norm=True, unsupported=(_FULL_CAUSAL, _QWEN3_ATTENTION_BIAS)),
         Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, unsupported=(_FULL_CAUSAL, _QWEN3_ATTENTION_BIAS),
                read_moe=_qwen3_moe),
+        Family("qwen2_moe", ("qwen2_moe",), qkv_bias=True, qkv_bias_flag="qkv_bias", unsupported=(_FULL_CAUSAL,),
+               read_moe=_qwen2_moe),
         Family("mixtral", ("mixtral",), read_moe=_mixtral, unsupported=(
             ("sliding_window", "packfwd's attention is full causal; set sliding_window=None"),
             ("router_jitter_noise", "packfwd's router adds no jitter (Megatron-Core's would also jitter in eval); "

@@ -1,4 +1,4 @@
-"""HF transformers MoE weights (Qwen3-MoE, Mixtral, DeepSeek-V3's MoE block) <-> a packfwd MoE layer's,
+"""HF transformers MoE weights (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3's MoE block) <-> a packfwd MoE layer's,
 TP-sharded, and the MoE description of a DeepSeek-V3-style config: pure functions.
 
 One MoE MLP, ``E`` experts of width ``f``, hidden ``h`` (transformers 5 stores the experts fused, as
@@ -16,6 +16,9 @@ too)::
     mlp.shared_experts.gate_proj.weight [fs, h] mlp.shared_experts.linear_fc1.weight             [2fs, h] [gate; up]
     mlp.shared_experts.up_proj.weight   [fs, h]
     mlp.shared_experts.down_proj.weight [h, fs] mlp.shared_experts.linear_fc2.weight             [h, fs]
+  with a gated shared expert (Qwen2-MoE: its output times sigmoid(gate . x); HF names it in the singular):
+    mlp.shared_expert.{gate,up,down}_proj       mlp.shared_experts.linear_fc1 / linear_fc2       as above
+    mlp.shared_expert_gate.weight       [1, h]  mlp.shared_experts.gate_weight                   [1, h]
 
 Every tensor keeps its dtype both ways: a float32 ``gate.weight`` (transformers keeps it float32 in a bf16 GLM-4.5 /
 DeepSeek-V3) lands in the router's float32 weight when the router has its own dtype (``Moe.router_dtype``), so it
@@ -43,11 +46,12 @@ _SHARED = ("gate_proj", "up_proj", "down_proj")
 
 def moe_from_hf(
     sd: Mapping[str, Tensor], hf: str, mg: str, experts: Sequence[int], *, tp_size: int = 1, tp_rank: int = 0,
-    shared: bool = False, expert_bias: bool = False,
+    shared: bool = False, expert_bias: bool = False, shared_gate: bool = False,
 ) -> dict[str, Tensor]:
     """TP rank ``tp_rank``'s tensors of the MoE MLP ``hf`` (a prefix such as ``"model.layers.1.mlp."``) under
     Megatron's prefix ``mg`` (``"decoder.layers.1.mlp."``), for the global experts ``experts``; with the shared
-    experts (``shared``) and the router's expert bias (``expert_bias``).  New tensors.
+    experts (``shared``; ``shared_gate``: one gated shared expert, Qwen2-MoE's names) and the router's expert bias
+    (``expert_bias``).  The gate is replicated over the TP ranks.  New tensors.
 
     >>> E, f, h = 2, 4, 4
     >>> sd = {"m.gate.weight": torch.randn(E, h), "m.experts.gate_up_proj": torch.randn(E, 2 * f, h),
@@ -75,13 +79,21 @@ def moe_from_hf(
     for local, e in enumerate(experts):
         out.update(_mlp_from_hf(*_expert(sd, hf, e), f"{mg}experts.local_experts.{local}.", tp_size, tp_rank))
     if shared:
-        gate, up, down = (_get(sd, f"{hf}shared_experts.{n}.weight") for n in _SHARED)
+        gate, up, down = (_get(sd, f"{hf}{_shared_name(shared_gate)}.{n}.weight") for n in _SHARED)
         out.update(_mlp_from_hf(torch.cat([gate, up]), down, mg + "shared_experts.", tp_size, tp_rank))
+        if shared_gate:
+            out[mg + "shared_experts.gate_weight"] = _get(sd, hf + "shared_expert_gate.weight").clone()
     return out
 
 
+def _shared_name(gated: bool) -> str:
+    """The HF module of the shared expert(s): Qwen2-MoE's gated one is ``shared_expert``, DeepSeek-V3's (GLM-4.5's)
+    ungated ones ``shared_experts``."""
+    return "shared_expert" if gated else "shared_experts"
+
+
 def moe_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_experts: int, *, shared: bool = False,
-              expert_bias: bool = False) -> dict[str, Tensor]:
+              expert_bias: bool = False, shared_gate: bool = False) -> dict[str, Tensor]:
     """The inverse of :func:`moe_from_hf` for all ``num_experts`` experts (every TP rank's state dict, in rank
     order; no expert parallelism): the fused HF tensors transformers' own state dict holds.  New tensors."""
     experts = [_mlp_to_hf(shards, f"{mg}experts.local_experts.{e}.") for e in range(num_experts)]
@@ -92,7 +104,9 @@ def moe_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_expe
         out[hf + "gate.e_score_correction_bias"] = shards[0][mg + "router.expert_bias"].clone()
     if shared:
         tensors = _mlp_to_hf(shards, mg + "shared_experts.")
-        out.update({f"{hf}shared_experts.{n}.weight": t for n, t in zip(_SHARED, tensors)})
+        out.update({f"{hf}{_shared_name(shared_gate)}.{n}.weight": t for n, t in zip(_SHARED, tensors)})
+        if shared_gate:
+            out[hf + "shared_expert_gate.weight"] = shards[0][mg + "shared_experts.gate_weight"].clone()
     return out
 
 

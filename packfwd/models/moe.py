@@ -9,7 +9,8 @@ TransformerEngine::
       router               PackedRouter (Megatron's TopKRouter; weight [E, hidden])
       experts              GroupedExperts (Megatron's SequentialMLP, one grouped GEMM per linear on the GPU:
                            packfwd.models.experts): local_experts.{e}: MLP, linear_fc1 = [gate; up], linear_fc2
-      shared_experts       SharedExpertMLP (Moe.shared_ffn_hidden_size > 0; every token, pads too: harmless)
+      shared_experts       SharedExpertMLP (Moe.shared_ffn_hidden_size > 0; every token, pads too: harmless;
+                           Moe.shared_expert_gate: its output times sigmoid(gate_weight . x), Qwen2-MoE)
 
 Routing (:func:`moe_config_fields`): softmax top-k (Qwen3-MoE, Mixtral), or DeepSeek-V3's sigmoid scores with a
 routing-only expert bias (``router.expert_bias``, float32, a buffer in the state dict), group-limited top-k and a
@@ -92,6 +93,7 @@ def moe_config_fields(moe, num_layers: int) -> dict:
         moe_router_topk_scaling_factor=moe.scaling_factor,
         moe_router_dtype=moe.router_dtype,
         moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
         moe_router_load_balancing_type="none",  # packfwd returns the loss instead (module docstring)
         moe_aux_loss_coeff=0.0,
         moe_layer_freq=[int(i not in moe.dense_layers) for i in range(num_layers)],
@@ -103,9 +105,6 @@ def moe_config_fields(moe, num_layers: int) -> dict:
 def _check_buildable(moe) -> None:
     """ValueError / NotImplementedError for a :class:`~packfwd.models.family.Moe` Megatron-Core cannot build as
     described (no silent other routing)."""
-    if moe.shared_expert_gate:
-        raise NotImplementedError("Moe.shared_expert_gate=True (Qwen2-MoE's gated shared expert) is not built yet: "
-                                  "leave it False")
     if moe.score_function == "sigmoid" and moe.normalize_top_k != (moe.top_k > 1):
         raise ValueError(f"Moe(score_function='sigmoid', top_k={moe.top_k}, normalize_top_k={moe.normalize_top_k}): "
                          "Megatron-Core renormalises the k chosen sigmoid scores exactly when top_k > 1; pass "
@@ -142,7 +141,7 @@ class MoeKind:
 
 def _parts(moe) -> dict:
     """The optional parts of an MoE layer's weights (:mod:`packfwd.models.hf_moe`)."""
-    return dict(shared=moe.shared_ffn_hidden_size > 0, expert_bias=moe.expert_bias)
+    return dict(shared=moe.shared_ffn_hidden_size > 0, expert_bias=moe.expert_bias, shared_gate=moe.shared_expert_gate)
 
 
 def moe_spec(grouped: bool | None = None):
