@@ -28,6 +28,7 @@ forward + backward) and its fraction of the ceiling.  The run fails when a row's
 calls of one untimed step: 2 per MoE layer forward, 6 with the backward; none for ``sequential``).
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py --out benchmarks/out/moe.json          # H200: ~2-3 minutes
+    (--profile: where the step's device time goes, per kernel category, for the packfwd rows)
     python benchmarks/bench_moe.py --smoke --out /tmp/moe_smoke.json                     # tiny, CPU, seconds
 """
 
@@ -213,6 +214,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; smoke 1)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    ap.add_argument("--profile", action="store_true",
+                    help="one more fwd+bwd step of each packfwd row under torch.profiler: device kernel time by "
+                         "category (bench_step's: gemm, attention, norm, elementwise, copy, other) and the top "
+                         "kernels of each, in the row's 'profile'")
     cfg = ap.parse_args(argv)
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and not cfg.smoke
@@ -256,6 +261,10 @@ def main(argv=None) -> int:
             row = {"variant": variant, "pass": pass_, **measure(step, module, n, warmup, timer, device)}
             if variant != "hf_padded":  # grouped rows: 2 per MoE layer forward, 6 with the backward; sequential 0
                 row["grouped_mm_calls"] = grouped_mm_calls(step, module)
+                if cfg.profile and backward:
+                    from bench_step import profile_step
+
+                    row["profile"] = profile_step(step, module, device)
             seconds = row["ms"] * 1e-3
             row["tokens/s"] = real / seconds
             row["TFLOP/s"] = (3.0 if backward else 1.0) * flops / seconds / 1e12
