@@ -306,7 +306,8 @@ def test_softmax_scale_is_passed_through():
     "change, exc, match",
     [
         (dict(q=torch.zeros(8, 3, 4)), ValueError, "multiple of hkv"),
-        (dict(k=torch.zeros(8, 2, 5)), ValueError, "v has"),
+        (dict(k=torch.zeros(8, 1, 4)), ValueError, "v has"),  # v's head dim may differ (MLA), its heads not
+        (dict(k=torch.zeros(8, 2, 5), v=torch.zeros(8, 2, 5)), ValueError, "share t_local"),
         (dict(q=torch.zeros(8, 4)), ValueError, "q must be"),
         (dict(cu=torch.tensor([0.0, 8.0])), ValueError, "cu_seqlens_padded"),
         (dict(max_seqlen=6), ValueError, "max_seqlen"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .family import Moe, family, mlp_kind
+from .latent import Mla, mla_config_fields
 
 __all__ = ["ModelArgs", "check_mrope_section", "check_rotary_percent", "transformer_config"]
 
@@ -54,6 +55,7 @@ class ModelArgs:
     mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
     family: str = "llama"  # the entry of packfwd.models.family.FAMILIES
     moe: Moe | None = None  # a Mixture-of-Experts MLP (but on moe.dense_layers); None: dense SwiGLU everywhere
+    mla: Mla | None = None  # multi-head latent attention (DeepSeek-V3; packfwd.models.latent); None: grouped-query
     fused: bool = True  # packfwd's fused kernels on CUDA (RMSNorm, SwiGLU, THD RoPE; same weights, numbers within
     #  rounding, the torch path elsewhere); False: Megatron-Core's plain modules, for checking
 
@@ -71,6 +73,7 @@ class ModelArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelArgs.{name} must be a positive int, got {value!r}")
+        self._check_mla(entry)
         if self.num_attention_heads % self.query_groups:
             raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
                              f"num_attention_heads={self.num_attention_heads}")
@@ -96,6 +99,35 @@ class ModelArgs:
             if self.moe.dense_layers and self.moe.dense_layers[-1] >= self.num_layers:
                 raise ValueError(f"Moe.dense_layers={self.moe.dense_layers} names a layer beyond num_layers="
                                  f"{self.num_layers}")
+
+    def _check_mla(self, entry) -> None:
+        """``mla`` exactly for a family with latent attention, and none of the grouped-query attention's options
+        (its head dim is the query-key one, ``qk_nope_head_dim + qk_rope_head_dim``)."""
+        wants = entry.read_mla is not None
+        if self.mla is None:
+            if wants:
+                raise ValueError(f"family={self.family!r} has multi-head latent attention: pass mla=Mla(...) "
+                                 "(packfwd.models.latent), e.g. through args_from_hf_config")
+            return
+        if not isinstance(self.mla, Mla):
+            raise TypeError(f"ModelArgs.mla must be a packfwd.models.latent.Mla or None, got {type(self.mla)}")
+        if not wants:
+            raise ValueError(f"mla given for family={self.family!r}, whose attention is grouped-query; pass "
+                             "family='deepseek_v3' or mla=None")
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.mla.qk_head_dim)
+        wrong = {name: value for name, value in (
+            ("head_dim", self.head_dim if self.head_dim != self.mla.qk_head_dim else None),
+            ("num_query_groups", self.num_query_groups if self.query_groups != self.num_attention_heads else None),
+            ("qk_norm", self.qk_norm or None), ("qkv_bias", self.qkv_bias or None),
+            ("linear_bias", self.linear_bias or None), ("rope_scaling_factor", self.rope_scaling_factor),
+            ("rotary_percent", self.rotary_percent if self.rotary_percent != 1.0 else None),
+            ("mrope_section", self.mrope_section), ("mtp_num_layers", self.mtp_num_layers or None)) if value}
+        if wrong:
+            raise ValueError(f"ModelArgs {wrong} with mla: multi-head latent attention is built with head_dim = "
+                             f"qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim} (or None), one key and "
+                             "value per head, no QK-norm, no biases, full RoPE (YaRN in mla.yarn) and no MTP layers; "
+                             "leave these at their defaults")
 
     def dense_mlp(self, layer: int) -> bool:
         """Whether global layer ``layer`` (0-based) has a dense SwiGLU MLP (else the MLP ``moe`` describes)."""
@@ -176,11 +208,13 @@ def transformer_config(
     (2, 16, 'RMSNorm', True)
     """
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from .cpu import config_overrides
 
-    return TransformerConfig(
+    config_class, mla = (TransformerConfig, {}) if args.mla is None else (
+        MLATransformerConfig, mla_config_fields(args.mla, args.rope_theta))
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -220,4 +254,5 @@ def transformer_config(
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         **config_overrides(device),
         **(mlp_kind(args.moe).config_fields(args) if args.moe is not None else {}),
+        **mla,
     )

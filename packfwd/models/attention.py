@@ -98,10 +98,7 @@ class CoreAttention(torch.nn.Module):
             q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        group = params.cp_group if getattr(params, "cp_group", None) is not None else self.cp_group
-        place = getattr(params, "cp", None)  # the plan's CP place (packfwd.layout.params), checked by the model
-        cp_size = place.size if place is not None else _group_size(group)
-        cp_rank = place.rank if place is not None else group.rank() if cp_size > 1 else 0
+        cp_size, cp_rank, group = self.cp_place(params)
         if self.rope is not None:
             q, k = self.rope(q, k, cu_q, cp_size, cp_rank, positions=getattr(params, "position_ids", None))
         attn = functools.partial(varlen_attention, backend=self.backend)
@@ -117,6 +114,15 @@ class CoreAttention(torch.nn.Module):
         else:
             out = attn(q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal, self.softmax_scale)
         return out.reshape(out.shape[0], -1)
+
+    def cp_place(self, params) -> tuple[int, int, object]:
+        """``(cp_size, cp_rank, cp_group)`` of a THD batch: the CP place its params carry (``params.cp``, checked
+        by the model against its group), else its group's (``params.cp_group``, else the one Megatron passed)."""
+        group = params.cp_group if getattr(params, "cp_group", None) is not None else self.cp_group
+        place = getattr(params, "cp", None)  # the plan's CP place (packfwd.layout.params), checked by the model
+        cp_size = place.size if place is not None else _group_size(group)
+        cp_rank = place.rank if place is not None else group.rank() if cp_size > 1 else 0
+        return cp_size, cp_rank, group
 
     def _bshd(self, q, k, v, causal):
         if _group_size(self.cp_group) > 1:

@@ -116,6 +116,8 @@ class Family:
     tie_embeddings: bool = False  # when the config does not say (tie_word_embeddings)
     read_moe: Callable[[Any], Moe] | None = None  # the MoE description of a config; None: dense SwiGLU MLPs
     mrope: bool = False  # multimodal RoPE (Qwen2-VL): rope_parameters["mrope_section"]; the text under text_config
+    read_mla: Callable[[Any], Any] | None = None  # the multi-head latent attention (packfwd.models.latent.Mla) of
+    #                                              a config (DeepSeek-V3); None: grouped-query attention
 
     def __post_init__(self):
         if self.norm != "rmsnorm":
@@ -151,6 +153,7 @@ class Family:
                              "(the training step would differ from transformers'); set attention_dropout=0.0")
         theta, factor = self._rope(cfg)
         heads = cfg.num_attention_heads
+        mla = self.read_mla(cfg) if self.read_mla is not None else None
         qkv_bias = bool(getattr(cfg, self.qkv_bias_flag, self.qkv_bias)) if self.qkv_bias_flag else self.qkv_bias
         qk_norm = bool(getattr(cfg, self.qk_norm_flag, False)) if self.qk_norm_flag else self.qk_norm
         return dict(
@@ -160,8 +163,8 @@ class Family:
             ffn_hidden_size=cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers,
             num_attention_heads=heads,
-            num_query_groups=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            num_query_groups=heads if mla is not None else getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=mla.qk_head_dim if mla is not None else getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             norm_eps=cfg.rms_norm_eps,
             rope_theta=theta,
             rope_scaling_factor=factor,
@@ -171,6 +174,7 @@ class Family:
             linear_bias=self._linear_bias(cfg),
             max_position_embeddings=cfg.max_position_embeddings,
             moe=self.read_moe(cfg) if self.read_moe is not None else None,
+            mla=mla,
         )
 
     def _linear_bias(self, cfg) -> bool:
@@ -191,6 +195,11 @@ class Family:
             raise ValueError(f"rope_type={kind!r} is not supported; packfwd converts "
                              f"{' and '.join(repr(k) for k in self.rope_scalings)} RoPE for {self.name}")
         if kind in ("default", "mrope"):  # "mrope": multimodal RoPE without frequency scaling (Qwen2-VL)
+            return theta, None
+        if kind == "yarn":  # read into ModelArgs.mla by read_mla (only MLA families list it)
+            if self.read_mla is None:
+                raise ValueError(f"rope_type='yarn' for {self.name}: packfwd builds YaRN for multi-head latent "
+                                 "attention only")
             return theta, None
         expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         if any(float(params.get(k, v)) != v for k, v in expected.items()):
@@ -249,6 +258,13 @@ def _mixtral(cfg) -> Moe:
                ffn_hidden_size=cfg.intermediate_size)
 
 
+def _deepseek_mla(cfg):
+    """DeepSeek-V3's multi-head latent attention (:func:`packfwd.models.latent.mla_from_hf_config`)."""
+    from .latent import mla_from_hf_config
+
+    return mla_from_hf_config(cfg)
+
+
 def _deepseek_moe(cfg) -> Moe | None:
     """DeepSeek-V3-style MLPs (GLM-4.5): sigmoid scores with a correction bias, group-limited top-k, shared
     experts, the first ``first_k_dense_replace`` layers dense (:func:`packfwd.models.hf_moe.deepseek_moe_fields`)."""
@@ -277,6 +293,10 @@ FAMILIES: dict[str, Family] = {
                                     "set router_jitter_noise=0.0"))),
         Family("glm4_moe", ("glm4_moe",), qkv_bias_flag="attention_bias", qk_norm_flag="use_qk_norm",
                partial_rope=True, read_moe=_deepseek_moe),
+        Family("deepseek_v3", ("deepseek_v3",), read_moe=_deepseek_moe, read_mla=_deepseek_mla,
+               rope_scalings=("default", "yarn"), unsupported=(
+                   ("attention_bias", "packfwd builds MLA's projections without biases (Megatron-Core's MLA has "
+                                      "none on its down projections); set attention_bias=False"),)),
     )
 }
 

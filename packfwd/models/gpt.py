@@ -197,8 +197,11 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
 
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:
+    from .latent import mla_tp_widths
+
     for name, value in (("vocab_size", args.vocab_size), ("num_query_groups", args.query_groups),
-                        ("num_attention_heads", args.num_attention_heads), ("ffn_hidden_size", args.ffn_hidden_size)):
+                        ("num_attention_heads", args.num_attention_heads), ("ffn_hidden_size", args.ffn_hidden_size),
+                        *mla_tp_widths(args.mla)):
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {tp}; pick a TP size "
                              "that divides it")
@@ -244,5 +247,6 @@ def model_args(model: torch.nn.Module) -> ModelArgs:
         mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         family=getattr(gpt, "family", "llama"),
         moe=getattr(gpt, "moe", None),
+        mla=getattr(gpt, "mla", None),
         fused=getattr(gpt, "fused", False),
     )

@@ -190,8 +190,7 @@ def deepseek_moe_fields(cfg) -> dict | None:
     ``routed_scaling_factor``; ``n_shared_experts`` shared experts of width ``moe_intermediate_size`` each; the
     first ``first_k_dense_replace`` layers dense; the router in float32 (transformers keeps ``gate.weight`` and the
     bias float32 and computes the logits in float32 in any model dtype; mbridge sets ``moe_router_dtype="fp32"``).
-    The ``glm4_moe`` family reads it (GLM-4.5); DeepSeek-V3 has no family entry (its multi-head latent attention is
-    not built).
+    The ``glm4_moe`` (GLM-4.5) and ``deepseek_v3`` families read it.
 
     >>> from transformers import DeepseekV3Config
     >>> fields = deepseek_moe_fields(DeepseekV3Config(num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4,

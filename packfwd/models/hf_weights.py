@@ -7,6 +7,9 @@ Weight layout (Megatron-Core's, per layer; ``ng`` query groups = kv heads, ``r =
     q_layernorm.weight [d]                         QK-norm (Qwen3's self_attn.q_norm; k_layernorm: k_norm)
     linear_fc1.weight  [2 * ffn, hidden]           [gate; up]
 
+A layer with multi-head latent attention (``args.mla``, DeepSeek-V3) has :mod:`packfwd.models.hf_mla`'s attention
+weights instead of ``linear_qkv`` / ``linear_proj``.
+
 A TP rank holds a contiguous block of rows of the column-parallel weights (``linear_qkv``: ``ng / tp`` whole
 groups; ``linear_fc1``: ``[gate_rank; up_rank]``; the embedding and output layer: ``vocab / tp`` rows) and of
 columns of the row-parallel ones (``linear_proj``, ``linear_fc2``); norms (QK-norms too: every head has the same
@@ -23,6 +26,8 @@ from torch import Tensor
 
 from .args import ModelArgs
 from .family import mlp_kind
+from .hf_mla import mla_from_hf, mla_to_hf
+from .latent import mla_tp_widths
 
 __all__ = ["hf_to_megatron", "megatron_to_hf"]
 
@@ -91,12 +96,16 @@ def hf_to_megatron(
     for local, i in enumerate(layers):
         h, m = _hf_names(i), _mg_names(local)
         out.update({m[n]: sd[h[n]].clone() for n in _norms(args)})
-        out[m["qkv"] + ".weight"] = _fuse_qkv(args, [sd[h[x] + ".weight"] for x in "qkv"], tp_size, tp_rank)
-        if args.qkv_bias or args.linear_bias:
-            out[m["qkv"] + ".bias"] = _fuse_qkv(args, [sd[h[x] + ".bias"] for x in "qkv"], tp_size, tp_rank)
-        out[m["proj"] + ".weight"] = _shard_cols(sd[h["o"] + ".weight"], tp_size, tp_rank)
-        if args.linear_bias:
-            out[m["proj"] + ".bias"] = sd[h["o"] + ".bias"].clone()
+        if args.mla is not None:  # multi-head latent attention (hf_mla.py)
+            out.update(mla_from_hf(sd, h["layer"] + "self_attn.", m["layer"] + "self_attention.", args.mla,
+                                   tp_size=tp_size, tp_rank=tp_rank))
+        else:
+            out[m["qkv"] + ".weight"] = _fuse_qkv(args, [sd[h[x] + ".weight"] for x in "qkv"], tp_size, tp_rank)
+            if args.qkv_bias or args.linear_bias:
+                out[m["qkv"] + ".bias"] = _fuse_qkv(args, [sd[h[x] + ".bias"] for x in "qkv"], tp_size, tp_rank)
+            out[m["proj"] + ".weight"] = _shard_cols(sd[h["o"] + ".weight"], tp_size, tp_rank)
+            if args.linear_bias:
+                out[m["proj"] + ".bias"] = sd[h["o"] + ".bias"].clone()
         if not args.dense_mlp(i):
             out.update(mlp_kind(args.moe).hf_to_megatron(args, sd, h["layer"], m["layer"], tp_size=tp_size,
                                                          tp_rank=tp_rank))
@@ -161,13 +170,15 @@ def megatron_to_hf(
         out["model.embed_tokens.weight"] = rows("embedding.word_embeddings.weight")
     for local, i in enumerate(layers):
         h, m = _hf_names(i), _mg_names(local)
-        suffixes = ("weight", "bias") if (args.qkv_bias or args.linear_bias) else ("weight",)
-        for suffix in suffixes:
-            q, k, v = _split_qkv(args, [s[f"{m['qkv']}.{suffix}"] for s in shards])
-            out[f"{h['q']}.{suffix}"], out[f"{h['k']}.{suffix}"], out[f"{h['v']}.{suffix}"] = q, k, v
-        out[h["o"] + ".weight"] = cols(m["proj"] + ".weight")
-        if args.linear_bias:
-            out[h["o"] + ".bias"] = first[m["proj"] + ".bias"].clone()
+        if args.mla is not None:
+            out.update(mla_to_hf(shards, h["layer"] + "self_attn.", m["layer"] + "self_attention.", args.mla))
+        else:
+            for suffix in ("weight", "bias") if (args.qkv_bias or args.linear_bias) else ("weight",):
+                q, k, v = _split_qkv(args, [s[f"{m['qkv']}.{suffix}"] for s in shards])
+                out[f"{h['q']}.{suffix}"], out[f"{h['k']}.{suffix}"], out[f"{h['v']}.{suffix}"] = q, k, v
+            out[h["o"] + ".weight"] = cols(m["proj"] + ".weight")
+            if args.linear_bias:
+                out[h["o"] + ".bias"] = first[m["proj"] + ".bias"].clone()
         if args.dense_mlp(i):
             for suffix in ("weight", "bias") if args.linear_bias else ("weight",):
                 gates, ups = zip(*(s[f"{m['fc1']}.{suffix}"].chunk(2, dim=0) for s in shards))
@@ -194,7 +205,7 @@ def _check_tp(args: ModelArgs, tp_size: int, tp_rank: int) -> None:
     if not isinstance(tp_size, int) or tp_size < 1 or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_size={tp_size!r}, tp_rank={tp_rank!r}: need 0 <= tp_rank < tp_size")
     for name, value in (("vocab_size", args.vocab_size), ("num_query_groups", args.query_groups),
-                        ("ffn_hidden_size", args.ffn_hidden_size)):
+                        ("ffn_hidden_size", args.ffn_hidden_size), *mla_tp_widths(args.mla)):
         if value % tp_size:
             raise ValueError(f"{name}={value} is not divisible by tp_size={tp_size}; pick a tp_size that divides it")
 

@@ -9,6 +9,8 @@ Beyond what Megatron-Core's ``GPTModel`` constructor builds, it chooses, once, a
   (:class:`~packfwd.models.rope.PackedRope`) as spec params;
 * the rotary module: :class:`~packfwd.models.rope.PackedRotaryEmbedding`, the one ``PackedRope`` reads its
   angles from (it stands where Megatron-Core's constructor puts a plain ``RotaryEmbedding``); with
+  ``args.mla`` (multi-head latent attention) one over the rotated channels, plain or YaRN, that each layer's
+  :class:`~packfwd.models.mla.MlaRope` reads (BSHD angles of caller positions reach it as ``rotary_pos_emb``); with
   ``args.mrope_section``, multimodal RoPE (``position_embedding_type="mrope"``, positions ``[3, b, s]`` /
   ``[3, 1, t]``): :class:`~packfwd.models.mrope.MropeRotaryEmbedding` and ``MropeRope`` (:mod:`packfwd.models.mrope`);
 * a value model's output layer: :class:`~packfwd.models.gpt.ValueHead` (width 1), where Megatron-Core's
@@ -40,6 +42,7 @@ from . import mtp
 from .args import ModelArgs
 from .value import ValueHead
 from .masked import forward_masked_rows
+from .mla import mla_rotary_modules
 from .mrope import mrope_positions, rotary_modules
 from .positions import assert_per_sequence, thd_positions
 from .rope import rotary_angles
@@ -90,9 +93,11 @@ class PackedGPTModel(GPTModel):
             rope_scaling=args.rope_scaling_factor is not None,
             rope_scaling_factor=args.rope_scaling_factor or 8.0,
         )
-        # plain RoPE, or with args.mrope_section multimodal RoPE (mrope.py)
-        rotary, rope = rotary_modules(config, args, packed=packed_rope, cp_group=getattr(pg_collection, "cp", None),
-                                      **rotary_kwargs)
+        if args.mla is not None:  # the rotated channels of multi-head latent attention, plain or YaRN (mla.py)
+            rotary, rope = mla_rotary_modules(args.mla, args.rope_theta, packed=packed_rope, fused=args.fused)
+        else:  # plain RoPE, or with args.mrope_section multimodal RoPE (mrope.py)
+            rotary, rope = rotary_modules(config, args, packed=packed_rope,
+                                          cp_group=getattr(pg_collection, "cp", None), **rotary_kwargs)
         spec = block_spec(layers, args=args, attention_backend=attention_backend, rope=rope)
         mtp_spec = None
         if args.mtp_num_layers and post_process:  # Megatron-Core's rule: the MTP block on the last stage
@@ -107,7 +112,7 @@ class PackedGPTModel(GPTModel):
                 mtp_block_spec=mtp_spec, **rotary_kwargs,
             )
         self.rotary_pos_emb = rotary
-        self.family, self.moe, self.fused = args.family, args.moe, args.fused  # model_args reads them back
+        self.family, self.moe, self.mla, self.fused = args.family, args.moe, args.mla, args.fused  # for model_args
         if args.mrope_section is not None:  # what the constructor's "mrope" branch sets (mrope.py says why not it)
             self.position_embedding_type, self.mrope_section = "mrope", list(args.mrope_section)
         numbers = [layer.layer_number - 1 for layer in self.decoder.layers]
@@ -247,7 +252,9 @@ class PackedGPTModel(GPTModel):
             kwargs["input_ids"] = ids[0]
         out = super()._preprocess(*args, **kwargs)
         positions, params = kwargs.get("position_ids"), kwargs.get("packed_seq_params")
-        if positions is None or params is not None or out[1] is None or self.position_embedding_type == "mrope":
+        latent = self.mla is not None  # Megatron-Core computes no angles for MLA; its module rotates from these
+        if positions is None or params is not None or (out[1] is None and not latent) \
+                or self.position_embedding_type == "mrope":
             return out  # (multimodal RoPE: Megatron-Core's "mrope" branch computed them per token already)
         angles = rotary_angles(self.rotary_pos_emb, positions.transpose(0, 1))  # [s, b, d]
         return (out[0], angles[:, :, None, :], *out[2:])

@@ -13,6 +13,8 @@ Per layer (names as in the state dict)::
       k_layernorm          likewise
       core_attention       packfwd CoreAttention (THD via PackedSeqParams, or BSHD); params: backend, rope
       linear_proj          RowParallelLinear
+    self_attention         with multi-head latent attention (args.mla, DeepSeek-V3) instead: packfwd's
+                           PackedMLASelfAttention with Megatron-Core's MLA submodules (packfwd.models.mla)
     pre_mlp_layernorm      RMSNorm
     mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...;
                            a layer with a Mixture of Experts (args.moe): the spec of its registered MLP kind
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FusedRMSNorm", "RMSNorm", "block_spec", "layer_spec", "mlp_spec"]
+__all__ = ["FusedRMSNorm", "RMSNorm", "block_spec", "layer_spec", "mla_attention_spec", "mlp_spec"]
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -104,18 +106,39 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
     ('CoreAttention', {'backend': 'reference', 'rope': None})
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from .attention import CoreAttention
-
     qk_norm = _norm(args) if args is not None and args.qk_norm else IdentityOp
 
-    attention = ModuleSpec(
+    if getattr(args, "mla", None) is not None:  # multi-head latent attention: rope is its MlaRope
+        attention = mla_attention_spec(args, attention_backend=attention_backend, rope=rope)
+    else:
+        attention = _gqa_spec(qk_norm, attention_backend, rope)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=_norm(args),
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=_norm(args),
+            mlp=mlp_spec(args, layer),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def _gqa_spec(qk_norm, attention_backend, rope):
+    """Megatron-Core's ``SelfAttention`` (fused QKV, grouped-query) with packfwd's core attention."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .attention import CoreAttention
+
+    return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
@@ -126,15 +149,39 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
             k_layernorm=qk_norm,
         ),
     )
+
+
+def mla_attention_spec(args, *, attention_backend: str | None = None, rope=None):
+    """The ``ModuleSpec`` of an MLA layer's self-attention for ``args`` (``args.mla`` set): Megatron-Core's local
+    MLA submodules (column-parallel down projections, RMSNorm latent norms), packfwd's core attention without RoPE;
+    ``rope`` the model's :class:`~packfwd.models.mla.MlaRope` (None: the module builds one from the config).
+
+    >>> from packfwd.models.args import ModelArgs
+    >>> from packfwd.models.latent import Mla
+    >>> args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=2,
+    ...                  family="deepseek_v3", mla=Mla(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+    ...                  v_head_dim=6))
+    >>> spec = mla_attention_spec(args)
+    >>> spec.module.__name__, spec.submodules.core_attention.params
+    ('PackedMLASelfAttention', {'backend': None, 'rope': None})
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .attention import CoreAttention
+    from .mla import PackedMLASelfAttention
+
     return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=_norm(args),
-            self_attention=attention,
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=_norm(args),
-            mlp=mlp_spec(args, layer),
-            mlp_bda=get_bias_dropout_add,
+        module=PackedMLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "mla": args.mla, "rope": rope},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear,
+            core_attention=ModuleSpec(module=CoreAttention, params={"backend": attention_backend, "rope": None}),
+            linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm,
         ),
     )
 

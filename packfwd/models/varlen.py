@@ -28,7 +28,8 @@ reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2
 
 :class:`packfwd.models.attention.CoreAttention` runs packfwd's models' attention through :func:`varlen_attention`.
 This file imports neither Megatron-Core nor the optional kernels until they are used (a ``CoreAttention`` looks
-them up when built, so that a compiled forward only reads what they found).
+them up when built, so that a compiled forward only reads what they found).  (A little over 300 lines: the
+kernels' signatures and the head-dim padding they need for multi-head latent attention belong with the backends.)
 """
 
 from __future__ import annotations
@@ -142,8 +143,10 @@ def varlen_attention(
     ``[t_q, h, d_v]``.
 
     ``cu_seqlens_q``/``cu_seqlens_k``: [n+1] int32 offsets of the n sequences; ``max_seqlen_q``/``_k``: Python
-    ints at least the longest sequence; ``softmax_scale``: default ``d ** -0.5``.  ``backend``: see the module
-    docstring; None picks the first of :func:`available_backends` that takes the inputs' dtype.
+    ints at least the longest sequence; ``softmax_scale``: default ``d ** -0.5``.  ``d_v`` may differ from ``d``
+    (multi-head latent attention): the flash kernels, which take one head dim, then get q, k and v zero-padded to
+    the larger one (the scores and the first ``d_v`` output channels unchanged) and the output is cut back.
+    ``backend``: see the module docstring; None picks the first of :func:`available_backends` that takes the inputs' dtype.
 
     >>> import torch
     >>> q = k = v = torch.randn(5, 2, 4)
@@ -158,6 +161,12 @@ def varlen_attention(
         return varlen_attention_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
         )
+    if v.shape[-1] != q.shape[-1]:  # the flash kernels take one head dim: zeros appended (exact), the output cut
+        width = max(q.shape[-1], v.shape[-1])
+        wide = [torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v)]
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        return varlen_attention(*wide, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                backend=name)[..., : v.shape[-1]]
     if name == "flash_attn":  # deterministic backward under torch's deterministic mode, as torch's own flash
         return _KERNELS["flash_attn"](  # recorded by _resolve
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -153,8 +153,9 @@ def context_parallel_attention(
 ) -> Tensor:
     """Causal attention of this CP rank's queries over the whole of their sequences: ``[t_local, hq, d]``.
 
-    ``q: [t_local, hq, d]``, ``k, v: [t_local, hkv, d]`` (``hq`` a multiple of ``hkv``) are this rank's zigzag
-    shard; ``cu_seqlens_padded [n+1]`` int32 the global padded offsets (each length a multiple of
+    ``q: [t_local, hq, d]``, ``k, v: [t_local, hkv, d]`` (``hq`` a multiple of ``hkv``; ``v``'s head dim may
+    differ, as in multi-head latent attention: then the output's is ``v``'s) are this rank's zigzag shard;
+    ``cu_seqlens_padded [n+1]`` int32 the global padded offsets (each length a multiple of
     ``2*cp_size``), ``max_seqlen`` the longest padded sequence.  K and V are all-gathered over ``cp_group`` (the
     backward returns their gradients to the owners) and each local chunk attends to its key prefix through one
     call ``attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)``
@@ -183,10 +184,10 @@ def context_parallel_attention(
         cu32 = cu.int()
         return attn_fn(q, k, v, cu32, cu32, max_seqlen, max_seqlen, True, scale)
     _check_group(cp_group, cp, rank)
-    # [cp, t_local, 2, hkv, d]: one collective; each rank's loss differs, so the gradients are summed
-    kv = all_gather_cp(torch.stack((k, v), dim=1), cp_group, backward="sum")
-    kv = kv.flatten(0, 1).index_select(0, plan.key_rows)  # [(2cp+1) t_local / 2, 2, hkv, d]: the prefixes
-    k_pre, v_pre = kv.unbind(1)
+    # [cp, t_local, hkv, d + d_v]: one collective; each rank's loss differs, so the gradients are summed
+    kv = all_gather_cp(torch.cat((k, v), dim=-1), cp_group, backward="sum")
+    kv = kv.flatten(0, 1).index_select(0, plan.key_rows)  # [(2cp+1) t_local / 2, hkv, d + d_v]: the prefixes
+    k_pre, v_pre = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
     return attn_fn(
         q, k_pre, v_pre, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, True, scale
     )
@@ -214,8 +215,9 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         check_tensor(name, x)
         if x.dim() != 3:
             raise ValueError(f"{name} must be [t_local, heads, head_dim], got shape {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must share t_local and "
+                         "heads (dims 0 and 1; v's head dim may differ, as in multi-head latent attention)")
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must share t_local (dim 0) and head_dim (dim 2)"
