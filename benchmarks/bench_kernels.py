@@ -5,6 +5,7 @@ The ops of a transformer layer outside its matrix products, at the shapes of the
 
 * ``rmsnorm``: ``[t, h]``; torch: ``torch.nn.functional.rms_norm`` (what ``torch.nn.RMSNorm`` runs);
 * ``rmsnorm+residual``: the add before the norm fused in; torch: ``x + r`` then ``rms_norm``;
+* ``qk_norm``: Qwen3's QK-norm, ``[t * 16, 128]`` rows of head_dim; torch: ``rms_norm``;
 * ``swiglu``: ``[t, 2f] -> [t, f]``; torch: Megatron-Core's unfused gated MLP, ``silu(gate) * up``;
 * ``rope``: query and key ``[t, heads, 128]`` views of the fused QKV output, rotated by per-token angles (the
   fused kernel takes one angle per channel pair); torch: :func:`packfwd.models.rope.apply_rope` on the full
@@ -53,12 +54,18 @@ def cases(shape: dict, device: torch.device, dtype: torch.dtype) -> dict:
     e = torch.tensor([], dtype=dtype).element_size()
     x, r, w = rand(t, h), rand(t, h), rand(h, scale=0.1)
     y = rand(t, 2 * f)
+    d = shape["d"]
+    q_rows, wq = rand(t * shape["hq"], d), rand(d, scale=0.1)
     out = {
         "rmsnorm": ((x, w), {"torch": lambda x, w: F.rms_norm(x, (h,), w, EPS),
                              "fused": lambda x, w: rmsnorm.rms_norm(x, w, EPS, kernel=True)}, (2 * t * h + h) * e),
         "rmsnorm+residual": ((x, r, w), {
             "torch": lambda x, r, w: _add_norm(x, r, w, h),
             "fused": lambda x, r, w: rmsnorm.rms_norm(x, w, EPS, residual=r, kernel=True)}, (4 * t * h + h) * e),
+        # QK-norm (Qwen3): rows of head_dim over every query head, [t * hq, d]
+        "qk_norm": ((q_rows,), {"torch": lambda q: F.rms_norm(q, (d,), wq, EPS),
+                                "fused": lambda q: rmsnorm.rms_norm(q, wq, EPS, kernel=True)},
+                    (2 * t * shape["hq"] * d + d) * e),
         "swiglu": ((y,), {"torch": lambda y: _glu(y), "fused": lambda y: swiglu.SwiGLUKernel.apply(y)},
                    3 * t * f * e),
     }

@@ -10,8 +10,10 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
 
 * ``packfwd_plain``: ``make_forward("thd", logits_processor=<log-probs>)`` on packfwd's model with Megatron-Core's
   plain modules (today's path).
-* ``packfwd_fused``: the same with the model built with the fused layer switch (fused RMSNorm, SwiGLU, THD RoPE),
-  when this checkout has one (``from_hf(fused=)``, ``build_model(fused=)`` or ``ModelArgs.fused``).
+* ``packfwd_fused``: the same with the model built with the fused layer switch (SwiGLU, THD RoPE, QK-norm
+  kernels; ``packfwd.models.spec.FUSED_NORMS``), when this checkout has one (``from_hf(fused=)``,
+  ``build_model(fused=)`` or ``ModelArgs.fused``); ``packfwd_fused_torch_norms`` / ``packfwd_fused_kernel_norms``:
+  the fused model with every norm torch's ``rms_norm`` / packfwd's Triton RMSNorm (which norm wins where).
 * ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
   ``dynamic=True``; fullgraph, else with graph breaks), or where dynamo cannot trace the layer its MLP and norms
   (``--compile-scope``); every failure recorded.  Megatron-Core's row-parallel linears warn on every call (a graph
@@ -27,8 +29,13 @@ from an idle device), real tokens/s, model TFLOP/s (``bench_forward``'s count on
 ``6 * P_linear * tokens`` plus causal attention, x3 for forward + backward), % of the ceiling, peak memory, the
 loss and gradient norm against ``hf_padded`` (bf16 tolerance: the run fails when the losses disagree).
 
+On the GPU also ``ms_back_to_back``: two steps queued back to back (gradients accumulating, as micro-batches
+do), the device's time per step once the host runs ahead of it.
+
 ``--profile``: one more step per variant under ``torch.profiler``; kernel time by category (gemm, attention,
-norm, elementwise, copy, other) with the top kernels of each.  ``--attention-bench``: ``varlen_attn`` forward and
+norm, elementwise, copy, other) with the top kernels of each; on the GPU the step's timeline (``device_timeline``:
+the time before the first kernel, the device's idle gaps by length and by the host thread then working, the
+longest gaps with the host op and Python frames they waited on).  ``--attention-bench``: ``varlen_attn`` forward and
 forward + backward on the step's packed shapes against torch's SDPA backends (cuDNN first) on a nested jagged
 tensor.
 
@@ -45,6 +52,7 @@ liger-kernel importable (``pip install --no-deps --target /tmp/site liger_kernel
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import inspect
@@ -62,12 +70,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 from bench_forward import Timer, forward_flops, linear_params, matmul_tflops  # noqa: E402
-from common import environment, table, write_json  # noqa: E402
+from common import device_ms, environment, table, write_json  # noqa: E402
 
 from packfwd.forward import make_forward  # noqa: E402
 from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
-VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger")
+VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
+            "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms")
+# the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.spec.FUSED_NORMS)
+NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
     "llama1b": ("llama", dict(hidden_size=2048, intermediate_size=7168, num_hidden_layers=16, num_attention_heads=16,
                               num_key_value_heads=8, vocab_size=32000, max_position_embeddings=8192,
@@ -332,6 +343,14 @@ def measure(step, module, cfg, timer) -> dict:
         module.zero_grad(set_to_none=True)
     out = {"ms": statistics.median(times), "ms_runs": times, "first_step_s": first_s, "loss": float(loss),
            "grad_norm": norm, "_lp": lp}
+    if cuda:  # two steps queued back to back (gradients accumulating, as micro-batches do): the device's time per
+        #       step once the host runs ahead, without the first launches' latency from an idle device
+        pairs = []
+        for _ in range(max(2, cfg.runs // 2)):
+            pairs.append(device_ms(step, cfg.device, back_to_back=2))
+            module.zero_grad(set_to_none=True)
+        out["ms_back_to_back"] = statistics.median(pairs)
+        out["ms_back_to_back_runs"] = pairs
     if cuda:
         out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
         out["peak_above_start_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
@@ -356,14 +375,20 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+STEP_RANGE = "bench_step::step"
+
+
 def profile_step(step, module, device) -> dict:
-    """One step under torch.profiler: device (CPU: self host) time per category, ms and %, top kernels of each."""
-    from torch.profiler import ProfilerActivity, profile
+    """One step under torch.profiler: device (CPU: self host) time per category, ms and %, top kernels of each;
+    on CUDA also the step's timeline (:func:`device_timeline`: when the device had no kernel to run, and what the
+    host was doing then), from a second profiled step with Python stacks recorded for the attribution."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        step()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        with record_function(STEP_RANGE):
+            step()
         if cuda:
             torch.cuda.synchronize()
     module.zero_grad(set_to_none=True)
@@ -384,10 +409,91 @@ def profile_step(step, module, device) -> dict:
         per[c] += ms
         kernels[c].append((ms, n, key[:160]))
     total = sum(per.values())
-    return {"total_ms": total, "source": "device kernels" if cuda else "host ops (CPU run)",
-            "categories": {c: {"ms": per[c], "%": 100 * per[c] / total if total else 0.0} for c in CATEGORIES},
-            "top": {c: [{"ms": ms, "calls": n, "name": k} for ms, n, k in sorted(kernels[c], reverse=True)[:8]]
-                    for c in CATEGORIES}}
+    out = {"total_ms": total, "source": "device kernels" if cuda else "host ops (CPU run)",
+           "categories": {c: {"ms": per[c], "%": 100 * per[c] / total if total else 0.0} for c in CATEGORIES},
+           "top": {c: [{"ms": ms, "calls": n, "name": k} for ms, n, k in sorted(kernels[c], reverse=True)[:8]]
+                   for c in CATEGORIES}}
+    if cuda:
+        try:
+            out["timeline"] = device_timeline(prof.events())
+            with profile(activities=activities, with_stack=True) as prof:
+                with record_function(STEP_RANGE):
+                    step()
+                torch.cuda.synchronize()
+            module.zero_grad(set_to_none=True)
+            out["timeline_with_stacks"] = device_timeline(prof.events(), stacks=True)
+        except Exception as e:  # noqa: BLE001 - the categories above stand without it
+            out["timeline_error"] = f"{type(e).__name__}: {e}"[:1000]
+    return out
+
+
+def device_timeline(events, *, stacks: bool = False, top: int = 12) -> dict:
+    """Where a profiled step's device was idle: from the host entering the step (``STEP_RANGE``) to its last kernel,
+    the time before the first kernel (``lead_in_ms``), the time with kernels running (``busy_ms``, overlapping
+    kernels merged) and the gaps between them (``idle_ms``; counted by length), the idle time split by the host
+    thread working at each gap's end (the caller's thread: forward; autograd's: backward), and the ``top`` longest
+    gaps with the innermost host op running when the kernel after the gap started (and, with ``stacks``, its
+    packfwd / Megatron-Core / torch Python frames): what the device waited for."""
+    cpu_t, cuda_t = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    span = [e for e in events if e.name == STEP_RANGE and e.device_type == cpu_t]
+    if not span:
+        raise RuntimeError(f"no {STEP_RANGE!r} range in the profile")
+    t0 = span[0].time_range.start
+    main_thread = span[0].thread
+    k = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+               if e.device_type == cuda_t and e.time_range.end > t0)
+    if not k:
+        raise RuntimeError("no device kernel after the step began")
+    host = sorted(((e.time_range.start, e.time_range.end, e) for e in events
+                   if e.device_type == cpu_t and e.name != STEP_RANGE and not e.name.startswith(("cuda", "cu"))),
+                  key=lambda x: x[0])
+    gaps, busy = [], 0.0
+    cur_s, cur_e = k[0][0], k[0][1]
+    for s, e, name in k[1:]:
+        if s > cur_e:
+            gaps.append((cur_e, s, name))
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+
+    starts = [s for s, _, _ in host]
+
+    def innermost(t):  # the latest-starting host op still running at t (nested ops: the innermost)
+        i = bisect.bisect_right(starts, t) - 1
+        for j in range(i, max(-1, i - 20000), -1):
+            if host[j][1] >= t:
+                return host[j][2]
+        return None
+
+    sizes = {"<10us": 0.0, "10-50us": 0.0, "50-200us": 0.0, ">200us": 0.0}
+    by_thread = {"forward (caller's thread)": 0.0, "backward (autograd thread)": 0.0, "no host op": 0.0}
+    longest = sorted(gaps, key=lambda g: g[0] - g[1])[:top]
+    for g0, g1, _ in gaps:
+        d = g1 - g0
+        sizes["<10us" if d < 10 else "10-50us" if d < 50 else "50-200us" if d < 200 else ">200us"] += d / 1e3
+    rows = []
+    for g0, g1, name in gaps:
+        op = innermost(g1)
+        key = "no host op" if op is None else (
+            "forward (caller's thread)" if op.thread == main_thread else "backward (autograd thread)")
+        by_thread[key] += (g1 - g0) / 1e3
+    for g0, g1, name in longest:
+        op = innermost(g1)
+        row = {"at_ms": (g0 - t0) / 1e3, "us": g1 - g0, "next_kernel": name[:120],
+               "host_op": None if op is None else op.name[:120],
+               "host_thread": None if op is None else ("caller" if op.thread == main_thread else "autograd")}
+        if stacks and op is not None:
+            frames = [f for f in (op.stack or []) if any(w in f for w in ("packfwd", "megatron", "bench_step",
+                                                                             "torch/autograd", "torch/nn"))]
+            row["stack"] = frames[:8]
+        rows.append(row)
+    end = max(e for _, e, _ in k)
+    return {"host_step_ms": (span[0].time_range.end - t0) / 1e3, "device_span_ms": (end - t0) / 1e3,
+            "lead_in_ms": (k[0][0] - t0) / 1e3, "busy_ms": busy / 1e3, "idle_ms": sum(b - a for a, b, _ in gaps) / 1e3,
+            "gaps": len(gaps), "idle_ms_by_gap_length": sizes, "idle_ms_by_host_thread": by_thread,
+            "longest_gaps": rows, "kernels": len(k), "with_stacks": stacks}
 
 
 def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
@@ -473,7 +579,17 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
                 row["profile"] = profile_step(step, module, cfg.device)
         return row, module
     if name.startswith("packfwd"):
-        module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name == "packfwd_fused")
+        from packfwd.models import spec
+
+        kept = dict(spec.FUSED_NORMS)
+        if name in NORM_VARIANTS:
+            spec.FUSED_NORMS.update(dict.fromkeys(spec.FUSED_NORMS, NORM_VARIANTS[name]))
+        try:
+            module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith("packfwd_fused"))
+        finally:
+            spec.FUSED_NORMS.update(kept)
+        row["norms"] = {type(m).__name__ for m in module.modules() if "RMSNorm" in type(m).__name__}
+        row["norms"] = sorted(row["norms"])
         step = packfwd_step(module, batch)
         row["fused_switch"] = fused_switch()
         row["layer_modules"] = layer_modules(module)
@@ -512,6 +628,10 @@ def run_shape(shape, cfg, timer) -> dict:
             row.update({"tokens/s": real / row["ms"] * 1e3, "TFLOP/s": flops / (row["ms"] * 1e-3) / 1e12})
             if cfg.ceiling:
                 row["% ceiling"] = 100 * row["TFLOP/s"] / cfg.ceiling
+            if "ms_back_to_back" in row:
+                row["TFLOP/s back-to-back"] = flops / (row["ms_back_to_back"] * 1e-3) / 1e12
+                if cfg.ceiling:
+                    row["% ceiling back-to-back"] = 100 * row["TFLOP/s back-to-back"] / cfg.ceiling
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         print(f"  {name}: " + (f"{row['ms']:.1f} ms, {row['TFLOP/s']:.0f} TFLOP/s, loss {row['loss']:.5f}"
@@ -605,17 +725,25 @@ def main(argv=None) -> int:
             for r in s["results"]:
                 if "TFLOP/s" in r:
                     r["% ceiling"] = 100 * r["TFLOP/s"] / ceilings[1]
+                if "TFLOP/s back-to-back" in r:
+                    r["% ceiling back-to-back"] = 100 * r["TFLOP/s back-to-back"] / ceilings[1]
     payload.update({"ceiling_TFLOP/s": max(filter(None, ceilings), default=None), "complete": True})
     write_json(cfg.out, payload)
     for s in shapes:
         print(f"-- {s['shape']} ({s['real_tokens']} real tokens, {s['step_TFLOP']:.1f} TFLOP per step)")
         print(table([{**r, "status": r.get("skipped") and "skipped" or r.get("error") and "error"} for r in s["results"]],
-                    ["variant", "ms", "tokens/s", "TFLOP/s", "% ceiling", "peak_GiB", "loss", "loss_diff",
+                    ["variant", "ms", "tokens/s", "TFLOP/s", "% ceiling", "ms_back_to_back", "% ceiling back-to-back", "peak_GiB", "loss", "loss_diff",
                      "grad_norm_rel_diff", "logprob_max_abs_diff", "status"]))
         if cfg.profile:
             prof = [{"variant": r["variant"], **{c: r["profile"]["categories"][c]["ms"] for c in CATEGORIES}}
                     for r in s["results"] if "profile" in r]
             print(table(prof, ["variant", *CATEGORIES]))
+            for r in s["results"]:
+                tl = r.get("profile", {}).get("timeline")
+                if tl:
+                    print(f"  {r['variant']} timeline: lead-in {tl['lead_in_ms']:.2f} ms, busy {tl['busy_ms']:.1f}, "
+                          f"idle {tl['idle_ms']:.2f} in {tl['gaps']} gaps {tl['idle_ms_by_gap_length']}, by host "
+                          f"thread {tl['idle_ms_by_host_thread']}")
     print(f"wrote {cfg.out}")
     bad = [(s["shape"], r["variant"]) for s in shapes for r in s["results"] if r.get("loss_ok") is False]
     if bad:

@@ -21,12 +21,12 @@ Per layer (names as in the state dict)::
 
 Fused (``args.fused``, the default): the MLP's activation is :class:`packfwd.ops.swiglu.SwiGLU` (named in the spec
 always; Megatron-Core builds it only under ``config.use_te_activation_func``, which ``transformer_config`` sets from
-``args.fused``), and the THD RoPE the model hands the core attention is fused (:mod:`packfwd.models.rope`).  Same
-parameters, same state dict; on the CPU the same numbers bit for bit (each falls back to the plain module's torch
-ops).  ``fused=False``: Megatron-Core's plain modules.  The norms stay :class:`RMSNorm` either way: torch's own
-``rms_norm`` is one fused CUDA kernel, faster than :class:`FusedRMSNorm`'s Triton kernels on an H200 (at the 1B
-step's ``[13312, 2048]`` bf16: forward+backward 0.148 ms against 0.244, ``benchmarks/bench_kernels.py``,
-RESULTS section 11); :class:`FusedRMSNorm` stays for a spec that asks for it.
+``args.fused``), the THD RoPE the model hands the core attention is fused (:mod:`packfwd.models.rope`), and
+QK-norm (Qwen3) is :class:`FusedRMSNorm`.  Same parameters, same state dict; on the CPU the same numbers bit for
+bit (each falls back to the plain module's torch ops).  ``fused=False``: Megatron-Core's plain modules.  The layer
+norms stay :class:`RMSNorm` either way: over the hidden size torch's own ``rms_norm`` is one fused CUDA kernel at
+least as fast as the Triton kernels on an H200 (RESULTS sections 11 and 15); QK-norm's rows of head_dim channels
+go many to a Triton program, where torch's kernel is slow (``FUSED_NORMS``).
 
 Megatron-Core is imported inside the functions only.
 """
@@ -87,8 +87,18 @@ class FusedRMSNorm(RMSNorm):
         super().__init__(config, hidden_size, eps, fused=True)
 
 
-def _norm(args):
-    """The norm class of a model of ``args``: :class:`RMSNorm`, fused or not (module docstring)."""
+# The norm each place of a fused model takes: "torch" (:class:`RMSNorm`: torch's rms_norm) or "kernel"
+# (:class:`FusedRMSNorm`: packfwd's Triton kernels, several rows to a program).  The layer norms over the hidden
+# size keep torch's; QK-norm's narrow rows (head_dim) take the kernels.  Measured per place on an H200
+# (``benchmarks/bench_kernels.py``'s rmsnorm / qk_norm rows, ``bench_step.py``'s packfwd_fused_*_norms variants).
+FUSED_NORMS = {"layer": "torch", "qk": "kernel"}
+
+
+def _norm(args, place: str = "layer"):
+    """The norm class of ``place`` ("layer" or "qk") in a model of ``args``: :class:`FusedRMSNorm` where the model
+    is fused and ``FUSED_NORMS`` picks the kernels there, else :class:`RMSNorm` (module docstring)."""
+    if args is not None and getattr(args, "fused", False) and FUSED_NORMS[place] == "kernel":
+        return FusedRMSNorm
     return RMSNorm
 
 
@@ -110,7 +120,7 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    qk_norm = _norm(args) if args is not None and args.qk_norm else IdentityOp
+    qk_norm = _norm(args, "qk") if args is not None and args.qk_norm else IdentityOp
 
     if getattr(args, "mla", None) is not None:  # multi-head latent attention: rope is its MlaRope
         attention = mla_attention_spec(args, attention_backend=attention_backend, rope=rope)

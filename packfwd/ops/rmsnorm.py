@@ -14,8 +14,9 @@ returned sum), rounded once.
 
 Conventions: ``x [..., h]`` of bf16 / fp16 / fp32; ``weight [h]`` of any of those (its gradient in its dtype);
 the output in x's dtype; leading dims flattened to rows.  Forward: one program per row, the whole row in one block
-(``h <= MAX_H``).  Backward: ``min(rows, CONFIG["programs"])`` programs, each over a contiguous run of rows,
-each writing its float32 partial sum of ``dweight``; torch sums the ``[programs, h]`` partials.  No atomics, and the
+(``h <= MAX_H``), ``block_rows(h)`` rows to a program (a ``[rows, h]`` tile).  Backward:
+``min(tiles, CONFIG["programs"])`` programs, each over a contiguous run of row tiles, each writing its float32
+partial sum of ``dweight``; torch sums the ``[programs, h]`` partials.  No atomics, and the
 split depends on the shape only, so the gradients are the same bits run after run (and on any GPU of the same
 float math).
 
@@ -43,9 +44,10 @@ except ImportError:  # CPU-only installs never launch these (importing this modu
 
 __all__ = ["rms_norm", "reference", "supported", "RMSNormKernel", "forward_rows", "backward_rows"]
 
-# Backward programs (each sums dweight over its run of rows); a constant, so the bits depend on the shape only.
-# 128: about one per SM on an H100 / H200 (132 SMs).  Warps per program: Triton's default.
-CONFIG = {"programs": 128, "num_warps": 4}
+# Backward programs (each sums dweight over its run of row tiles); a constant, so the bits depend on the shape only.
+# 512: about four per SM on an H100 / H200 (132 SMs).  "tile": elements of a program's [rows, h] tile (rows =
+# tile / next_power_of_2(h), at least 1, at most 64): narrow rows (QK-norm's head_dim) go many to a program.
+CONFIG = {"programs": 512, "num_warps": 4, "tile": 8192}
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_H = 65536  # a row is one block in registers
@@ -104,6 +106,12 @@ def _check(x, weight, eps, residual):
                          f"{tuple(residual.shape)} {residual.dtype}")
 
 
+def block_rows(h: int) -> int:
+    """Rows of a program's tile for width ``h``: ``CONFIG["tile"] / next_power_of_2(h)``, within [1, 64]."""
+    width = 1 << max(0, (h - 1).bit_length())
+    return max(1, min(64, CONFIG["tile"] // width))
+
+
 def _rows(t: Tensor) -> Tensor:
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -142,9 +150,10 @@ def forward_rows(x: Tensor, weight: Tensor, residual: Tensor | None, eps: float)
     if t == 0:
         return y, total, rstd
     res = x if residual is None else residual
-    _rmsnorm_fwd_kernel[(t,)](
-        x, x.stride(0), res, res.stride(0), weight.contiguous(), y, y if total is None else total, rstd, h, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), num_warps=CONFIG["num_warps"],
+    rows = block_rows(h)
+    _rmsnorm_fwd_kernel[(triton.cdiv(t, rows),)](
+        x, x.stride(0), res, res.stride(0), weight.contiguous(), y, y if total is None else total, rstd, t, h, eps,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h), ROWS=rows, num_warps=CONFIG["num_warps"],
     )
     return y, total, rstd
 
@@ -156,14 +165,16 @@ def backward_rows(v: Tensor, g_y: Tensor, g_total: Tensor | None, weight: Tensor
     dv = torch.empty((t, h), dtype=v.dtype, device=v.device)
     if t == 0:
         return dv, torch.zeros_like(weight)
-    programs = min(t, CONFIG["programs"])
-    per = triton.cdiv(t, programs)
-    programs = triton.cdiv(t, per)
+    rows = block_rows(h)
+    tiles = triton.cdiv(t, rows)
+    programs = min(tiles, CONFIG["programs"])
+    per = triton.cdiv(tiles, programs)  # tiles per program
+    programs = triton.cdiv(tiles, per)
     partial = torch.empty((programs, h), dtype=torch.float32, device=v.device)
     gt = g_y if g_total is None else g_total
     _rmsnorm_bwd_kernel[(programs,)](
         v, v.stride(0), g_y, g_y.stride(0), gt, gt.stride(0), weight.contiguous(), rstd, dv, partial, t, h, per,
-        HAS_GT=g_total is not None, BLOCK=triton.next_power_of_2(h), num_warps=CONFIG["num_warps"],
+        HAS_GT=g_total is not None, BLOCK=triton.next_power_of_2(h), ROWS=rows, num_warps=CONFIG["num_warps"],
     )
     return dv, partial.sum(0).to(weight.dtype)
 
@@ -174,41 +185,46 @@ if triton is not None:
 
     @triton.jit
     def _rmsnorm_fwd_kernel(
-        x, x_stride, res, res_stride, w, y, total, rstd, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+        x, x_stride, res, res_stride, w, y, total, rstd, T, H, eps,
+        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        ok = cols < H
-        v = tl.load(x + row * x_stride + cols, mask=ok, other=0.0)
+        ok = (rows < T)[:, None] & (cols < H)[None, :]
+        v = tl.load(x + rows[:, None] * x_stride + cols[None, :], mask=ok, other=0.0)
         if HAS_RES:
-            r = tl.load(res + row * res_stride + cols, mask=ok, other=0.0)
+            r = tl.load(res + rows[:, None] * res_stride + cols[None, :], mask=ok, other=0.0)
             v = (v.to(tl.float32) + r.to(tl.float32)).to(total.dtype.element_ty)  # torch's x + residual
-            tl.store(total + row * H + cols, v, mask=ok)
+            tl.store(total + rows[:, None] * H + cols[None, :], v, mask=ok)
         v = v.to(tl.float32)
-        r_ = 1.0 / tl.sqrt(tl.sum(v * v, 0) / H + eps)
-        wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y + row * H + cols, (v * r_ * wv).to(y.dtype.element_ty), mask=ok)
-        tl.store(rstd + row, r_)
+        r_ = 1.0 / tl.sqrt(tl.sum(v * v, 1) / H + eps)  # [ROWS]
+        wv = tl.load(w + cols, mask=cols < H, other=0.0).to(tl.float32)
+        tl.store(y + rows[:, None] * H + cols[None, :], (v * r_[:, None] * wv[None, :]).to(y.dtype.element_ty),
+                 mask=ok)
+        tl.store(rstd + rows, r_, mask=rows < T)
 
     @triton.jit
     def _rmsnorm_bwd_kernel(
         v, v_stride, gy, gy_stride, gt, gt_stride, w, rstd, dv, partial, T, H, PER,
-        HAS_GT: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_GT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        ok = cols < H
-        wv = tl.load(w + cols, mask=ok, other=0.0).to(tl.float32)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        start = pid.to(tl.int64) * PER  # int64 rows: the loop counter takes start's type
-        end = tl.minimum(start + PER, T)
-        for row in range(start, end):
-            xh = tl.load(v + row * v_stride + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(rstd + row)
-            g = tl.load(gy + row * gy_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        cok = cols < H
+        wv = tl.load(w + cols, mask=cok, other=0.0).to(tl.float32)
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        first = pid.to(tl.int64) * PER  # int64 tiles: the loop counter takes first's type
+        for tile in range(first, first + PER):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            rok = rows < T
+            ok = rok[:, None] & cok[None, :]
+            r_ = tl.load(rstd + rows, mask=rok, other=0.0)
+            xh = tl.load(v + rows[:, None] * v_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32) * r_[:, None]
+            g = tl.load(gy + rows[:, None] * gy_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
             acc += g * xh
-            gw = g * wv
-            d = (gw - xh * (tl.sum(gw * xh, 0) / H)) * tl.load(rstd + row)
+            gw = g * wv[None, :]
+            d = (gw - xh * (tl.sum(gw * xh, 1) / H)[:, None]) * r_[:, None]
             if HAS_GT:
-                d += tl.load(gt + row * gt_stride + cols, mask=ok, other=0.0).to(tl.float32)
-            tl.store(dv + row * H + cols, d.to(dv.dtype.element_ty), mask=ok)
-        tl.store(partial + pid.to(tl.int64) * H + cols, acc, mask=ok)
+                d += tl.load(gt + rows[:, None] * gt_stride + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            tl.store(dv + rows[:, None] * H + cols[None, :], d.to(dv.dtype.element_ty), mask=ok)
+        tl.store(partial + pid.to(tl.int64) * H + cols, tl.sum(acc, 0), mask=cok)

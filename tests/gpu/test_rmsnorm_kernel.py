@@ -96,19 +96,43 @@ def test_against_torch_rms_norm(dtype):
 
 
 def test_bitwise_run_to_run_and_many_rows_per_program(monkeypatch):
-    """Two runs give the same bits (no atomics); 3 backward programs over 37 rows (13 rows each, the last 11)
-    agree with one program per row to float32 rounding."""
+    """Two runs give the same bits (no atomics); with 4-row tiles (10 tiles over 37 rows, the last one 1 row),
+    3 backward programs (4, 4 and 2 tiles) agree with one program per tile, and one row per tile, to float32
+    rounding, dx and y bit for bit."""
     x, w, r, gy, gs = make(37, 67, torch.bfloat16, seed=3)
     first = run(x, w, r, gy, gs, 1e-6, kernel=True)
     second = run(x, w, r, gy, gs, 1e-6, kernel=True)
     for a, b in zip([first[0], first[1], *first[2]], [second[0], second[1], *second[2]]):
         assert torch.equal(a, b)
-    monkeypatch.setattr(K, "CONFIG", {**K.CONFIG, "programs": 3})
-    few = run(x.float(), w.float(), r.float(), gy.float(), gs.float(), 1e-6, kernel=True)
-    monkeypatch.setattr(K, "CONFIG", {**K.CONFIG, "programs": 64})
-    many = run(x.float(), w.float(), r.float(), gy.float(), gs.float(), 1e-6, kernel=True)
-    assert torch.equal(few[2][0], many[2][0])  # dx does not depend on the split
-    torch.testing.assert_close(few[2][1], many[2][1], rtol=1e-5, atol=1e-5)
+    f32 = (x.float(), w.float(), r.float(), gy.float(), gs.float())
+    runs = {}
+    for tile, programs in ((4 * 128, 3), (4 * 128, 64), (128, 64)):  # rows per tile: tile / 128 (h 67 -> 128)
+        monkeypatch.setattr(K, "CONFIG", {**K.CONFIG, "programs": programs, "tile": tile})
+        assert K.block_rows(67) == tile // 128
+        runs[tile, programs] = run(*f32, 1e-6, kernel=True)
+    base = runs[128, 64]
+    for key, got in runs.items():
+        assert torch.equal(got[0], base[0]) and torch.equal(got[2][0], base[2][0]), key  # y, dx: not the split
+        torch.testing.assert_close(got[2][1], base[2][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_narrow_rows_of_qk_norm_many_to_a_tile(dtype):
+    """QK-norm's rows: [tokens, heads, head_dim 16] -> 64 rows to a tile and many tiles per backward program
+    (1500 rows, 24 tiles: the last one partial), against torch's rms_norm."""
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    x = torch.randn(300, 5, 16, generator=g, device=DEVICE).to(dtype)
+    w = (1 + 0.5 * torch.randn(16, generator=g, device=DEVICE)).to(dtype)
+    gy = torch.randn(300, 5, 16, generator=g, device=DEVICE).to(dtype)
+    assert K.block_rows(16) == 64
+    xk, wk = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    xt, wt = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    yk = K.rms_norm(xk, wk, 1e-6, kernel=True)
+    yt = F.rms_norm(xt.float(), (16,), wt.float(), 1e-6)
+    (yk.float() * gy.float()).sum().backward()
+    (yt * gy.float()).sum().backward()
+    for got, want, what in ((yk, yt, "y"), (xk.grad, xt.grad, "dx"), (wk.grad, wt.grad, "dweight")):
+        close(got, want.to(got.dtype), dtype, what)
 
 
 def test_leading_dims_expanded_grad_and_no_rows():
