@@ -12,6 +12,8 @@ Rows (``--variants``), each forward only (``fwd``: log-probs under no_grad) and 
 
 * ``grouped``: ``make_forward("thd", logits_processor=<log-probs>)``, the experts as two ``torch._grouped_mm``
   per MoE layer reading the weights in place (packfwd's default on sm90 / sm100 in bf16);
+* ``grouped_scatter_combine``: grouped, with Megatron-Core's own combine (``scatter_add_``, atomic, its bits
+  following the batch) in place of packfwd's ordered one (``packfwd.models.dispatch``): what the order costs;
 * ``sequential``: the same model with Megatron-Core's loop over experts (``set_grouped_experts(model, False)``);
 * ``stacked``: grouped, with the weights no longer in one block (as after a distributed optimizer relocates
   them), so copied into one tensor in the forward and again in the backward: what the copies cost (this row moves
@@ -53,7 +55,19 @@ from packfwd import next_token_labels  # noqa: E402
 from packfwd.forward import make_forward  # noqa: E402
 from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
-VARIANTS = ("grouped", "sequential", "stacked", "hf_padded")
+def set_combine(model, how: str) -> None:
+    """Every MoE layer's dispatcher: packfwd's ordered combine, or Megatron-Core's scatter_add one ("scatter")."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from packfwd.models.dispatch import OrderedCombineDispatcher
+
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if isinstance(d, MoEAllGatherTokenDispatcher) and d.ep_size == 1:
+            d.__class__ = MoEAllGatherTokenDispatcher if how == "scatter" else OrderedCombineDispatcher
+
+
+VARIANTS = ("grouped", "grouped_scatter_combine", "sequential", "stacked", "hf_padded")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -250,10 +264,11 @@ def main(argv=None) -> int:
         module = hf if variant == "hf_padded" else model
         if variant == "sequential":
             set_grouped_experts(model, False)
-        elif variant in ("grouped", "stacked"):
+        elif variant in ("grouped", "grouped_scatter_combine", "stacked"):
             set_grouped_experts(model, None if kernel else True)  # the CPU smoke forces the grouped path
             if variant == "stacked":
                 unblock_experts(model)
+        set_combine(model, "scatter" if variant == "grouped_scatter_combine" else "ordered")
         for pass_ in cfg.passes:
             backward = pass_ == "fwd+bwd"
             step = (hf_step if variant == "hf_padded" else packfwd_step)(module, batch, backward)

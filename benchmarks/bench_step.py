@@ -396,7 +396,8 @@ def profile_step(step, module, device) -> dict:
     #              through the host events that launched them); self host time of each op on the CPU
     if cuda:
         for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP_RANGE:  # not the range's
+                #  device-side annotation (spans kernels, is none)
                 acc = by_name.setdefault(e.name, [0.0, 0])
                 acc[0] += e.time_range.elapsed_us() / 1e3
                 acc[1] += 1
@@ -441,7 +442,7 @@ def device_timeline(events, *, stacks: bool = False, top: int = 12) -> dict:
     t0 = span[0].time_range.start
     main_thread = span[0].thread
     k = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-               if e.device_type == cuda_t and e.time_range.end > t0)
+               if e.device_type == cuda_t and e.name != STEP_RANGE and e.time_range.end > t0)
     if not k:
         raise RuntimeError("no device kernel after the step began")
     host = sorted(((e.time_range.start, e.time_range.end, e) for e in events

@@ -1,4 +1,13 @@
-"""Expert parallelism whose ranks hold batches of different shapes: packfwd's MoE layer and its token dispatcher.
+"""packfwd's token dispatchers: a combine whose sum over a token's experts has a fixed order, and expert
+parallelism whose ranks hold batches of different shapes.
+
+:class:`OrderedCombineDispatcher` (every MoE layer with Megatron-Core's ``"allgather"`` dispatcher, one
+expert-parallel rank or more): Megatron-Core returns the experts' outputs to their tokens with ``scatter_add_``
+(atomic adds in the output dtype outside torch's deterministic mode: their order, and so the bits, change run to
+run and with whatever else is in the batch).  packfwd's combine instead gathers each token's ``K`` expert outputs
+(``K = min(top_k, local experts)``; slots of experts the token did not reach read a zero) in ascending expert order
+and sums them: a token's output depends on its own expert outputs only, the same bits run to run and in any batch;
+no atomics, the backward a gather of the gradient (each expert row is read once).  :func:`ordered_unpermute`.
 
 Megatron-Core's ``"allgather"`` token dispatcher gathers every token of the tensor- and expert-parallel group
 (``tp_ep``) to every rank of it, each rank runs its own experts on the tokens routed to them, and a reduce-scatter
@@ -34,30 +43,94 @@ from torch import Tensor
 
 from .cpu import host_collectives
 
-__all__ = ["PaddedAllGatherDispatcher", "pad_expert_parallel"]
+__all__ = ["OrderedCombineDispatcher", "PaddedAllGatherDispatcher", "ordered_unpermute", "pad_expert_parallel"]
 
 
 def pad_expert_parallel(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` (in place) with every MoE layer's ``"allgather"`` token dispatcher over more than one
-    expert-parallel rank made a :class:`PaddedAllGatherDispatcher`; other dispatchers under expert parallelism are
-    a ValueError (they assume equal shapes or CUDA).  Returns ``model``.
+    """``model`` (in place) with every MoE layer's ``"allgather"`` token dispatcher made packfwd's: a
+    :class:`PaddedAllGatherDispatcher` over more than one expert-parallel rank, else an
+    :class:`OrderedCombineDispatcher`; other dispatchers under expert parallelism are a ValueError (they assume
+    equal shapes or CUDA).  Returns ``model``.
 
     >>> pad_expert_parallel(torch.nn.Linear(2, 2))  # no MoE layer: unchanged
     Linear(in_features=2, out_features=2, bias=True)
     """
     for module in model.modules():
         dispatcher = getattr(module, "token_dispatcher", None)
-        if dispatcher is None or dispatcher.ep_size == 1:
+        if dispatcher is None:
             continue
         if not isinstance(dispatcher, MoEAllGatherTokenDispatcher):
+            if dispatcher.ep_size == 1:
+                continue
             raise ValueError(f"{type(dispatcher).__name__} under expert parallelism: packfwd pads the ranks' tokens "
                              "in Megatron-Core's 'allgather' dispatcher only; use "
                              "moe_token_dispatcher_type='allgather'")
-        dispatcher.__class__ = PaddedAllGatherDispatcher  # adds no state: methods only
+        # methods only, no state added
+        dispatcher.__class__ = PaddedAllGatherDispatcher if dispatcher.ep_size > 1 else OrderedCombineDispatcher
     return model
 
 
-class PaddedAllGatherDispatcher(MoEAllGatherTokenDispatcher):
+def ordered_unpermute(permuted: Tensor, routing_map: Tensor, top_k: int, token_of_row: Tensor) -> Tensor:
+    """The tokens' outputs ``[t, h]`` from their experts' ``permuted [n, h]`` (rows sorted by expert, then token:
+    Megatron-Core's ``permute`` of ``routing_map [t, E]`` bool; ``token_of_row [n]`` the token of each row, its
+    ``sorted_indices``), each token's row the sum over its experts in ascending expert order of at most
+    ``min(top_k, E)`` outputs (a token routed nowhere: zeros), bf16 / fp16 summed in float32 and rounded once.  No
+    atomics and no host sync; a token's bits depend on its own rows only.  Backward: the gradient of row ``r`` is
+    the output gradient of its token (a gather: each row belongs to one token).
+
+    >>> rmap = torch.tensor([[True, False, True], [False, True, False], [False, False, False]])
+    >>> permuted = torch.tensor([[1.0], [20.0], [300.0]])  # expert 0: token 0; 1: token 1; 2: token 0
+    >>> ordered_unpermute(permuted, rmap, top_k=2, token_of_row=torch.tensor([0, 1, 0])).flatten().tolist()
+    [301.0, 20.0, 0.0]
+    """
+    t, e = routing_map.shape
+    k = max(1, min(top_k, e))
+    n = permuted.shape[0]
+    if n == 0:
+        return permuted.new_zeros(t, permuted.shape[-1])
+    # rows grouped by token; within a token ascending expert (permute's rows are expert-major, the sort stable)
+    order = torch.sort(token_of_row, stable=True).indices
+    counts = routing_map.sum(1)  # [t]: experts reached (at most k)
+    start = counts.cumsum(0) - counts
+    slot = torch.arange(k, device=routing_map.device)
+    valid = slot[None, :] < counts[:, None]  # [t, k]
+    picked = order.index_select(0, (start[:, None] + slot[None, :]).clamp(max=n - 1).flatten()).view(t, k)
+    return _OrderedCombine.apply(permuted, picked, valid, token_of_row)
+
+
+class _OrderedCombine(torch.autograd.Function):
+    """``out[t] = sum_j valid[t, j] * permuted[picked[t, j]]`` (j ascending); backward a gather by
+    ``token_of_row`` (each row of ``permuted`` is exactly one valid ``(t, j)``): no atomics, no zero-fill."""
+
+    @staticmethod
+    def forward(ctx, permuted, picked, valid, token_of_row):
+        t, k = picked.shape
+        rows = permuted.index_select(0, picked.flatten()).view(t, k, permuted.shape[-1])
+        rows.masked_fill_(~valid[..., None], 0)
+        ctx.save_for_backward(token_of_row)
+        if k == 1:
+            return rows[:, 0]
+        acc = torch.promote_types(permuted.dtype, torch.float32)  # half types summed in float32, rounded once
+        return rows.sum(1, dtype=acc).to(permuted.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None, None
+
+
+class OrderedCombineDispatcher(MoEAllGatherTokenDispatcher):
+    """Megatron-Core's all-gather token dispatcher with :func:`ordered_unpermute` as its combine (module
+    docstring): a token's output sums its experts' in ascending expert order, whatever its batch."""
+
+    def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
+        shape = self.hidden_shape_before_permute
+        out = ordered_unpermute(hidden_states, self.local_map, self.config.moe_router_topk,
+                                self.reversed_local_input_permutation_mapping)
+        return out.view(shape)
+
+
+class PaddedAllGatherDispatcher(OrderedCombineDispatcher):
     """Megatron-Core's all-gather token dispatcher over ranks holding different numbers of tokens (module
     docstring): this rank's ``n`` tokens padded to the group's most, pads routed nowhere, cut off at the end."""
 

@@ -133,8 +133,7 @@ def build_model(
         post_process=pp_rank == pp_size - 1 and vpp_rank == vpp_size - 1,
         pg_collection=stage_process_groups(pp_rank, pp_size), vp_stage=vpp_rank if vpp_size > 1 else None,
     )
-    if ep > 1:
-        pad_expert_parallel(model)  # ranks with batches of their own shape (dispatch.py)
+    pad_expert_parallel(model)  # the ordered combine; ranks with batches of their own shape under EP (dispatch.py)
     return model if init else _mark_tensor_parallel(model)
 
 

@@ -93,8 +93,10 @@ class PackedMLASelfAttention(MegatronModule):
     """
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.causal,
-                 cp_comm_type: str | None = None, pg_collection=None, *, mla: Mla, rope: MlaRope | None = None):
+                 cp_comm_type: str | None = None, pg_collection=None, name: str | None = None, *, mla: Mla,
+                 rope: MlaRope | None = None):
         super().__init__(config)
+        self.name = name  # Megatron-Core >= 0.19 passes the module's instance name down (its labels only)
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         if pg_collection is None:

@@ -4,8 +4,8 @@ the query/key one (q, k, v zero-padded to one head dim, the output cut back: ``p
 The CPU tests check the model against transformers per sequence in float64, with the reference attention only.
 Here, on CUDA: torch's varlen flash kernel runs the padded head dims; in bf16 packfwd's packed log-probs are no
 further from the float32 transformers model than transformers' own bf16 padded log-probs, the backward runs
-through the padding (gradients of every parameter finite, and close to the reference backend's), and the float32
-model equals transformers within TF32-free float32 rounding.  CUDA only (skipped elsewhere).
+through the padding (every parameter's gradient as close to the float32 model's as through the reference
+attention), and the float32 model equals transformers within TF32-free float32 rounding.  CUDA only (skipped elsewhere).
 
     PYTHONPATH=. python3 -m pytest -q tests/gpu/test_deepseek_v3_cuda.py
 """
@@ -125,23 +125,29 @@ def test_bf16_log_probs_as_close_to_fp32_transformers_as_transformers_bf16(model
     assert float(errors["pf16"].mean()) <= 1.5 * float(errors["hf16"].mean()) + 2**-8
 
 
-def test_backward_through_the_padded_head_dims_matches_the_reference_backend(models):
+def test_backward_through_the_padded_head_dims_as_close_to_fp32_as_the_reference_backend(models):
+    """Every parameter's bf16 gradient through the flash kernel (padded head dims) is as close to the float32
+    model's as the bf16 gradient through the reference attention: within 1.5 times its error plus one bf16 step
+    (a wrong head dim or a lost value channel would be off by O(1))."""
     ids, mask = rl_batch(512, seed=1)
     grads = {}
-    for name in ("pf16", "pf16_ref"):
+    for name in ("pf32", "pf16", "pf16_ref"):
         model = models[name]
         model.zero_grad(set_to_none=True)
         lp = packed_log_probs(model, ids, mask)
         (-lp.float().mean()).backward()
         grads[name] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
-    assert grads["pf16"].keys() == grads["pf16_ref"].keys() and len(grads["pf16"]) > 10
-    worst = 0.0
-    for n, g in grads["pf16"].items():
-        assert torch.isfinite(g).all(), n
-        ref = grads["pf16_ref"][n]
-        rel = float((g - ref).norm() / ref.norm().clamp_min(1e-12))
-        worst = max(worst, rel)
-        # bf16 attention against the reference's bf16 path: rounding, not a wrong head dim (that gives ~1)
-        assert rel < 5e-2, (n, rel)
-    print(f"worst relative gradient difference, flash vs reference attention: {worst:.2e}")
+    assert grads["pf16"].keys() == grads["pf16_ref"].keys() == grads["pf32"].keys() and len(grads["pf16"]) > 10
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+    worst = []
+    for n, truth in grads["pf32"].items():
+        flash, ref = rel(grads["pf16"][n], truth), rel(grads["pf16_ref"][n], truth)
+        assert torch.isfinite(grads["pf16"][n]).all(), n
+        assert flash <= 1.5 * ref + 2**-8, (n, flash, ref)
+        worst.append((flash, ref, n))
+    print("largest relative gradient errors against float32 (flash, reference, parameter):",
+          sorted(worst, reverse=True)[:3])

@@ -191,3 +191,42 @@ def test_deepseek_style_router_with_expert_bias_on_cuda():
     rate = model.config.moe_router_bias_update_rate
     for r, n, b in zip(found, counts, before):
         torch.testing.assert_close(r.expert_bias, b + torch.sign(n.mean() - n) * rate)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert_mm"])
+def test_an_expert_rows_bits_do_not_depend_on_the_group_sizes(grouped):
+    """Batch invariance through an MoE layer needs an expert's product of a token's row to be the same bits
+    whatever the other tokens routed to it and to the other experts (their counts change with the batch).
+    The same 5 rows for expert 2 (of 8, widths of the bench_moe shape) at offsets and group sizes of several
+    batches: ``torch._grouped_mm`` (packfwd's grouped path), and one ``x @ w.T`` per expert (the sequential
+    path) with split-K off as under ``batch_invariant=True``."""
+    if grouped:
+        needs_kernel()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, h, f = 8, 2048, 768
+    w = torch.randn(e, f, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    mine = torch.randn(5, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    prior = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        results = []
+        for counts in ([0, 0, 5, 0, 0, 0, 0, 0], [3, 17, 40, 1, 0, 9, 2, 64], [700, 1, 1300, 5, 0, 2100, 33, 1],
+                       [16, 16, 16, 16, 16, 16, 16, 16]):
+            counts = list(counts)
+            counts[2] = max(counts[2], 5)
+            x = torch.randn(sum(counts), h, device="cuda", dtype=torch.bfloat16, generator=g)
+            start = sum(counts[:2]) + (counts[2] - 5) // 2  # my rows in the middle of expert 2's group
+            x[start:start + 5] = mine
+            if grouped:
+                offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+                y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+            else:
+                ends = torch.tensor(counts).cumsum(0).tolist()
+                y = torch.cat([x[a:b] @ w[i].T for i, (a, b) in enumerate(zip([0, *ends[:-1]], ends))])
+            results.append((counts, y[start:start + 5]))
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prior
+    base = results[0][1]
+    differ = [(c, float((r.float() - base.float()).abs().max())) for c, r in results[1:] if not torch.equal(r, base)]
+    print(f"{'grouped_mm' if grouped else 'per-expert mm'}: batches whose rows differ from expert 2 alone: {differ}")
+    assert not differ, differ

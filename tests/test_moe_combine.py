@@ -1,0 +1,119 @@
+"""packfwd's MoE combine (``packfwd.models.dispatch.ordered_unpermute``, every packfwd MoE layer's dispatcher):
+each token's output is the sum of its own experts' outputs in ascending expert order, so its bits do not depend
+on the other tokens of the batch, their number or their order.
+
+Oracles: Megatron-Core's own ``unpermute`` (float64: equal to rounding), a plain per-token loop written here
+(bitwise in float32: the same order of the same adds), and the token's bits alone against within other batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+from packfwd.models.dispatch import OrderedCombineDispatcher, PaddedAllGatherDispatcher, ordered_unpermute
+
+
+def routing(t: int, e: int, k: int, seed: int, empty_rows=()) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(t, e, generator=g)
+    rmap = torch.zeros(t, e, dtype=torch.bool).scatter_(1, scores.topk(k, dim=1).indices, True)
+    rmap[list(empty_rows)] = False  # layout pads: routed nowhere
+    return rmap
+
+
+def expert_outputs(x: torch.Tensor, rmap: torch.Tensor) -> torch.Tensor:
+    """Megatron's permuted rows (expert-major, tokens ascending), each made a function of (token row, expert)."""
+    permuted, _, sorted_indices = permute(x, rmap)[:3]
+    experts = rmap.T.nonzero()[:, 0]  # the expert of each permuted row, in permute's order
+    return permuted * (1.0 + experts[:, None].to(x.dtype)) + experts[:, None].to(x.dtype), sorted_indices
+
+
+def combine_inputs(x, rmap, k):
+    out, sorted_indices = expert_outputs(x, rmap)
+    return out, rmap, k, sorted_indices
+
+
+@pytest.mark.parametrize("t,e,k,empty", [(9, 6, 2, ()), (16, 8, 4, (0, 5, 15)), (5, 3, 3, (2,)), (7, 4, 1, ())])
+def test_equals_megatron_unpermute_and_a_per_token_loop(t, e, k, empty):
+    rmap = routing(t, e, k, seed=t * 10 + e, empty_rows=empty)
+    x = torch.randn(t, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, sorted_indices = expert_outputs(x, rmap)
+    got = ordered_unpermute(out, rmap, top_k=k, token_of_row=sorted_indices)
+    theirs = unpermute(out, sorted_indices, restore_shape=x.shape, routing_map=rmap)
+    torch.testing.assert_close(got, theirs, rtol=1e-13, atol=1e-13)
+    # a plain loop: token by token, its experts ascending, float32 sums in that order
+    out32 = out.float()
+    row_of = {}
+    for r, (ex, tok) in enumerate(rmap.T.nonzero().tolist()):
+        row_of[tok, ex] = r
+    want = torch.zeros(t, 5)
+    for tok in range(t):
+        acc = torch.zeros(5)
+        for ex in range(e):
+            if (tok, ex) in row_of:
+                acc = acc + out32[row_of[tok, ex]]
+        want[tok] = acc
+    assert torch.equal(ordered_unpermute(out32, rmap, top_k=k, token_of_row=sorted_indices), want)
+    assert torch.equal(got[list(empty)], torch.zeros(len(empty), 5, dtype=torch.float64))
+
+
+def test_fewer_local_experts_than_top_k_and_no_rows():
+    """Under expert parallelism a rank sees its local experts' columns only: a token may reach fewer than top_k of
+    them (or none); with no routed row at all the output is zeros."""
+    rmap = routing(10, 8, 4, seed=3)[:, :2]  # 2 local experts of 8, top-4 routing
+    x = torch.randn(10, 3, dtype=torch.float64)
+    out, sorted_indices = expert_outputs(x, rmap)
+    torch.testing.assert_close(ordered_unpermute(out, rmap, top_k=4, token_of_row=sorted_indices),
+                               unpermute(out, sorted_indices, restore_shape=x.shape, routing_map=rmap))
+    none = torch.zeros(4, 2, dtype=torch.bool)
+    assert torch.equal(ordered_unpermute(torch.zeros(0, 3), none, top_k=2, token_of_row=torch.zeros(0, dtype=torch.long)),
+                       torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tokens_bits_do_not_depend_on_its_batch(dtype):
+    """The same 6 tokens (same routing, same expert outputs) alone, after 40 others, and shuffled among them: their
+    combined rows are bit for bit the same (Megatron's scatter_add in bf16 rounds after each add, in the order
+    of the permuted rows, so a token's bits there follow its neighbours' routing)."""
+    g = torch.Generator().manual_seed(5)
+    e, k, h = 8, 3, 16
+    mine = routing(6, e, k, seed=11)
+    mine_x = torch.randn(6, h, generator=g).to(dtype)
+    alone = ordered_unpermute(*combine_inputs(mine_x, mine, k))
+    others = routing(40, e, k, seed=12, empty_rows=(3, 17))
+    others_x = torch.randn(40, h, generator=g).to(dtype)
+    for order in ("after", "shuffled"):
+        rmap, x = torch.cat([others, mine]), torch.cat([others_x, mine_x])
+        where = torch.arange(40, 46)
+        if order == "shuffled":
+            perm = torch.randperm(46, generator=g)
+            rmap, x = rmap[perm], x[perm]
+            where = torch.argsort(perm)[40:]
+        got = ordered_unpermute(*combine_inputs(x, rmap, k))[where]
+        assert torch.equal(got, alone), order
+
+
+def test_gradient_is_the_gather_of_the_output_gradient():
+    rmap = routing(12, 5, 2, seed=7, empty_rows=(4,))
+    n = int(rmap.sum())
+    tokens = rmap.T.nonzero()[:, 1]  # the token of each permuted row
+    out = torch.randn(n, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda o: ordered_unpermute(o, rmap, 2, tokens), (out,))
+    upstream = torch.randn(12, 3, dtype=torch.float64)
+    ordered_unpermute(out, rmap, 2, tokens).backward(upstream)
+    assert torch.equal(out.grad, upstream[tokens])
+
+
+def test_every_moe_layer_gets_the_ordered_combine():
+    from packfwd.models import ModelArgs, build_model
+    from packfwd.models.family import Moe
+
+    model = build_model(ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2,
+                                  num_attention_heads=4, num_query_groups=2, family="qwen3_moe",
+                                  moe=Moe(num_experts=4, top_k=2, ffn_hidden_size=16)))
+    dispatchers = [m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")]
+    assert len(dispatchers) == 2
+    assert all(type(d) is OrderedCombineDispatcher for d in dispatchers)
+    assert issubclass(PaddedAllGatherDispatcher, OrderedCombineDispatcher)  # expert parallelism keeps it
