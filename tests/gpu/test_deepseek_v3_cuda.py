@@ -125,10 +125,27 @@ def test_bf16_log_probs_as_close_to_fp32_transformers_as_transformers_bf16(model
     assert float(errors["pf16"].mean()) <= 1.5 * float(errors["hf16"].mean()) + 2**-8
 
 
-def test_backward_through_the_padded_head_dims_as_close_to_fp32_as_the_reference_backend(models):
+@pytest.fixture(scope="module")
+def dense_models():
+    """All layers dense (no routing: a bf16 rounding cannot flip an expert choice and move a gradient by O(1))."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from packfwd.models import from_hf
+
+    torch.manual_seed(1)
+    hf32 = DeepseekV3ForCausalLM(ds_config(first_k_dense_replace=3)).cuda().eval()
+    return dict(pf32=from_hf(hf32, device="cuda", params_dtype=torch.float32),
+                pf16=from_hf(hf32, device="cuda", params_dtype=torch.bfloat16),
+                pf16_ref=from_hf(hf32, device="cuda", params_dtype=torch.bfloat16, attention_backend="reference"))
+
+
+def test_backward_through_the_padded_head_dims_as_close_to_fp32_as_the_reference_backend(dense_models):
     """Every parameter's bf16 gradient through the flash kernel (padded head dims) is as close to the float32
     model's as the bf16 gradient through the reference attention: within 1.5 times its error plus one bf16 step
-    (a wrong head dim or a lost value channel would be off by O(1))."""
+    (a wrong head dim or a lost value channel would be off by O(1)).  All-dense layers: with MoE layers the router
+    gradients follow bf16 routing flips (on the H200 a router weight's error was 0.081 through flash against 0.043
+    through the reference attention, the first gradient over the bound), not the attention alone."""
+    models = dense_models
     ids, mask = rl_batch(512, seed=1)
     grads = {}
     for name in ("pf32", "pf16", "pf16_ref"):
