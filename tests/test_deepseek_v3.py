@@ -38,6 +38,7 @@ from packfwd.models.hf_weights import hf_to_megatron
 from packfwd.models.latent import Mla, Yarn
 
 from .oracles import assert_hf_round_trip
+from .test_glm4_moe import per_sequence, ragged_batch, with_expert_bias
 from .test_moe import randomise
 
 V = 64
@@ -62,19 +63,7 @@ def ds_config(*, q_lora_rank: int | None = 12, dense: bool = False, rope: str = 
 
 
 def ds_model(cfg: DeepseekV3Config, seed: int = 0) -> DeepseekV3ForCausalLM:
-    hf = randomise(DeepseekV3ForCausalLM(cfg), seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for layer in hf.model.layers[cfg.first_k_dense_replace:]:
-        layer.mlp.gate.e_score_correction_bias.data = 0.3 * torch.randn(cfg.n_routed_experts, generator=g)
-    return hf
-
-
-def ragged_batch(seed: int = 0):
-    """ids [4, 10]: a full row, a right-padded row, a left-padded row of length 1, a left-padded row."""
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(4, 10, dtype=torch.bool)
-    mask[0], mask[1, :6], mask[2, 9:], mask[3, 3:] = True, True, True, True
-    return torch.randint(1, V, (4, 10), generator=g).masked_fill(~mask, 0), mask
+    return with_expert_bias(randomise(DeepseekV3ForCausalLM(cfg), seed), cfg, seed)
 
 
 @pytest.fixture
@@ -84,12 +73,6 @@ def hf_norm_in_input_dtype(monkeypatch):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3RMSNorm, "forward", forward)
-
-
-def per_sequence(hf, ids, mask, positions=None):
-    with torch.no_grad():
-        return [hf(ids[i][mask[i]][None], position_ids=None if positions is None else positions[i][mask[i]][None])
-                .logits[0] for i in range(ids.shape[0])]
 
 
 def test_the_config_is_read_as_deepseek_v3_and_yarn_is_transformers():

@@ -52,7 +52,11 @@ def glm_config(*, qk_norm: bool = True, dense: bool = False, **extra) -> Glm4Moe
 
 
 def glm_model(cfg: Glm4MoeConfig, seed: int = 0) -> Glm4MoeForCausalLM:
-    hf = randomise(Glm4MoeForCausalLM(cfg), seed)
+    return with_expert_bias(randomise(Glm4MoeForCausalLM(cfg), seed), cfg, seed)
+
+
+def with_expert_bias(hf, cfg, seed: int):
+    """``hf`` (in place) with an O(1) routing-only expert bias in each MoE layer (GLM-4.5, DeepSeek-V3 layouts)."""
     g = torch.Generator().manual_seed(seed + 1)
     for layer in hf.model.layers[cfg.first_k_dense_replace:]:
         layer.mlp.gate.e_score_correction_bias.data = 0.3 * torch.randn(cfg.n_routed_experts, generator=g)
@@ -76,9 +80,11 @@ def hf_norm_in_input_dtype(monkeypatch):
     monkeypatch.setattr(modeling_glm4_moe.Glm4MoeRMSNorm, "forward", forward)
 
 
-def per_sequence(hf, ids, mask):
+def per_sequence(hf, ids, mask, positions=None):
+    """transformers' logits of each row's real tokens alone (``positions [b, s]``: the caller's, else 0, 1, ...)."""
     with torch.no_grad():
-        return [hf(ids[i][mask[i]][None]).logits[0] for i in range(ids.shape[0])]
+        return [hf(ids[i][mask[i]][None], position_ids=None if positions is None else positions[i][mask[i]][None])
+                .logits[0] for i in range(ids.shape[0])]
 
 
 def test_the_config_is_read_as_glm4_moe():
