@@ -12,8 +12,9 @@ Rows (``--variants``), each forward only (``fwd``: log-probs under no_grad) and 
 
 * ``grouped``: ``make_forward("thd", logits_processor=<log-probs>)``, the experts as two ``torch._grouped_mm``
   per MoE layer reading the weights in place (packfwd's default on sm90 / sm100 in bf16);
-* ``grouped_scatter_combine``: grouped, with Megatron-Core's own combine (``scatter_add_``, atomic, its bits
-  following the batch) in place of packfwd's ordered one (``packfwd.models.dispatch``): what the order costs;
+* ``grouped_scatter_combine``: grouped, with Megatron-Core's own permutation and combine (``index_select`` with
+  an atomic ``index_add_`` backward, ``scatter_add_``: their bits following the batch) in place of packfwd's
+  ordered ones (``packfwd.models.dispatch``): what the order costs;
 * ``sequential``: the same model with Megatron-Core's loop over experts (``set_grouped_experts(model, False)``);
 * ``stacked``: grouped, with the weights no longer in one block (as after a distributed optimizer relocates
   them), so copied into one tensor in the forward and again in the backward: what the copies cost (this row moves
@@ -56,7 +57,7 @@ from packfwd.forward import make_forward  # noqa: E402
 from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
 def set_combine(model, how: str) -> None:
-    """Every MoE layer's dispatcher: packfwd's ordered combine, or Megatron-Core's scatter_add one ("scatter")."""
+    """Every MoE layer's dispatcher: packfwd's ordered permutation and combine, or Megatron-Core's ("scatter")."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     from packfwd.models.dispatch import OrderedCombineDispatcher

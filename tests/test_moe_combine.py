@@ -117,3 +117,32 @@ def test_every_moe_layer_gets_the_ordered_combine():
     assert len(dispatchers) == 2
     assert all(type(d) is OrderedCombineDispatcher for d in dispatchers)
     assert issubclass(PaddedAllGatherDispatcher, OrderedCombineDispatcher)  # expert parallelism keeps it
+
+
+@pytest.mark.parametrize("t,e,k,empty", [(9, 6, 2, ()), (16, 8, 4, (0, 5, 15)), (7, 4, 1, ())])
+def test_ordered_permute_equals_megatron_permute_and_its_gradient(t, e, k, empty):
+    """Forward: Megatron-Core's permute, rows and ``sorted_indices`` bit for bit; backward: its gradient (a token's
+    rows summed), to float64 rounding, and a per-token loop in ascending expert order bit for bit in float32."""
+    from packfwd.models.dispatch import ordered_permute
+
+    rmap = routing(t, e, k, seed=t + e, empty_rows=empty)
+    x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
+    x_theirs = x.detach().clone().requires_grad_(True)
+    mine, rows = ordered_permute(x, rmap, top_k=k)
+    theirs, _, sorted_indices = permute(x_theirs, rmap)[:3]
+    assert torch.equal(mine, theirs) and torch.equal(rows, sorted_indices)
+    upstream = torch.randn_like(mine)
+    mine.backward(upstream)
+    theirs.backward(upstream)
+    torch.testing.assert_close(x.grad, x_theirs.grad, rtol=1e-13, atol=1e-13)
+    x32 = x.detach().float().requires_grad_(True)
+    up32 = upstream.float()
+    ordered_permute(x32, rmap, top_k=k)[0].backward(up32)
+    want = torch.zeros(t, 4)
+    for tok in range(t):
+        acc = torch.zeros(4)
+        for r in range(len(rows)):  # rows are expert-major: a token's rows come in ascending expert order
+            if rows[r] == tok:
+                acc = acc + up32[r]
+        want[tok] = acc
+    assert torch.equal(x32.grad, want)

@@ -7,7 +7,10 @@ expert-parallel rank or more): Megatron-Core returns the experts' outputs to the
 run and with whatever else is in the batch).  packfwd's combine instead gathers each token's ``K`` expert outputs
 (``K = min(top_k, local experts)``; slots of experts the token did not reach read a zero) in ascending expert order
 and sums them: a token's output depends on its own expert outputs only, the same bits run to run and in any batch;
-no atomics, the backward a gather of the gradient (each expert row is read once).  :func:`ordered_unpermute`.
+no atomics, the backward a gather of the gradient (each expert row is read once).  The permutation before the
+experts is the mirror image (:func:`ordered_permute`: a gather forward; backward, where Megatron-Core's adds a
+token's rows with atomic ``index_add_``, the same ordered sum), so the MoE layer's input gradient is the same bits
+run to run without torch's deterministic mode.  :func:`ordered_unpermute`.
 
 Megatron-Core's ``"allgather"`` token dispatcher gathers every token of the tensor- and expert-parallel group
 (``tp_ep``) to every rank of it, each rank runs its own experts on the tokens routed to them, and a reduce-scatter
@@ -43,7 +46,8 @@ from torch import Tensor
 
 from .cpu import host_collectives
 
-__all__ = ["OrderedCombineDispatcher", "PaddedAllGatherDispatcher", "ordered_unpermute", "pad_expert_parallel"]
+__all__ = ["OrderedCombineDispatcher", "PaddedAllGatherDispatcher", "ordered_permute", "ordered_unpermute",
+           "pad_expert_parallel"]
 
 
 def pad_expert_parallel(model: torch.nn.Module) -> torch.nn.Module:
@@ -83,19 +87,55 @@ def ordered_unpermute(permuted: Tensor, routing_map: Tensor, top_k: int, token_o
     >>> ordered_unpermute(permuted, rmap, top_k=2, token_of_row=torch.tensor([0, 1, 0])).flatten().tolist()
     [301.0, 20.0, 0.0]
     """
+    if permuted.shape[0] == 0:
+        return permuted.new_zeros(routing_map.shape[0], permuted.shape[-1])
+    picked, valid = token_slots(routing_map, top_k, token_of_row)
+    return _OrderedCombine.apply(permuted, picked, valid, token_of_row)
+
+
+def ordered_permute(tokens: Tensor, routing_map: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """``(permuted [n, h], token_of_row [n])``: the rows of ``tokens [t, h]`` routed to each expert of
+    ``routing_map [t, E]``, sorted by expert then token (Megatron-Core's ``permute``, its ``sorted_indices``), n =
+    the routed pairs (learning it is a host sync, as Megatron-Core's ``permute``).  Backward: a token's gradient
+    is the sum of its rows' in ascending expert order (:func:`ordered_unpermute`'s forward), no atomics.
+
+    >>> rmap = torch.tensor([[True, False, True], [False, True, False]])
+    >>> permuted, rows = ordered_permute(torch.tensor([[1.0], [2.0]]), rmap, top_k=2)
+    >>> permuted.flatten().tolist(), rows.tolist()
+    ([1.0, 2.0, 1.0], [0, 1, 0])
+    """
+    t = routing_map.shape[0]
+    by_expert = routing_map.bool().T.contiguous()  # [E, t]
+    token_of_row = torch.arange(t, device=routing_map.device).expand_as(by_expert).masked_select(by_expert)
+    return _OrderedPermute.apply(tokens, routing_map, top_k, token_of_row), token_of_row
+
+
+def token_slots(routing_map: Tensor, top_k: int, token_of_row: Tensor) -> tuple[Tensor, Tensor]:
+    """``(picked [t, k], valid [t, k])``: each token's rows of the permuted tensor in ascending expert order, k =
+    ``min(top_k, E)`` slots (``valid`` False past the experts it reached; ``picked`` then any row)."""
     t, e = routing_map.shape
     k = max(1, min(top_k, e))
-    n = permuted.shape[0]
-    if n == 0:
-        return permuted.new_zeros(t, permuted.shape[-1])
+    n = token_of_row.shape[0]
     # rows grouped by token; within a token ascending expert (permute's rows are expert-major, the sort stable)
     order = torch.sort(token_of_row, stable=True).indices
     counts = routing_map.sum(1)  # [t]: experts reached (at most k)
     start = counts.cumsum(0) - counts
     slot = torch.arange(k, device=routing_map.device)
-    valid = slot[None, :] < counts[:, None]  # [t, k]
-    picked = order.index_select(0, (start[:, None] + slot[None, :]).clamp(max=n - 1).flatten()).view(t, k)
-    return _OrderedCombine.apply(permuted, picked, valid, token_of_row)
+    valid = slot[None, :] < counts[:, None]
+    picked = order.index_select(0, (start[:, None] + slot[None, :]).clamp(max=max(n - 1, 0)).flatten()).view(t, k)
+    return picked, valid
+
+
+def _sum_slots(permuted: Tensor, picked: Tensor, valid: Tensor) -> Tensor:
+    t, k = picked.shape
+    if permuted.shape[0] == 0:
+        return permuted.new_zeros(t, permuted.shape[-1])
+    rows = permuted.index_select(0, picked.flatten()).view(t, k, permuted.shape[-1])
+    rows.masked_fill_(~valid[..., None], 0)
+    if k == 1:
+        return rows[:, 0]
+    acc = torch.promote_types(permuted.dtype, torch.float32)  # half types summed in float32, rounded once
+    return rows.sum(1, dtype=acc).to(permuted.dtype)
 
 
 class _OrderedCombine(torch.autograd.Function):
@@ -104,14 +144,8 @@ class _OrderedCombine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, permuted, picked, valid, token_of_row):
-        t, k = picked.shape
-        rows = permuted.index_select(0, picked.flatten()).view(t, k, permuted.shape[-1])
-        rows.masked_fill_(~valid[..., None], 0)
         ctx.save_for_backward(token_of_row)
-        if k == 1:
-            return rows[:, 0]
-        acc = torch.promote_types(permuted.dtype, torch.float32)  # half types summed in float32, rounded once
-        return rows.sum(1, dtype=acc).to(permuted.dtype)
+        return _sum_slots(permuted, picked, valid)
 
     @staticmethod
     def backward(ctx, grad):
@@ -119,9 +153,38 @@ class _OrderedCombine(torch.autograd.Function):
         return grad.index_select(0, token_of_row), None, None, None
 
 
+class _OrderedPermute(torch.autograd.Function):
+    """``tokens[token_of_row]``; backward each token's rows summed in ascending expert order (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, tokens, routing_map, top_k, token_of_row):
+        ctx.save_for_backward(routing_map, token_of_row)
+        ctx.top_k = top_k
+        return tokens.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        routing_map, token_of_row = ctx.saved_tensors
+        picked, valid = token_slots(routing_map, ctx.top_k, token_of_row)
+        return _sum_slots(grad, picked, valid), None, None, None
+
+
 class OrderedCombineDispatcher(MoEAllGatherTokenDispatcher):
-    """Megatron-Core's all-gather token dispatcher with :func:`ordered_unpermute` as its combine (module
-    docstring): a token's output sums its experts' in ascending expert order, whatever its batch."""
+    """Megatron-Core's all-gather token dispatcher with :func:`ordered_permute` / :func:`ordered_unpermute` as its
+    permutation and combine (module docstring): a token's output, and its gradient, sum its experts' in ascending
+    expert order, whatever its batch."""
+
+    def dispatch_postprocess(self, hidden_states: Tensor, probs: Tensor):
+        """Megatron-Core's: this rank's experts' tokens, sorted by expert; the permutation packfwd's."""
+        self.hidden_shape_before_permute = hidden_states.shape
+        lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        self.local_map = self.routing_map[:, lo:hi].contiguous()
+        tokens_per_expert = self.local_map.sum(dim=0).long().cpu()  # Megatron-Core's sequential experts read it
+        permuted, self.reversed_local_input_permutation_mapping = ordered_permute(
+            hidden_states, self.local_map, self.config.moe_router_topk)
+        self.local_probs = probs[:, lo:hi].T.contiguous().masked_select(self.local_map.T.contiguous())
+        self.routing_map = None
+        return permuted, tokens_per_expert, self.local_probs
 
     def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
         shape = self.hidden_shape_before_permute
