@@ -38,7 +38,8 @@ from packfwd.models.hf_weights import hf_to_megatron
 from packfwd.models.latent import Mla, Yarn
 
 from .oracles import assert_hf_round_trip
-from .test_glm4_moe import per_sequence, ragged_batch, with_expert_bias
+from .test_glm4_moe import (assert_parallel_equal_per_sequence, parallel_worker, per_sequence, ragged_batch,
+                             with_expert_bias)
 from .test_moe import randomise
 
 V = 64
@@ -218,29 +219,9 @@ def test_pp2_equals_one_stage():
             torch.testing.assert_close(forward(stages[1], ids, mask), forward(whole, ids, mask), atol=1e-10, rtol=0)
 
 
-def _parallel_worker(rank: int, world: int, hf):
-    """TP=2 with sequence parallelism (THD, BSHD) and CP=2 (THD) over gloo: {case: this rank's logits}."""
-    from megatron.core import parallel_state as ps
-
-    from packfwd.models.runtime import ensure_model_parallel
-
-    ids, mask = ragged_batch()
-    out = {}
-    ensure_model_parallel(tp_size=2)
-    model = from_hf(hf, tp_size=2, tp_rank=rank, sequence_parallel=True)
+def _mla_rows(model) -> tuple[int, int]:
     attention = model.decoder.layers[0].self_attention
-    out["rows"] = (attention.linear_q_up_proj.weight.shape[0], attention.linear_kv_down_proj.weight.shape[0])
-    with torch.no_grad():
-        for data_format in ("thd", "bshd"):
-            out[f"tp2_sp_{data_format}"] = make_forward(data_format, tp_size=2)(model, ids, mask)
-    ps.destroy_model_parallel()
-    ensure_model_parallel(cp_size=2)
-    forward = make_forward("thd", cp_size=2, cp_rank=ps.get_context_parallel_rank(),
-                           cp_group=ps.get_context_parallel_group())
-    with torch.no_grad():
-        out["cp2"] = forward(from_hf(hf), ids, mask)
-    ps.destroy_model_parallel()
-    return out
+    return attention.linear_q_up_proj.weight.shape[0], attention.linear_kv_down_proj.weight.shape[0]
 
 
 def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
@@ -249,13 +230,6 @@ def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
     from packfwd.testing import run_local
 
     hf = ds_model(ds_config())
-    ranks = run_local(_parallel_worker, 2, hf, backend="gloo", timeout=300)
-    assert [r["rows"] for r in ranks] == [(2 * 12, (16 + 4) // 2)] * 2  # 2 of 4 heads; half the kv latent's rows
-    ids, mask = ragged_batch()
-    cases = {"cp2": [r["cp2"] for r in ranks]}
-    cases.update({f"tp2_sp_{f}": [torch.cat([r[f"tp2_sp_{f}"] for r in ranks], -1)] for f in ("thd", "bshd")})
-    want = per_sequence(hf, ids, mask)
-    for case, outputs in cases.items():
-        for logits in outputs:
-            for i, ref in enumerate(want):
-                torch.testing.assert_close(logits[i][mask[i]], ref, atol=2e-5, rtol=1e-5, msg=f"{case} row {i}")
+    ranks = run_local(parallel_worker, 2, hf, _mla_rows, backend="gloo", timeout=300)
+    assert [r["probe"] for r in ranks] == [(2 * 12, (16 + 4) // 2)] * 2  # 2 of 4 heads; half the kv latent's rows
+    assert_parallel_equal_per_sequence(hf, ranks)

@@ -153,8 +153,9 @@ def test_rotary_percent_is_validated():
 # ------------------------------------------------------------------------------------------- model parallelism
 
 
-def _parallel_worker(rank: int, world: int, hf):
-    """TP=2 with sequence parallelism (THD, BSHD) and CP=2 (THD) over gloo: {case: this rank's logits}."""
+def parallel_worker(rank: int, world: int, hf, probe=None):
+    """TP=2 with sequence parallelism (THD, BSHD) and CP=2 (THD) over gloo: {case: this rank's logits}, and with
+    ``probe`` (a module-level function of the TP model) ``out["probe"]``."""
     from megatron.core import parallel_state as ps
 
     from packfwd.models.runtime import ensure_model_parallel
@@ -163,6 +164,8 @@ def _parallel_worker(rank: int, world: int, hf):
     out = {}
     ensure_model_parallel(tp_size=2)
     model = from_hf(hf, tp_size=2, tp_rank=rank, sequence_parallel=True)
+    if probe is not None:
+        out["probe"] = probe(model)
     with torch.no_grad():
         for data_format in ("thd", "bshd"):
             out[f"tp2_sp_{data_format}"] = make_forward(data_format, tp_size=2)(model, ids, mask)
@@ -176,12 +179,8 @@ def _parallel_worker(rank: int, world: int, hf):
     return out
 
 
-def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
-    """Partial RoPE on zigzag CP shards, q/k/v biases, QK-norm and the shared and routed experts split over TP."""
-    from packfwd.testing import run_local
-
-    hf = glm_model(glm_config())
-    ranks = run_local(_parallel_worker, 2, hf, backend="gloo", timeout=300)
+def assert_parallel_equal_per_sequence(hf, ranks) -> None:
+    """Each case of :func:`parallel_worker` (TP's vocab shards concatenated) equals transformers per sequence."""
     ids, mask = ragged_batch()
     cases = {"cp2": [r["cp2"] for r in ranks]}
     cases.update({f"tp2_sp_{f}": [torch.cat([r[f"tp2_sp_{f}"] for r in ranks], -1)] for f in ("thd", "bshd")})
@@ -190,6 +189,14 @@ def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
         for logits in outputs:
             for i, ref in enumerate(want):
                 torch.testing.assert_close(logits[i][mask[i]], ref, atol=2e-5, rtol=1e-5, msg=f"{case} row {i}")
+
+
+def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
+    """Partial RoPE on zigzag CP shards, q/k/v biases, QK-norm and the shared and routed experts split over TP."""
+    from packfwd.testing import run_local
+
+    hf = glm_model(glm_config())
+    assert_parallel_equal_per_sequence(hf, run_local(parallel_worker, 2, hf, backend="gloo", timeout=300))
 
 
 def test_pp2_equals_one_stage():
