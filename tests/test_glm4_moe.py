@@ -106,6 +106,12 @@ def test_logits_equal_transformers_per_sequence(qk_norm, layout):
     hf = glm_model(glm_config(qk_norm=qk_norm))
     model = from_hf(hf)
     assert model_args(model) == args_from_hf_config(hf.config)  # qk_norm and rotary_percent read back
+    assert_layout_equals_per_sequence(hf, model, layout)
+
+
+def assert_layout_equals_per_sequence(hf, model, layout: str) -> None:
+    """``model``'s logits of the ragged batch in ``LAYOUTS[layout]`` equal ``hf`` run on each sequence alone (O(1)
+    logits, to 2e-5), and its padding positions are zero."""
     ids, mask = ragged_batch()
     with torch.no_grad():
         logits = make_forward(**LAYOUTS[layout])(model, ids, mask)
