@@ -38,8 +38,8 @@ from packfwd.models.hf_weights import hf_to_megatron
 from packfwd.models.latent import Mla, Yarn
 
 from .oracles import assert_hf_round_trip
-from .test_glm4_moe import (LAYOUTS, assert_layout_equals_per_sequence, assert_parallel_equal_per_sequence, parallel_worker,
-                             per_sequence, ragged_batch, with_expert_bias)
+from .test_glm4_moe import (LAYOUTS, assert_layout_equals_per_sequence, assert_parallel_equal_per_sequence,
+                             parallel_worker, per_sequence, ragged_batch, with_expert_bias)
 from .test_moe import randomise
 
 V = 64
