@@ -39,7 +39,8 @@ from packfwd.models.latent import Mla, Yarn
 
 from .oracles import assert_hf_round_trip
 from .test_glm4_moe import (LAYOUTS, assert_layout_equals_per_sequence, assert_parallel_equal_per_sequence,
-                             parallel_worker, per_sequence, ragged_batch, with_expert_bias)
+                             assert_two_stages_equal_one, parallel_worker, per_sequence, ragged_batch,
+                             with_expert_bias)
 from .test_moe import randomise
 
 V = 64
@@ -200,15 +201,7 @@ def test_bad_configs_name_the_field_and_the_fix():
 def test_pp2_equals_one_stage():
     """Stage 0: layers 0 (dense) and 1 (MoE); stage 1: layers 2 and 3 and the head (positions from the hidden
     states' shape in BSHD, from the params in THD)."""
-    hf = ds_model(ds_config(num_hidden_layers=4))
-    whole = from_hf(hf)
-    stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
-    ids, mask = ragged_batch()
-    for data_format in ("thd", "bshd"):
-        forward = make_forward(data_format)
-        with torch.no_grad():
-            stages[1].set_input_tensor(forward(stages[0], ids, mask))
-            torch.testing.assert_close(forward(stages[1], ids, mask), forward(whole, ids, mask), atol=1e-10, rtol=0)
+    assert_two_stages_equal_one(ds_model(ds_config(num_hidden_layers=4)))
 
 
 def _mla_rows(model) -> tuple[int, int]:

@@ -207,7 +207,12 @@ def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
 
 def test_pp2_equals_one_stage():
     """Stage 0: layers 0 (dense) and 1 (MoE); stage 1: layers 2 and 3 (MoE) and the head."""
-    hf = glm_model(glm_config(num_hidden_layers=4))
+    assert_two_stages_equal_one(glm_model(glm_config(num_hidden_layers=4)))
+
+
+def assert_two_stages_equal_one(hf) -> None:
+    """``hf`` as two pipeline stages (stage 1 fed stage 0's output) gives the one-stage model's logits, THD and
+    BSHD, to 1e-10."""
     whole = from_hf(hf)
     stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
     ids, mask = ragged_batch()

@@ -128,7 +128,7 @@ def test_ordered_permute_equals_megatron_permute_and_its_gradient(t, e, k, empty
     rmap = routing(t, e, k, seed=t + e, empty_rows=empty)
     x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
     x_theirs = x.detach().clone().requires_grad_(True)
-    mine, rows = ordered_permute(x, rmap, top_k=k)
+    mine, rows, _ = ordered_permute(x, rmap, top_k=k)
     theirs, _, sorted_indices = permute(x_theirs, rmap)[:3]
     assert torch.equal(mine, theirs) and torch.equal(rows, sorted_indices)
     upstream = torch.randn_like(mine)
@@ -146,3 +146,27 @@ def test_ordered_permute_equals_megatron_permute_and_its_gradient(t, e, k, empty
                 acc = acc + up32[r]
         want[tok] = acc
     assert torch.equal(x32.grad, want)
+
+
+def test_a_token_with_more_experts_than_top_k_fails_instead_of_losing_some():
+    """The combine has min(top_k, E) slots per token: a routing map with more would drop outputs; it raises."""
+    rmap = routing(6, 5, 3, seed=2)
+    x = torch.randn(6, 2)
+    out, sorted_indices = expert_outputs(x, rmap)
+    with pytest.raises(RuntimeError, match="more than top_k=2 experts"):
+        ordered_unpermute(out, rmap, top_k=2, token_of_row=sorted_indices)
+
+
+def test_a_rank_whose_experts_got_no_token_permutes_and_combines_nothing():
+    """Under expert parallelism a rank's local experts may receive no token: zero rows out, zeros back, and the
+    permutation's backward gives every token a zero gradient."""
+    from packfwd.models.dispatch import ordered_permute
+
+    rmap = torch.zeros(5, 2, dtype=torch.bool)
+    x = torch.randn(5, 3, requires_grad=True)
+    permuted, rows, slots = ordered_permute(x, rmap, top_k=2)
+    assert permuted.shape == (0, 3) and rows.shape == (0,)
+    out = ordered_unpermute(permuted, rmap, 2, rows, slots)
+    assert torch.equal(out, torch.zeros(5, 3))
+    (permuted.sum() + out.sum()).backward()
+    assert torch.equal(x.grad, torch.zeros(5, 3))

@@ -74,13 +74,15 @@ def pad_expert_parallel(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def ordered_unpermute(permuted: Tensor, routing_map: Tensor, top_k: int, token_of_row: Tensor) -> Tensor:
+def ordered_unpermute(permuted: Tensor, routing_map: Tensor, top_k: int, token_of_row: Tensor,
+                      slots: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The tokens' outputs ``[t, h]`` from their experts' ``permuted [n, h]`` (rows sorted by expert, then token:
     Megatron-Core's ``permute`` of ``routing_map [t, E]`` bool; ``token_of_row [n]`` the token of each row, its
     ``sorted_indices``), each token's row the sum over its experts in ascending expert order of at most
     ``min(top_k, E)`` outputs (a token routed nowhere: zeros), bf16 / fp16 summed in float32 and rounded once.  No
     atomics and no host sync; a token's bits depend on its own rows only.  Backward: the gradient of row ``r`` is
-    the output gradient of its token (a gather: each row belongs to one token).
+    the output gradient of its token (a gather: each row belongs to one token).  ``slots``: :func:`token_slots` of
+    the same map, when the caller has them (:func:`ordered_permute` returns them).
 
     >>> rmap = torch.tensor([[True, False, True], [False, True, False], [False, False, False]])
     >>> permuted = torch.tensor([[1.0], [20.0], [300.0]])  # expert 0: token 0; 1: token 1; 2: token 0
@@ -89,40 +91,46 @@ def ordered_unpermute(permuted: Tensor, routing_map: Tensor, top_k: int, token_o
     """
     if permuted.shape[0] == 0:
         return permuted.new_zeros(routing_map.shape[0], permuted.shape[-1])
-    picked, valid = token_slots(routing_map, top_k, token_of_row)
+    picked, valid = slots if slots is not None else token_slots(routing_map, top_k, token_of_row)
     return _OrderedCombine.apply(permuted, picked, valid, token_of_row)
 
 
-def ordered_permute(tokens: Tensor, routing_map: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """``(permuted [n, h], token_of_row [n])``: the rows of ``tokens [t, h]`` routed to each expert of
+def ordered_permute(tokens: Tensor, routing_map: Tensor, top_k: int) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """``(permuted [n, h], token_of_row [n], slots)``: the rows of ``tokens [t, h]`` routed to each expert of
     ``routing_map [t, E]``, sorted by expert then token (Megatron-Core's ``permute``, its ``sorted_indices``), n =
-    the routed pairs (learning it is a host sync, as Megatron-Core's ``permute``).  Backward: a token's gradient
-    is the sum of its rows' in ascending expert order (:func:`ordered_unpermute`'s forward), no atomics.
+    the routed pairs (learning it is a host sync, as Megatron-Core's ``permute``), and :func:`token_slots` for the
+    combine.  Backward: a token's gradient is the sum of its rows' in ascending expert order
+    (:func:`ordered_unpermute`'s forward), no atomics.
 
     >>> rmap = torch.tensor([[True, False, True], [False, True, False]])
-    >>> permuted, rows = ordered_permute(torch.tensor([[1.0], [2.0]]), rmap, top_k=2)
+    >>> permuted, rows, _ = ordered_permute(torch.tensor([[1.0], [2.0]]), rmap, top_k=2)
     >>> permuted.flatten().tolist(), rows.tolist()
     ([1.0, 2.0, 1.0], [0, 1, 0])
     """
     t = routing_map.shape[0]
     by_expert = routing_map.bool().T.contiguous()  # [E, t]
     token_of_row = torch.arange(t, device=routing_map.device).expand_as(by_expert).masked_select(by_expert)
-    return _OrderedPermute.apply(tokens, routing_map, top_k, token_of_row), token_of_row
+    slots = token_slots(routing_map, top_k, token_of_row)
+    return _OrderedPermute.apply(tokens, *slots, token_of_row), token_of_row, slots
 
 
 def token_slots(routing_map: Tensor, top_k: int, token_of_row: Tensor) -> tuple[Tensor, Tensor]:
     """``(picked [t, k], valid [t, k])``: each token's rows of the permuted tensor in ascending expert order, k =
-    ``min(top_k, E)`` slots (``valid`` False past the experts it reached; ``picked`` then any row)."""
+    ``min(top_k, E)`` slots (``valid`` False past the experts it reached; ``picked`` then any row).  A token routed
+    to more than k experts would lose some: a device-side assert (no host sync) fails the call instead."""
     t, e = routing_map.shape
     k = max(1, min(top_k, e))
     n = token_of_row.shape[0]
     # rows grouped by token; within a token ascending expert (permute's rows are expert-major, the sort stable)
     order = torch.sort(token_of_row, stable=True).indices
     counts = routing_map.sum(1)  # [t]: experts reached (at most k)
+    torch._assert_async((counts <= k).all(), f"a token routed to more than top_k={top_k} experts")
     start = counts.cumsum(0) - counts
     slot = torch.arange(k, device=routing_map.device)
     valid = slot[None, :] < counts[:, None]
-    picked = order.index_select(0, (start[:, None] + slot[None, :]).clamp(max=max(n - 1, 0)).flatten()).view(t, k)
+    if n == 0:  # nothing routed here (an expert-parallel rank whose experts got no token): no slot is valid
+        return torch.zeros(t, k, dtype=torch.long, device=routing_map.device), valid
+    picked = order.index_select(0, (start[:, None] + slot[None, :]).clamp(max=n - 1).flatten()).view(t, k)
     return picked, valid
 
 
@@ -154,18 +162,17 @@ class _OrderedCombine(torch.autograd.Function):
 
 
 class _OrderedPermute(torch.autograd.Function):
-    """``tokens[token_of_row]``; backward each token's rows summed in ascending expert order (no atomics)."""
+    """``tokens[token_of_row]``; backward each token's rows (``picked``, ``valid``: :func:`token_slots`) summed in
+    ascending expert order (no atomics)."""
 
     @staticmethod
-    def forward(ctx, tokens, routing_map, top_k, token_of_row):
-        ctx.save_for_backward(routing_map, token_of_row)
-        ctx.top_k = top_k
+    def forward(ctx, tokens, picked, valid, token_of_row):
+        ctx.save_for_backward(picked, valid)
         return tokens.index_select(0, token_of_row)
 
     @staticmethod
     def backward(ctx, grad):
-        routing_map, token_of_row = ctx.saved_tensors
-        picked, valid = token_slots(routing_map, ctx.top_k, token_of_row)
+        picked, valid = ctx.saved_tensors
         return _sum_slots(grad, picked, valid), None, None, None
 
 
@@ -180,7 +187,7 @@ class OrderedCombineDispatcher(MoEAllGatherTokenDispatcher):
         lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.local_map = self.routing_map[:, lo:hi].contiguous()
         tokens_per_expert = self.local_map.sum(dim=0).long().cpu()  # Megatron-Core's sequential experts read it
-        permuted, self.reversed_local_input_permutation_mapping = ordered_permute(
+        permuted, self.reversed_local_input_permutation_mapping, self.token_slots = ordered_permute(
             hidden_states, self.local_map, self.config.moe_router_topk)
         self.local_probs = probs[:, lo:hi].T.contiguous().masked_select(self.local_map.T.contiguous())
         self.routing_map = None
@@ -189,7 +196,8 @@ class OrderedCombineDispatcher(MoEAllGatherTokenDispatcher):
     def combine_preprocess(self, hidden_states: Tensor) -> Tensor:
         shape = self.hidden_shape_before_permute
         out = ordered_unpermute(hidden_states, self.local_map, self.config.moe_router_topk,
-                                self.reversed_local_input_permutation_mapping)
+                                self.reversed_local_input_permutation_mapping, self.token_slots)
+        self.token_slots = None
         return out.view(shape)
 
 

@@ -36,13 +36,10 @@ def ds_config(**extra):
 
 def rl_batch(vocab: int, seed: int = 0):
     """Left-padded prompts, right-padded responses, a one-token response; [4, 768]."""
-    g = torch.Generator().manual_seed(seed)
-    prompt_cols, s = 256, 768
-    prompts, responses = [200, 256, 17, 64], [300, 512, 1, 450]
-    ids = torch.randint(1, vocab, (len(prompts), s), generator=g)
-    mask = torch.zeros(len(prompts), s, dtype=torch.bool)
-    for r, (p, n) in enumerate(zip(prompts, responses)):
-        mask[r, prompt_cols - p: prompt_cols + n] = True
+    from .test_vs_transformers_cuda import rl_batch as padded_batch
+
+    ids, mask = padded_batch(vocab, seed, prompt_cols=256, s=768, prompts=(200, 256, 17, 64),
+                             responses=(300, 512, 1, 450))
     return ids.masked_fill(~mask, 0).cuda(), mask.cuda()
 
 

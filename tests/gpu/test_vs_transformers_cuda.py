@@ -14,10 +14,11 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def rl_batch(vocab: int, seed: int = 0):
+def rl_batch(vocab: int, seed: int = 0, prompt_cols: int = 512, s: int = 2048, prompts=(300, 512, 17, 128),
+             responses=(900, 1536, 1, 700)):
+    """ids, mask [len(prompts), s] on the CPU: prompts left-padded in the first ``prompt_cols`` columns, responses
+    right-padded after them."""
     g = torch.Generator().manual_seed(seed)
-    prompt_cols, s = 512, 2048
-    prompts, responses = [300, 512, 17, 128], [900, 1536, 1, 700]
     ids = torch.randint(1, vocab, (len(prompts), s), generator=g)
     mask = torch.zeros(len(prompts), s, dtype=torch.bool)
     for r, (p, n) in enumerate(zip(prompts, responses)):
