@@ -13,7 +13,9 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
 * ``packfwd_fused``: the same with the model built with the fused layer switch (SwiGLU, THD RoPE, QK-norm
   kernels; ``packfwd.models.spec.FUSED_NORMS``), when this checkout has one (``from_hf(fused=)``,
   ``build_model(fused=)`` or ``ModelArgs.fused``); ``packfwd_fused_torch_norms`` / ``packfwd_fused_kernel_norms``:
-  the fused model with every norm torch's ``rms_norm`` / packfwd's Triton RMSNorm (which norm wins where).
+  the fused model with every norm torch's ``rms_norm`` / packfwd's Triton RMSNorm (which norm wins where);
+  ``packfwd_fused_cudnn``: the fused model with ``attention_backend="cudnn"`` (cuDNN's ragged attention through
+  ``nvidia-cudnn-frontend``; skipped when that package is not importable).
 * ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
   ``dynamic=True``; fullgraph, else with graph breaks), or where dynamo cannot trace the layer its MLP and norms
   (``--compile-scope``); every failure recorded.  Megatron-Core's row-parallel linears warn on every call (a graph
@@ -76,7 +78,7 @@ from packfwd.forward import make_forward  # noqa: E402
 from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
 VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
-            "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms")
+            "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn")
 # the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.spec.FUSED_NORMS)
 NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
@@ -159,8 +161,15 @@ def fused_switch() -> str | None:
     return None
 
 
-def packfwd_model(hf, device, dtype, fused: bool):
+def packfwd_model(hf, device, dtype, fused: bool, attention_backend: str | None = None):
     """packfwd's model with ``hf``'s weights; ``fused`` picks the layer (explicitly wherever the switch exists)."""
+    if attention_backend is not None:
+        from packfwd.models import from_hf
+        from packfwd.models.varlen import available_backends
+
+        if attention_backend not in available_backends(device):
+            raise Skip(f"attention_backend={attention_backend!r} is not available here: {available_backends(device)}")
+        return from_hf(hf, device=device, params_dtype=dtype, fused=fused, attention_backend=attention_backend)
     from packfwd.models import build_model, from_hf
     from packfwd.models.hf import args_from_hf_config, load_weights
     from packfwd.models.hf_weights import hf_to_megatron
@@ -497,13 +506,24 @@ def device_timeline(events, *, stacks: bool = False, top: int = 12) -> dict:
             "longest_gaps": rows, "kernels": len(k), "with_stacks": stacks}
 
 
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch's deterministic mode for the block (the flash and cuDNN backwards read it when they run)."""
+    kept = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(kept)
+
+
 def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
     """``varlen_attn`` (causal, GQA) vs torch's SDPA backends on a nested jagged tensor, one layer's shapes."""
     if device.type != "cuda":
         return {"skipped": "attention kernels are CUDA-only"}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from packfwd.models.varlen import varlen_attention
+    from packfwd.models.varlen import available_backends, varlen_attention
 
     lengths = batch["lengths"]
     t, hq, hkv, d = sum(lengths), args.num_attention_heads, args.query_groups, args.kv_channels
@@ -532,7 +552,10 @@ def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
                 else:
                     fn().backward(g)
             try:
+                t0 = time.perf_counter()
                 run()
+                torch.cuda.synchronize()
+                row[f"{pass_}_first_call_s"] = time.perf_counter() - t0  # cuDNN builds its graphs here
                 ms = statistics.median(timer(run) for _ in range(runs))
                 row[f"{pass_}_ms"], row[f"{pass_}_TFLOP/s"] = ms, mult * fwd_flops / (ms * 1e-3) / 1e12
             except Exception as e:  # noqa: BLE001 - record why a backend cannot run these shapes
@@ -540,6 +563,15 @@ def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
         out["rows"].append(row)
 
     time_it("varlen_attn", lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="torch_varlen"))
+    if "cudnn" in available_backends(device):
+        time_it("packfwd cudnn backend (nvidia-cudnn-frontend, ragged offsets, GQA)",
+                lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="cudnn"))
+        with deterministic_algorithms():
+            time_it("packfwd cudnn backend, deterministic backward",
+                    lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="cudnn"))
+    with deterministic_algorithms():
+        time_it("varlen_attn, deterministic backward",
+                lambda: varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), backend="torch_varlen"))
     offsets = cu.long()
 
     def njt(x):  # [t, h, d] -> nested [n, h, j, d]
@@ -586,7 +618,8 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
         if name in NORM_VARIANTS:
             spec.FUSED_NORMS.update(dict.fromkeys(spec.FUSED_NORMS, NORM_VARIANTS[name]))
         try:
-            module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith("packfwd_fused"))
+            module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith("packfwd_fused"),
+                                   attention_backend="cudnn" if name.endswith("_cudnn") else None)
         finally:
             spec.FUSED_NORMS.update(kept)
         row["norms"] = {type(m).__name__ for m in module.modules() if "RMSNorm" in type(m).__name__}

@@ -205,3 +205,45 @@ def test_core_attention_refuses_what_it_cannot_do():
         core(attention_dropout=0.1)
     with pytest.raises(ValueError, match="window_size"):
         core(window_size=(4, 0))
+
+
+def test_cudnn_backend_is_named_only_and_keeps_flash_semantics(monkeypatch):
+    """Selection and argument mapping of the ``cudnn`` backend (no CUDA needed: cuDNN's op stubbed by the reference
+    with the diagonal it is asked for).  The automatic choice never takes it; fp32 is refused by name; causal
+    self-attention asks for the top-left diagonal, other offsets (context parallelism's chunks) for the bottom-right
+    one, flash-attn's; ``max_seqlen`` rounded up to a multiple of 64 (one cached graph for similar batches)."""
+    calls = []
+
+    def fake_cudnn(q, k, v, *, scale, is_causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                   max_seqlen_kv, return_lse):
+        calls.append(dict(bottom_right=causal_bottom_right, max_q=max_seqlen_q, max_k=max_seqlen_kv,
+                          lse=return_lse, dtype=cu_seqlens_q.dtype))
+        if is_causal and not causal_bottom_right:
+            assert torch.equal(cu_seqlens_q, cu_seqlens_kv), "top-left causal asked for unequal sequences"
+        out = varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                         is_causal, scale)
+        return out, None
+
+    monkeypatch.setattr(varlen, "_cudnn_func", lambda: fake_cudnn)
+    monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: object())
+    monkeypatch.setattr(varlen, "_flash_attn_func", lambda: None)
+    monkeypatch.setattr(varlen, "available_backends",
+                        lambda device="cpu", lookup=varlen.available_backends: lookup("cuda"))
+    cuda = torch.device("cuda", 0)
+    assert varlen.available_backends(cuda) == ("torch_varlen", "cudnn", "reference")
+    assert varlen._resolve(None, cuda, torch.bfloat16) == "torch_varlen"
+    with pytest.raises(TypeError, match="backend='cudnn' takes float16/bfloat16"):
+        varlen._resolve("cudnn", cuda, torch.float32)
+
+    g = torch.Generator().manual_seed(3)
+    lens_q, lens_k = [3, 1, 5], [4, 6, 5]
+    q = torch.randn(sum(lens_q), 4, 8, generator=g).bfloat16()
+    k, v = (torch.randn(sum(lens_k), 2, 8, generator=g).bfloat16() for _ in range(2))
+    c = cu(lens_q)
+    got = varlen_attention(q, q[:, :2], q[:, 2:], c, c, 5, 5, True, 0.5, backend="cudnn")
+    torch.testing.assert_close(got, varlen_attention_reference(q, q[:, :2], q[:, 2:], c, c, 5, 5, True, 0.5))
+    assert calls[-1] == dict(bottom_right=False, max_q=64, max_k=64, lse=True, dtype=torch.int32)
+    got = varlen_attention(q, k, v, c, cu(lens_k), 5, 130, True, None, backend="cudnn")
+    want = loop_attention(q.float(), k.float(), v.float(), lens_q, lens_k, True, 8**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    assert calls[-1] == dict(bottom_right=True, max_q=64, max_k=192, lse=True, dtype=torch.int32)

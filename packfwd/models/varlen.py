@@ -10,6 +10,11 @@ Backends (``backend=`` a name, or None for the best available one for the inputs
 
 * ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16), when flash-attn is installed.
 * ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16), PyTorch's own flash kernel.
+* ``"cudnn"``: cuDNN's fused attention over ragged offsets (CUDA, fp16/bf16), through the ``nvidia-cudnn-frontend``
+  package's torch op (``cudnn.sdpa_torch``) and the cuDNN torch ships; the optional extra ``packfwd[cudnn]``.  Only
+  when named: the automatic choice never takes it.  One cuDNN graph per distinct ``(n, max_seqlen)`` (forward) and
+  per token total (backward) is built on first use and cached (``max_seqlen`` is rounded up to a multiple of 64
+  here so that batches of similar lengths share one); takes ``d_v != d`` without padding.
 
 The flash backward passes accumulate ``dq`` with atomics (not bitwise run to run) unless torch's deterministic mode
 (``torch.use_deterministic_algorithms(True)``) is on: torch's kernel reads it when the backward runs, flash-attn's
@@ -44,7 +49,8 @@ from torch import Tensor
 
 __all__ = ["BACKENDS", "available_backends", "varlen_attention", "varlen_attention_reference"]
 
-BACKENDS = ("flash_attn", "torch_varlen", "reference")
+BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "reference")
+_AUTOMATIC = ("flash_attn", "torch_varlen")  # the CUDA kernels the automatic choice takes, best first
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -66,6 +72,16 @@ def _torch_varlen_func():
     return varlen_attn
 
 
+@functools.lru_cache(maxsize=None)
+def _cudnn_func():
+    try:
+        import cudnn
+
+        return cudnn.sdpa_torch  # importing it registers cuDNN's torch ops (torch.ops.cudnn.sdpa_fwd / _bwd)
+    except Exception:  # noqa: BLE001 - not installed, or no cuDNN library it can load: the backend is absent
+        return None
+
+
 def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
     """The backends usable for tensors on ``device``, best first (``"reference"`` is always last).
 
@@ -75,7 +91,7 @@ def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
     if torch.device(device).type != "cuda":
         return ("reference",)
     kernels = _kernels()
-    return (*(name for name in ("flash_attn", "torch_varlen") if kernels[name] is not None), "reference")
+    return (*(name for name in ("flash_attn", "torch_varlen", "cudnn") if kernels[name] is not None), "reference")
 
 
 # The optional kernels by backend name (None: absent) as last looked up eagerly.  A compiled forward reads this
@@ -86,7 +102,7 @@ _KERNELS: dict = {}
 
 def _kernels() -> dict:
     if not _KERNELS or not torch.compiler.is_compiling():
-        _KERNELS.update(flash_attn=_flash_attn_func(), torch_varlen=_torch_varlen_func())
+        _KERNELS.update(flash_attn=_flash_attn_func(), torch_varlen=_torch_varlen_func(), cudnn=_cudnn_func())
     return _KERNELS
 
 
@@ -94,14 +110,18 @@ def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> s
     """The backend that runs inputs of ``dtype`` on ``device``: ``backend`` checked, or the automatic choice."""
     usable = available_backends(device)
     if backend is None:
-        if dtype in _HALF:
-            return usable[0]
+        automatic = [name for name in usable if name in _AUTOMATIC]
+        if dtype in _HALF and automatic:
+            return automatic[0]
         # a CUDA device with a flash kernel, which takes fp16/bf16 only (a compiled call cannot warn unbroken)
-        if len(usable) > 1 and not torch.compiler.is_compiling():
-            _warn_slow_dtype(dtype, usable[0])
+        if automatic and not torch.compiler.is_compiling():
+            _warn_slow_dtype(dtype, automatic[0])
         return "reference"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None (automatic)")
+    if backend == "cudnn" and backend in usable and dtype not in _HALF:
+        raise TypeError(f"backend='cudnn' takes float16/bfloat16 inputs, got {dtype}; cast them, or pass "
+                        "backend='reference' (any dtype)")
     if backend not in usable:
         raise ValueError(
             f"backend={backend!r} is not usable for tensors on {device} here (usable: {usable}); install it, move "
@@ -161,6 +181,8 @@ def varlen_attention(
         return varlen_attention_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
         )
+    if name == "cudnn":
+        return _cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
     if v.shape[-1] != q.shape[-1]:  # the flash kernels take one head dim: zeros appended (exact), the output cut
         width = max(q.shape[-1], v.shape[-1])
         wide = [torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v)]
@@ -198,6 +220,27 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
         else:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return fn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **kwargs)
+
+
+def _cudnn(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+    """cuDNN's ragged attention with flash-attn's semantics.  Causal attention of equal ``cu_seqlens`` (self
+    attention) takes cuDNN's top-left diagonal, which is flash-attn's bottom-right one there; other ``cu_seqlens``
+    (context parallelism's chunks) take the bottom-right diagonal, as flash-attn.  The log-sum-exp the forward
+    returns is what the backward consumes (cuDNN's op saves it): ``return_lse=True``, its value dropped here.
+    Under torch's deterministic mode the backward asks cuDNN for its deterministic algorithm."""
+    fn = _KERNELS["cudnn"]  # recorded by _resolve
+    same = cu_q is cu_k  # equal offsets in two tensors take the bottom-right diagonal: the same mask there
+    out, _ = fn(
+        q, k, v, scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale, is_causal=causal,
+        causal_bottom_right=causal and not same, cu_seqlens_q=cu_q.to(torch.int32),
+        cu_seqlens_kv=cu_k.to(torch.int32), max_seqlen_q=_round_up(max_q, 64), max_seqlen_kv=_round_up(max_k, 64),
+        return_lse=True,
+    )
+    return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-int(n) // multiple) * multiple)
 
 
 def varlen_attention_reference(

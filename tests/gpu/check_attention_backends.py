@@ -4,10 +4,12 @@ Run on a machine with a CUDA GPU, from the repository root:
 
     python tests/gpu/check_attention_backends.py
 
-1. Attention: for every CUDA backend present (``torch_varlen``; ``flash_attn`` when installed) and each dtype
+1. Attention: for every CUDA backend present (``torch_varlen``; ``flash_attn``, ``cudnn`` when installed) and each dtype
    (bf16, fp16, and fp32 where the backend takes it), ragged batches with GQA/MQA/MHA: the forward output and
    the gradients of q, k, v against ``varlen_attention_reference`` on the same inputs (computed in float32).
-   The error is max|backend - reference| / max|reference|, per tensor.
+   The error is max|backend - reference| / max|reference|, per tensor.  Then bf16 causal attention of query chunks
+   to longer key ranges (context parallelism's calls: the bottom-right diagonal) and value heads narrower than the
+   query heads (multi-head latent attention).
 2. Model: a tiny random Llama (transformers) loaded with ``packfwd.models.from_hf`` on CUDA (Megatron-Core's
    unmodified CUDA path), THD logits vs the HF model per sequence (fp32, reference backend), and bf16 logits with
    each CUDA backend vs the reference backend.  Skipped if transformers is missing.
@@ -30,6 +32,13 @@ CASES = {  # name: (lengths, query heads, kv heads, head dim)
     "gqa-ragged": ([1, 17, 256, 3, 1000, 64], 8, 2, 64),
     "mqa": ([5, 129, 33], 4, 1, 128),
     "mha-one-long": ([2048], 4, 4, 64),
+    "with-an-empty-sequence": ([3, 0, 70], 4, 2, 64),
+}
+# causal attention of query chunks to longer key ranges, as context parallelism calls it (bottom-right diagonal):
+# (query lengths, key lengths, query heads, kv heads, head dim, value head dim)
+CROSS_CASES = {
+    "cp-chunks": ([4, 60, 1, 128], [10, 64, 33, 256], 8, 2, 64, 64),
+    "mla-head-dims": ([5, 129, 33], [5, 129, 33], 4, 4, 48, 32),
 }
 failures: list[str] = []
 
@@ -79,6 +88,35 @@ def attention_checks(device: torch.device) -> None:
                 check(f"{label} out", rel_err(out, ref), TOLERANCE[dtype])
                 for gname, a, b in zip("qkv", grads, ref_grads):
                     check(f"{label} d{gname}", rel_err(a, b), GRAD_TOLERANCE[dtype])
+
+
+def cross_checks(device: torch.device) -> None:
+    """Unequal ``cu_seqlens`` (bottom-right causal) and ``d_v != d``, bf16, against the reference."""
+    from packfwd.models.varlen import available_backends, varlen_attention, varlen_attention_reference
+
+    for backend in [b for b in available_backends(device) if b != "reference"]:
+        for case, (lq, lk, h, hk, d, dv) in CROSS_CASES.items():
+            label = f"{backend} bfloat16 {case}"
+            g = torch.Generator(device=device).manual_seed(1)
+            q = torch.randn(sum(lq), h, d, device=device, generator=g).bfloat16().requires_grad_()
+            k = torch.randn(sum(lk), hk, d, device=device, generator=g).bfloat16().requires_grad_()
+            v = torch.randn(sum(lk), hk, dv, device=device, generator=g).bfloat16().requires_grad_()
+            grad_out = torch.randn(sum(lq), h, dv, device=device, generator=g).bfloat16()
+            cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                          for x in (lq, lk))
+            try:
+                out = varlen_attention(q, k, v, cu_q, cu_k, max(lq), max(lk), True, None, backend=backend)
+                grads = torch.autograd.grad(out, (q, k, v), grad_out)
+            except Exception as e:  # noqa: BLE001 - report any kernel refusal
+                print(f"FAIL {label:<58} raised {type(e).__name__}: {e}")
+                failures.append(label)
+                continue
+            q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+            ref = varlen_attention_reference(q32, k32, v32, cu_q, cu_k, max(lq), max(lk), True, None)
+            ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad_out.float())
+            check(f"{label} out", rel_err(out, ref), TOLERANCE[torch.bfloat16])
+            for gname, a, b in zip("qkv", grads, ref_grads):
+                check(f"{label} d{gname}", rel_err(a, b), GRAD_TOLERANCE[torch.bfloat16])
 
 
 def model_checks(device: torch.device) -> None:
@@ -133,6 +171,7 @@ def main() -> int:
 
     print(f"torch {torch.__version__}, megatron-core {megatron.core.__version__}, {torch.cuda.get_device_name(device)}")
     attention_checks(device)
+    cross_checks(device)
     model_checks(device)
     print(f"\n{len(failures)} failure(s)" + (f": {failures}" if failures else ""))
     return 1 if failures else 0
