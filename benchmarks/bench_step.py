@@ -15,7 +15,11 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
   ``build_model(fused=)`` or ``ModelArgs.fused``); ``packfwd_fused_torch_norms`` / ``packfwd_fused_kernel_norms``:
   the fused model with every norm torch's ``rms_norm`` / packfwd's Triton RMSNorm (which norm wins where);
   ``packfwd_fused_cudnn``: the fused model with ``attention_backend="cudnn"`` (cuDNN's ragged attention through
-  ``nvidia-cudnn-frontend``; skipped when that package is not importable).
+  ``nvidia-cudnn-frontend``; skipped when that package is not importable); ``packfwd_fused_graph`` /
+  ``packfwd_fused_cudnn_graph``: the same step captured once as a CUDA graph (``forward.plan(..., bucket=)`` of the
+  batch's own size, ``plan=`` in the captured forward) and replayed: each timed step plans the batch on the host
+  (no sync), copies the plan into the captured one (``copy_plan_``) and replays, so the device runs the step's
+  kernels without waiting for Python's launches (CUDA only).
 * ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
   ``dynamic=True``; fullgraph, else with graph breaks), or where dynamo cannot trace the layer its MLP and norms
   (``--compile-scope``); every failure recorded.  Megatron-Core's row-parallel linears warn on every call (a graph
@@ -78,7 +82,8 @@ from packfwd.forward import make_forward  # noqa: E402
 from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
 VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
-            "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn")
+            "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn", "packfwd_fused_graph",
+            "packfwd_fused_cudnn_graph")
 # the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.spec.FUSED_NORMS)
 NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
@@ -284,6 +289,45 @@ def packfwd_step(model, batch):
         loss.backward()
         return loss.detach(), lp.detach()
 
+    return step
+
+
+def graphed_step(model, batch, warmup: int = 2):
+    """``packfwd_step`` captured as one CUDA graph (forward + backward) with a bucket plan of the batch's size;
+    the returned step plans the batch, copies the plan into the captured one and replays."""
+    from packfwd.layout.bucket import Bucket, copy_plan_
+
+    forward = make_forward("thd", logits_processor=next_token_log_probs)
+    bucket = Bucket(tokens=sum(batch["lengths"]), max_seqlen=max(batch["lengths"]))
+
+    def plan():
+        return forward.plan(batch["ids"], batch["mask"], seqlens=batch["lengths"], bucket=bucket)
+
+    captured = plan()
+
+    def body():
+        lp = forward(model, batch["ids"], plan=captured, labels=batch["labels"])["log_probs"]
+        loss = -lp.sum() / batch["n_loss"]
+        loss.backward()
+        return loss.detach(), lp.detach()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):  # kernels compiled, cuDNN graphs built, outside the capture
+            body()
+            model.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()  # the parameters' .grad are the graph's: each replay writes them anew
+
+    def step():
+        copy_plan_(captured, plan())
+        graph.replay()
+        return out
+
+    step.graph = graph
     return step
 
 
@@ -619,12 +663,17 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
             spec.FUSED_NORMS.update(dict.fromkeys(spec.FUSED_NORMS, NORM_VARIANTS[name]))
         try:
             module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith("packfwd_fused"),
-                                   attention_backend="cudnn" if name.endswith("_cudnn") else None)
+                                   attention_backend="cudnn" if "_cudnn" in name else None)
         finally:
             spec.FUSED_NORMS.update(kept)
         row["norms"] = {type(m).__name__ for m in module.modules() if "RMSNorm" in type(m).__name__}
         row["norms"] = sorted(row["norms"])
-        step = packfwd_step(module, batch)
+        if name.endswith("_graph"):
+            if cfg.device.type != "cuda":
+                raise Skip("CUDA graphs need a CUDA device")
+            step = graphed_step(module, batch)
+        else:
+            step = packfwd_step(module, batch)
         row["fused_switch"] = fused_switch()
         row["layer_modules"] = layer_modules(module)
     else:

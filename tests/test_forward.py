@@ -188,3 +188,37 @@ def test_cp_plan_keeps_megatrons_rope_table_unambiguous():
         assert packed.shape == (1, 8)
     info, _ = _Thd(1, 2, 0, None, None).pack(ids, torch.tensor([[1] * 8, [1] * 4 + [0] * 4]).bool())
     assert info.max_seqlen == 8  # no collision (total 12): the plan is left as it is
+
+
+def test_a_plan_made_ahead_gives_the_same_numbers_and_is_checked(model):
+    """``forward.plan`` ahead of the call (what a CUDA graph or a prefetching trainer needs): ``plan=`` gives the
+    bits of planning inside the call, a bucket plan the same real tokens; a plan of another layout or batch, or
+    the mask and lengths passed again beside it, raise naming the fix."""
+    from packfwd.layout.bucket import Bucket
+
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    seqlens = mask.sum(-1).tolist()
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy, seq_align=4)
+    with torch.no_grad():
+        want = forward(model, ids, mask, labels=labels)
+        got = forward(model, ids, plan=forward.plan(ids, mask, seqlens=seqlens), labels=labels)
+        bucket = forward(model, ids, plan=forward.plan(ids, mask, bucket=Bucket(tokens=256, max_seqlen=64)),
+                         labels=labels)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+        torch.testing.assert_close(bucket[name][mask], want[name][mask], atol=1e-5, rtol=1e-5)
+    plan = forward.plan(ids, mask)
+    with pytest.raises(ValueError, match="pass attention_mask and seqlens to forward.plan"):
+        forward(model, ids, mask, plan=plan, labels=labels)
+    with pytest.raises(ValueError, match="another layout: seq_align=1 \\(the forward's 4\\)"):
+        forward(model, ids, plan=make_forward("thd", seq_align=1).plan(ids, mask), labels=labels)
+    with pytest.raises(ValueError, match="plan= is for a"):
+        forward(model, ids[:, :-1], plan=plan, labels=labels[:, :-1])
+    with pytest.raises(TypeError, match="plan= takes a THD plan"):
+        forward(model, ids, plan=object(), labels=labels)
+    bshd = make_forward("bshd")
+    with pytest.raises(TypeError, match="plan= takes a THD plan"):
+        bshd(model, ids, plan=plan)
+    with pytest.raises(TypeError, match="make_forward\\('thd'\\)"):
+        bshd.plan(ids, mask)

@@ -125,6 +125,13 @@ def make_forward(
     this rank's share of the gradient: every rank must compute the same loss from the unpacked outputs).
     ``seq_align``: per-sequence alignment of ``plan_thd``.
 
+    ``plan``: the batch's plan made ahead by ``forward.plan(input_ids, attention_mask, seqlens=None, bucket=None)``
+    (THD): ``forward(model, input_ids, plan=plan, ...)`` then packs with it and plans nothing (no host work, no
+    upload: what a CUDA graph needs, or a trainer planning the next micro-batch while this one runs).  ``bucket``
+    (:class:`packfwd.layout.bucket.Bucket`) fixes every shape of the plan: a step captured as a CUDA graph with one
+    bucket plan replays for any batch that fits it, after ``packfwd.layout.bucket.copy_plan_(captured, new)``.  A
+    plan of another layout (``tp_size``, ``cp_size``, ``cp_rank``, ``seq_align``) or another batch shape raises.
+
     ``mtp=True``: for a model with multi-token prediction layers; the forward also takes ``mtp_loss_mask [b, s]``
     (the main loss mask, default every token) and adds ``"mtp_log_probs" [b, s, D]`` and ``"mtp_loss" [D]`` to
     its outputs (a dict; without a processor the logits are ``"logits"``): see :mod:`packfwd.forward.mtp`.
@@ -204,8 +211,9 @@ def make_forward(
         return forward
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
-                seqlens=None, **processor_args):
+                seqlens=None, plan=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
+        given = plan
 
         def prepare():
             facts = model_facts(model, tp_size, cp_size)
@@ -216,7 +224,10 @@ def make_forward(
             check_ids(input_ids, attention_mask, model)
             if moe_aux_loss:
                 check_aux_loss_model(model)
-            plan, ids = layout.pack(input_ids, attention_mask, seqlens)
+            if given is None:
+                plan, ids = layout.pack(input_ids, attention_mask, seqlens)
+            else:
+                plan, ids = given, layout.pack_planned(given, input_ids, attention_mask, seqlens)
             if vision:  # the model embeds first and packs with the `packing` hook (vision.py)
                 call = vision_call(model, layout, plan, ids, input_ids, attention_mask, position_ids)
             else:
@@ -261,6 +272,16 @@ def make_forward(
         results = processor(logits, **args)
         return {k: layout.unpack(v, plan) for k, v in check_results(results, logits.shape[0]).items()}
 
+    def plan(input_ids, attention_mask=None, *, seqlens=None, bucket=None):
+        """This forward's plan of a batch, made ahead of the call: ``forward(model, input_ids, plan=plan)``
+        (THD; ``bucket``: a :class:`packfwd.layout.bucket.Bucket`, shapes fixed for a CUDA graph)."""
+        if bucket is not None:
+            return layout.plan_bucket(attention_mask, bucket, seqlens)
+        if not hasattr(layout, "plan"):
+            return layout.plan_bucket(attention_mask, None, seqlens)  # BSHD: raises, naming the fix
+        return layout.plan(input_ids, attention_mask, seqlens)
+
     forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)
     forward.layout = spec  # what a micro-batch plan must assume (run_micro_batches checks it)
+    forward.plan = plan
     return forward

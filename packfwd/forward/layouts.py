@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from ..layout.bshd import from_bshd, to_bshd
-from ..layout.thd import from_thd, plan_thd, position_ids as thd_position_ids, to_thd
+from ..layout.rules import check_seq_align
+from ..layout.thd import ThdInfo, from_thd, plan_thd, position_ids as thd_position_ids, to_thd
 from ..layout.positions import pack_positions
 from .guards import check_positions
 
@@ -37,10 +38,44 @@ class Thd:
             info = dataclasses.replace(info, max_seqlen=info.max_seqlen + 2 * info.cp_size)
         return info
 
+    def plan_bucket(self, attention_mask, bucket, seqlens=None):
+        from ..layout.bucket import plan_thd_bucket
+
+        info = plan_thd_bucket(attention_mask, bucket, seqlens=seqlens, **self.kw)
+        self._check_rope_bound(info, "bucket=Bucket(tokens, max_seqlen) with max_seqlen * cp_size != tokens")
+        return info
+
     def pack(self, input_ids, attention_mask, seqlens=None):
         info = self.plan(input_ids, attention_mask, seqlens)
         ids, _ = to_thd(input_ids, info)
         return info, ids[None]  # [1, t]
+
+    def pack_planned(self, info, input_ids, attention_mask, seqlens):
+        """``pack`` with the caller's plan (``forward.plan``'s): checked against this layout and the batch."""
+        fix = "make it with forward.plan(input_ids, attention_mask, seqlens=...)"
+        if attention_mask is not None or seqlens is not None:
+            raise ValueError("plan= is the batch's plan already: pass attention_mask and seqlens to forward.plan(...) "
+                             "and call forward(model, input_ids, plan=plan) without them")
+        if not isinstance(info, ThdInfo):
+            raise TypeError(f"plan= takes a THD plan (ThdInfo), got {type(info).__name__}; {fix}")
+        want = dict(self.kw, seq_align=check_seq_align(self.kw["seq_align"], self.kw["cp_size"], self.kw["tp_size"]))
+        got = {k: getattr(info, k) for k in want}
+        if got != want:
+            differ = ", ".join(f"{k}={got[k]} (the forward's {want[k]})" for k in want if got[k] != want[k])
+            raise ValueError(f"plan= was made for another layout: {differ}; {fix}")
+        if isinstance(input_ids, Tensor) and not input_ids.is_nested and (
+                tuple(input_ids.shape[:2]) != (info.batch_size, info.seq_len)):
+            raise ValueError(f"plan= is for a [{info.batch_size}, {info.seq_len}] batch, input_ids is "
+                             f"{list(input_ids.shape[:2])}; {fix}")
+        self._check_rope_bound(info, fix)
+        ids, _ = to_thd(input_ids, info)
+        return ids[None]
+
+    @staticmethod
+    def _check_rope_bound(info, fix):  # see plan(): a bound equal to the packed total means something else
+        if info.cp_size > 1 and info.max_seqlen * info.cp_size == info.total_tokens:
+            raise ValueError(f"a CP plan whose max_seqlen * cp_size equals its packed total ({info.total_tokens}) "
+                             f"is read by Megatron-Core's THD RoPE as one row per packed token; {fix}")
 
     def positions(self, info, ids, position_ids, input_ids):
         if position_ids is None:
@@ -85,6 +120,13 @@ class Bshd:
     def pack(self, input_ids, attention_mask, seqlens=None):
         ids, info = to_bshd(input_ids, attention_mask, tp_size=self.tp_size, seqlens=seqlens)
         return info, ids  # [b, s_c]
+
+    def pack_planned(self, info, input_ids, attention_mask, seqlens):
+        raise TypeError("plan= takes a THD plan: build the forward with make_forward('thd'); a BSHD forward plans "
+                        "each call (its plan is the padded batch itself)")
+
+    def plan_bucket(self, attention_mask, bucket, seqlens=None):
+        raise TypeError("bucket= is a THD plan's: build the forward with make_forward('thd')")
 
     def positions(self, info, ids, position_ids, input_ids):
         if position_ids is None:
