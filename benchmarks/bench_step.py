@@ -736,12 +736,19 @@ def run_shape(shape, cfg, timer) -> dict:
 
 
 def check(rows, lps, batch, cfg) -> None:
-    """Each variant's loss, gradient norm and per-token log-probs against hf_padded's (or packfwd_plain's)."""
-    ref_name = next((n for n in ("hf_padded", "packfwd_plain") if n in lps), None)
+    """Each variant's loss, gradient norm and per-token log-probs against hf_padded's (or packfwd_plain's, or
+    packfwd_fused's); and its log-probs against packfwd_fused's (today's default path), where both ran."""
+    scored = batch["labels"] >= 0
+    if "packfwd_fused" in lps:
+        for r in rows:
+            if r["variant"] in lps:
+                diff = (lps[r["variant"]].float() - lps["packfwd_fused"].float())[scored].abs()
+                r["logprob_max_abs_diff_vs_fused"], r["logprob_mean_abs_diff_vs_fused"] = map(
+                    float, (diff.max(), diff.mean()))
+    ref_name = next((n for n in ("hf_padded", "packfwd_plain", "packfwd_fused") if n in lps), None)
     if ref_name is None:
         return
     ref = next(r for r in rows if r["variant"] == ref_name)
-    scored = batch["labels"] >= 0
     for r in rows:
         if r["variant"] not in lps:
             continue

@@ -2,7 +2,9 @@
 with a bucket plan (``forward.plan(..., bucket=)``, ``plan=`` in the captured forward), then replayed for new
 batches of other lengths: the loss, the log-probs and every parameter gradient are the bits of the same step run
 eagerly with each batch's bucket plan, and within bf16 rounding of the step planned without a bucket.  For each
-CUDA attention backend present (torch's flash kernel; cuDNN's when nvidia-cudnn-frontend is installed).
+CUDA attention backend present (torch's flash kernel; cuDNN's when nvidia-cudnn-frontend is installed), under
+torch's deterministic mode (captured in it too): without it the flash backward's atomic ``dq`` sums differ from run to
+run, replayed or not.
 
     PYTHONPATH=. python -m pytest -q tests/gpu/test_cuda_graph_step.py
 """
@@ -26,8 +28,16 @@ def batch(seed, vocab):
     return ids.cuda(), mask.cuda()
 
 
+@pytest.fixture
+def deterministic():
+    kept = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(kept)
+
+
 @pytest.mark.parametrize("backend", ["torch_varlen", "cudnn"])
-def test_a_replayed_step_equals_the_eager_step_for_new_batches(backend):
+def test_a_replayed_step_equals_the_eager_step_for_new_batches(backend, deterministic):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import packfwd as pf
