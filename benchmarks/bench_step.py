@@ -553,12 +553,10 @@ def device_timeline(events, *, stacks: bool = False, top: int = 12) -> dict:
 @contextlib.contextmanager
 def deterministic_algorithms():
     """torch's deterministic mode for the block (the flash and cuDNN backwards read it when they run)."""
-    kept = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    from packfwd.forward.deterministic import enabled
+
+    with enabled(batch_invariant=False):  # warn_only=True would leave the flash backward atomic (it only warns)
         yield
-    finally:
-        torch.use_deterministic_algorithms(kept)
 
 
 def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
