@@ -222,3 +222,20 @@ def test_a_plan_made_ahead_gives_the_same_numbers_and_is_checked(model):
         bshd(model, ids, plan=plan)
     with pytest.raises(TypeError, match="make_forward\\('thd'\\)"):
         bshd.plan(ids, mask)
+
+
+def test_plan_is_refused_where_it_is_not_built_and_cudnn_under_batch_invariance(model):
+    """The vision forward (its model reads the padded mask) and the MTP forward refuse ``plan=`` rather than
+    ignore it; ``batch_invariant=True`` refuses a model whose attention is cuDNN's (its kernel follows the batch)."""
+    from packfwd.forward.deterministic import check_attention
+    from .test_hf_interop import hf_model as hf
+
+    ids, mask = ragged_batch("mixed")
+    plan = make_forward("thd").plan(ids, mask)
+    with pytest.raises(TypeError, match="not built for make_forward\\(vision=True\\)"):
+        make_forward("thd", vision=True).plan(ids, mask)
+    with pytest.raises(TypeError, match="not built for the multi-token-prediction forward"):
+        make_forward("thd", mtp=True)(model, ids, plan=plan)
+    check_attention(model)  # the automatic backend: fine
+    with pytest.raises(ValueError, match="attention_backend='cudnn'"):
+        check_attention(from_hf(hf("qwen2-gqa-bias"), attention_backend="cudnn"))

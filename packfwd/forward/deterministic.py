@@ -162,9 +162,19 @@ def guarded(forward, *, deterministic: bool, batch_invariant: bool):
     @functools.wraps(forward)
     def checked(model, input_ids, *args, **kwargs):
         check(input_ids.device, deterministic=deterministic, batch_invariant=batch_invariant)
+        if batch_invariant:
+            check_attention(model)
         return forward(model, input_ids, *args, **kwargs)
 
     return checked
+
+
+def check_attention(model) -> None:
+    """Raise for an attention backend whose kernel choice follows the batch: cuDNN plans per ``(n, max_seqlen)``
+    of the batch, so a sequence's bits may depend on what it is packed with (the flash kernels are per sequence)."""
+    if any(getattr(m, "backend", None) == "cudnn" for m in model.modules()):
+        raise ValueError("batch_invariant=True is not promised with attention_backend='cudnn' (cuDNN picks its "
+                         "kernel per batch shape); build the model with attention_backend=None or 'torch_varlen'")
 
 
 def check(device, *, deterministic: bool, batch_invariant: bool) -> None:

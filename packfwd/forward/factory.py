@@ -95,6 +95,11 @@ class ForwardLayout:
         return (padded + extra) // self.cp_size
 
 
+# a vision model takes the padded batch and its attention_mask (its positions come from them): plan= has neither
+_NO_VISION_PLAN = ("plan= is not built for make_forward(vision=True): the vision model reads the padded batch's "
+                   "attention_mask; pass attention_mask (and seqlens) to the forward instead")
+
+
 def make_forward(
     data_format: str = "thd",
     *,
@@ -226,6 +231,8 @@ def make_forward(
                 check_aux_loss_model(model)
             if given is None:
                 plan, ids = layout.pack(input_ids, attention_mask, seqlens)
+            elif vision:
+                raise TypeError(_NO_VISION_PLAN)
             else:
                 plan, ids = given, layout.pack_planned(given, input_ids, attention_mask, seqlens)
             if vision:  # the model embeds first and packs with the `packing` hook (vision.py)
@@ -275,10 +282,10 @@ def make_forward(
     def plan(input_ids, attention_mask=None, *, seqlens=None, bucket=None):
         """This forward's plan of a batch, made ahead of the call: ``forward(model, input_ids, plan=plan)``
         (THD; ``bucket``: a :class:`packfwd.layout.bucket.Bucket`, shapes fixed for a CUDA graph)."""
+        if vision:
+            raise TypeError(_NO_VISION_PLAN)
         if bucket is not None:
             return layout.plan_bucket(attention_mask, bucket, seqlens)
-        if not hasattr(layout, "plan"):
-            return layout.plan_bucket(attention_mask, None, seqlens)  # BSHD: raises, naming the fix
         return layout.plan(input_ids, attention_mask, seqlens)
 
     forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)

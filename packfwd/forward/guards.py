@@ -71,6 +71,9 @@ def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, 
             "mtp_loss_mask is an argument of the multi-token-prediction forward, which this forward is not; build "
             "it with make_forward(..., mtp=True) (for a model with MTP layers), or drop mtp_loss_mask"
         )
+    if "plan" in processor_args:  # the text forward takes plan= itself: here it would reach the processor unused
+        raise TypeError("plan= is not built for the multi-token-prediction forward; pass attention_mask (and "
+                        "seqlens) instead")
     if processor_args and logits_processor is None:
         raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
     if multi_modal_inputs and not vision:

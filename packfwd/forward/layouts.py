@@ -125,8 +125,11 @@ class Bshd:
         raise TypeError("plan= takes a THD plan: build the forward with make_forward('thd'); a BSHD forward plans "
                         "each call (its plan is the padded batch itself)")
 
-    def plan_bucket(self, attention_mask, bucket, seqlens=None):
-        raise TypeError("bucket= is a THD plan's: build the forward with make_forward('thd')")
+    def plan(self, input_ids, attention_mask, seqlens=None):
+        raise TypeError("forward.plan makes THD plans: build the forward with make_forward('thd'); a BSHD forward "
+                        "plans each call (its plan is the padded batch itself)")
+
+    plan_bucket = plan
 
     def positions(self, info, ids, position_ids, input_ids):
         if position_ids is None:

@@ -47,6 +47,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..layout.rules import round_up
+
 __all__ = ["BACKENDS", "available_backends", "varlen_attention", "varlen_attention_reference"]
 
 BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "reference")
@@ -167,6 +169,8 @@ def varlen_attention(
     (multi-head latent attention): the flash kernels, which take one head dim, then get q, k and v zero-padded to
     the larger one (the scores and the first ``d_v`` output channels unchanged) and the output is cut back.
     ``backend``: see the module docstring; None picks the first of :func:`available_backends` that takes the inputs' dtype.
+    Tokens of ``q`` past ``cu_seqlens_q[-1]``: zeros from the reference; the CUDA kernels leave those rows
+    unwritten (packfwd's plans end ``cu_seqlens_padded`` at the last token, so its models have none).
 
     >>> import torch
     >>> q = k = v = torch.randn(5, 2, 4)
@@ -233,14 +237,10 @@ def _cudnn(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
     out, _ = fn(
         q, k, v, scale=q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale, is_causal=causal,
         causal_bottom_right=causal and not same, cu_seqlens_q=cu_q.to(torch.int32),
-        cu_seqlens_kv=cu_k.to(torch.int32), max_seqlen_q=_round_up(max_q, 64), max_seqlen_kv=_round_up(max_k, 64),
-        return_lse=True,
+        cu_seqlens_kv=cu_k.to(torch.int32), max_seqlen_q=max(64, round_up(int(max_q), 64)),
+        max_seqlen_kv=max(64, round_up(int(max_k), 64)), return_lse=True,
     )
     return out
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return max(multiple, -(-int(n) // multiple) * multiple)
 
 
 def varlen_attention_reference(
