@@ -280,11 +280,13 @@ def next_token_log_probs(logits, labels, tp_group=None):
     return {"log_probs": log_probs(logits, labels, tp_group=tp_group)}
 
 
-def packfwd_step(model, batch):
-    forward = make_forward("thd", logits_processor=next_token_log_probs)
+def packfwd_step(model, batch, forward=None, plan=None):
+    """One step: the forward (planning the batch inside the call, or packing with ``plan``), the loss, its backward."""
+    forward = forward or make_forward("thd", logits_processor=next_token_log_probs)
+    packing = dict(plan=plan) if plan is not None else dict(attention_mask=batch["mask"], seqlens=batch["lengths"])
 
     def step():
-        lp = forward(model, batch["ids"], batch["mask"], seqlens=batch["lengths"], labels=batch["labels"])["log_probs"]
+        lp = forward(model, batch["ids"], labels=batch["labels"], **packing)["log_probs"]
         loss = -lp.sum() / batch["n_loss"]
         loss.backward()
         return loss.detach(), lp.detach()
@@ -304,13 +306,7 @@ def graphed_step(model, batch, warmup: int = 2):
         return forward.plan(batch["ids"], batch["mask"], seqlens=batch["lengths"], bucket=bucket)
 
     captured = plan()
-
-    def body():
-        lp = forward(model, batch["ids"], plan=captured, labels=batch["labels"])["log_probs"]
-        loss = -lp.sum() / batch["n_loss"]
-        loss.backward()
-        return loss.detach(), lp.detach()
-
+    body = packfwd_step(model, batch, forward, captured)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
