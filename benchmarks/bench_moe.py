@@ -16,6 +16,11 @@ Rows (``--variants``), each forward only (``fwd``: log-probs under no_grad) and 
   an atomic ``index_add_`` backward, ``scatter_add_``: their bits following the batch) in place of packfwd's
   ordered ones (``packfwd.models.dispatch``): what the order costs;
 * ``sequential``: the same model with Megatron-Core's loop over experts (``set_grouped_experts(model, False)``);
+* ``grouped_cudnn``: grouped, a second packfwd model of the same weights with ``attention_backend="cudnn"``
+  (cuDNN's ragged attention; skipped without nvidia-cudnn-frontend); ``grouped_cudnn_graph``: that model's
+  forward + backward captured once as a CUDA graph (``forward.plan(..., bucket=)``, the captured forward called
+  with ``plan=``; the grouped experts' dispatcher makes no host sync, so the MoE layers capture), each timed step
+  planning the batch on the host, copying the plan in and replaying (fwd+bwd only);
 * ``stacked``: grouped, with the weights no longer in one block (as after a distributed optimizer relocates
   them), so copied into one tensor in the forward and again in the backward: what the copies cost (this row moves
   the weights: it runs last);
@@ -68,7 +73,9 @@ def set_combine(model, how: str) -> None:
             d.__class__ = MoEAllGatherTokenDispatcher if how == "scatter" else OrderedCombineDispatcher
 
 
-VARIANTS = ("grouped", "grouped_scatter_combine", "sequential", "stacked", "hf_padded")
+VARIANTS = ("grouped", "grouped_scatter_combine", "sequential", "grouped_cudnn", "grouped_cudnn_graph", "stacked",
+            "hf_padded")
+CUDNN = ("grouped_cudnn", "grouped_cudnn_graph")
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -148,18 +155,67 @@ def next_token_log_probs(logits, labels, tp_group=None):
     return {"log_probs": log_probs(logits, labels, tp_group=tp_group)}
 
 
-def packfwd_step(model, batch, backward: bool):
-    forward = make_forward("thd", logits_processor=next_token_log_probs)
+def packfwd_step(model, batch, backward: bool, forward=None, plan=None):
+    """One step (forward, loss, backward when ``backward``): planning the batch inside the call, or with ``plan``."""
+    forward = forward or make_forward("thd", logits_processor=next_token_log_probs)
+    packing = dict(plan=plan) if plan is not None else dict(attention_mask=batch["mask"], seqlens=batch["lengths"])
 
     def step():
         with torch.set_grad_enabled(backward):
-            lp = forward(model, batch["ids"], batch["mask"], seqlens=batch["lengths"], labels=batch["labels"])
+            lp = forward(model, batch["ids"], labels=batch["labels"], **packing)
             loss = -lp["log_probs"].sum() / batch["n_loss"]
         if backward:
             loss.backward()
         return loss.detach()
 
     return step
+
+
+def graphed_step(model, batch, warmup: int = 2):
+    """``packfwd_step`` (forward + backward) captured as one CUDA graph with a bucket plan of the batch's size; the
+    returned step plans the batch, copies the plan into the captured one and replays."""
+    from packfwd.layout.bucket import Bucket, copy_plan_
+
+    forward = make_forward("thd", logits_processor=next_token_log_probs)
+    bucket = Bucket(tokens=sum(batch["lengths"]), max_seqlen=max(batch["lengths"]))
+
+    def plan():
+        return forward.plan(batch["ids"], batch["mask"], seqlens=batch["lengths"], bucket=bucket)
+
+    captured = plan()
+    body = packfwd_step(model, batch, True, forward, captured)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):  # kernels compiled, cuDNN graphs built, outside the capture
+            body()
+            model.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph, calls, original = torch.cuda.CUDAGraph(), [], torch._grouped_mm
+    torch._grouped_mm = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with torch.cuda.graph(graph):
+            out = body()  # the parameters' .grad are the graph's: each replay writes them anew
+    finally:
+        torch._grouped_mm = original
+
+    def step():
+        copy_plan_(captured, plan())
+        graph.replay()
+        return out
+
+    step.graph, step.grouped_mm_calls = graph, len(calls)  # the captured step's (a replay calls no Python)
+    return step
+
+
+def cudnn_model(hf, device, dtype):
+    """packfwd's model of ``hf``'s weights with cuDNN's attention, or None where that backend is missing."""
+    from packfwd.models import from_hf
+    from packfwd.models.varlen import available_backends
+
+    if "cudnn" not in available_backends(device):
+        return None
+    return from_hf(hf, device=device, params_dtype=dtype, attention_backend="cudnn")
 
 
 def hf_step(hf, batch, backward: bool):
@@ -260,23 +316,32 @@ def main(argv=None) -> int:
           f"{real} real tokens ({real / (shape.batch * shape.seq):.0%}); grouped_mm kernel: {kernel}; matmul "
           f"ceiling {ceiling and round(ceiling)} TFLOP/s", flush=True)
 
-    rows = []
+    rows, skipped = [], {}
+    cudnn = cudnn_model(hf, device, dtype) if any(v in cfg.variants for v in CUDNN) else None
     for variant in [v for v in VARIANTS if v in cfg.variants]:  # "stacked" moves the weights: after the others
-        module = hf if variant == "hf_padded" else model
+        if variant in CUDNN and cudnn is None:
+            skipped[variant] = "attention_backend='cudnn' is not available here (nvidia-cudnn-frontend, CUDA)"
+            continue
+        module = hf if variant == "hf_padded" else cudnn if variant in CUDNN else model
         if variant == "sequential":
             set_grouped_experts(model, False)
-        elif variant in ("grouped", "grouped_scatter_combine", "stacked"):
-            set_grouped_experts(model, None if kernel else True)  # the CPU smoke forces the grouped path
+        elif variant in ("grouped", "grouped_scatter_combine", "stacked", *CUDNN):
+            set_grouped_experts(module, None if kernel else True)  # the CPU smoke forces the grouped path
             if variant == "stacked":
                 unblock_experts(model)
         set_combine(model, "scatter" if variant == "grouped_scatter_combine" else "ordered")
         for pass_ in cfg.passes:
             backward = pass_ == "fwd+bwd"
-            step = (hf_step if variant == "hf_padded" else packfwd_step)(module, batch, backward)
+            if variant == "grouped_cudnn_graph":
+                if not backward:
+                    continue
+                step = graphed_step(module, batch)
+            else:
+                step = (hf_step if variant == "hf_padded" else packfwd_step)(module, batch, backward)
             n = hf_runs if variant == "hf_padded" else runs
             row = {"variant": variant, "pass": pass_, **measure(step, module, n, warmup, timer, device)}
             if variant != "hf_padded":  # grouped rows: 2 per MoE layer forward, 6 with the backward; sequential 0
-                row["grouped_mm_calls"] = grouped_mm_calls(step, module)
+                row["grouped_mm_calls"] = getattr(step, "grouped_mm_calls", None) or grouped_mm_calls(step, module)
                 if cfg.profile and backward:
                     from bench_step import profile_step
 
@@ -315,7 +380,7 @@ def main(argv=None) -> int:
                   "fill": real / (shape.batch * shape.seq), "ideal_speedup": shape.batch * shape.seq / real},
         "grouped_mm_kernel": kernel, "hf_experts_implementation": hf_impl, "runs": runs, "hf_runs": hf_runs,
         "warmup": warmup, "matmul_ceiling_TFLOP/s": ceiling, "forward_flops": flops, "build_s": build_s,
-        "results": rows, "failed": failed, "wall_s": time.perf_counter() - t_start,
+        "results": rows, "skipped": skipped, "failed": failed, "wall_s": time.perf_counter() - t_start,
     }
     write_json(cfg.out, payload)
     print(table(rows, ["variant", "pass", "ms", "tokens/s", "TFLOP/s", "of_ceiling", "peak_GiB", "step_GiB",

@@ -170,3 +170,91 @@ def test_a_rank_whose_experts_got_no_token_permutes_and_combines_nothing():
     assert torch.equal(out, torch.zeros(5, 3))
     (permuted.sum() + out.sum()).backward()
     assert torch.equal(x.grad, torch.zeros(5, 3))
+
+
+@pytest.mark.parametrize("t,e,k,empty", [(9, 6, 2, ()), (16, 8, 4, (0, 5, 15)), (5, 3, 3, (2,)), (7, 4, 1, ())])
+def test_fixed_rows_are_ordered_permutes_rows_then_sinks(t, e, k, empty):
+    """The grouped experts' sync-free layout: ``t * k`` rows, the first ``n`` exactly :func:`ordered_permute`'s
+    (rows, tokens, probabilities: Megatron-Core's order), then the sinks; every valid slot names its own row, a
+    sink's probability is 0, and NaN in every sink row (what the grouped GEMMs leave there) reaches neither the
+    combine nor the permutation's gradient: both equal the exact path's bit for bit."""
+    from packfwd.models.dispatch import fixed_permute, fixed_rows, ordered_permute
+
+    rmap = routing(t, e, k, seed=3 * t + e, empty_rows=empty)
+    n = int(rmap.sum())
+    probs = torch.rand(t, e, dtype=torch.float64) * rmap
+    rows = fixed_rows(rmap, top_k=k)
+    x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
+    exact, token_of_row, slots = ordered_permute(x, rmap, top_k=k)
+    assert rows.token_of_row.shape == (t * k,) and torch.equal(rows.token_of_row[:n], token_of_row)
+    assert torch.equal(rows.counts, rmap.sum(0)) and int(rows.valid.sum()) == n
+    assert torch.equal(rows.valid, slots[1])
+    assert torch.equal(rows.token_of_row[rows.picked[rows.valid]], torch.arange(t)[:, None].expand(t, k)[rows.valid])
+    assert torch.equal(rows.picked[rows.valid], slots[0][rows.valid])  # the same rows, slot for slot
+    p = rows.probs(probs)
+    assert torch.equal(p[:n], probs.T.contiguous().masked_select(rmap.T.contiguous())) and not p[n:].any()
+
+    x_fixed = x.detach().clone().requires_grad_(True)
+    permuted = fixed_permute(x_fixed, rows)
+    assert torch.equal(permuted[:n], exact)
+    upstream = torch.randn(t * k, 4, dtype=torch.float64)
+    poisoned = upstream.clone()
+    poisoned[n:] = float("nan")
+    exact.backward(upstream[:n])
+    permuted.backward(poisoned)
+    assert torch.equal(x_fixed.grad, x.grad)
+
+    outs = torch.randn(t * k, 4, dtype=torch.float64)
+    outs[n:] = float("nan")
+    got = ordered_unpermute(outs, rmap, k, rows.token_of_row, (rows.picked, rows.valid))
+    assert torch.equal(got, ordered_unpermute(outs[:n], rmap, k, token_of_row, slots))
+
+
+def test_fixed_rows_with_no_routed_token_and_more_than_top_k_fails():
+    """A rank whose experts got no token: every row a sink, counts zero; a token with more experts than top_k
+    fails (device-side assert) instead of losing some."""
+    from packfwd.models.dispatch import fixed_rows
+
+    rows = fixed_rows(torch.zeros(5, 2, dtype=torch.bool), top_k=2)
+    assert rows.token_of_row.shape == (10,) and not rows.valid.any() and not rows.counts.any()
+    with pytest.raises(RuntimeError, match="more than top_k=2 experts"):
+        fixed_rows(routing(6, 5, 3, seed=2), top_k=2)
+
+
+def test_grouped_moe_layers_ignore_whatever_the_gemms_leave_in_the_sink_rows(monkeypatch):
+    """A whole MoE model on the grouped path (the dispatcher's ``t * k`` rows, counts on the device side), with
+    ``torch._grouped_mm`` made to write NaN into every row no group covers (the GPU kernel leaves them
+    uninitialised): logits and every gradient finite and equal to the sequential path's (exact pairs, Megatron's
+    loop), with layout pads (``seq_align=8``) routed nowhere."""
+    from packfwd.forward import make_forward
+    from packfwd.models import from_hf
+    from packfwd.models.experts import set_grouped_experts
+    from tests.test_moe import hf_model, ragged_batch
+
+    original, sinks = torch._grouped_mm, []
+
+    def unwritten(a, b, offs=None, **kw):
+        out = original(a, b, offs=offs, **kw)
+        if a.dim() == 2 and b.dim() == 3 and offs is not None and int(offs[-1]) < out.shape[0]:
+            sinks.append(out.shape[0] - int(offs[-1]))
+            out[int(offs[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", unwritten)
+    model = from_hf(hf_model("qwen3_moe-norm").float())
+    ids, mask = ragged_batch()
+    results = {}
+    for grouped in (True, False):
+        set_grouped_experts(model, grouped)
+        model.zero_grad(set_to_none=True)
+        logits = make_forward("thd", seq_align=8)(model, ids, mask)
+        (logits * logits.detach()).sum().backward()
+        results[grouped] = logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert sinks and all(s > 0 for s in sinks)  # the grouped path ran with sink rows
+    (got, got_grads), (want, want_grads) = results[True], results[False]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert sorted(got_grads) == sorted(want_grads)
+    for name, grad in want_grads.items():
+        assert torch.isfinite(got_grads[name]).all(), name
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)

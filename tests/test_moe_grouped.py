@@ -170,8 +170,8 @@ def test_choices_and_refusals():
         mine(x, torch.tensor([2, 1, 0, 1]), probs)
     fp32, _ = experts_pair(torch.float32, grouped=True)
     x, probs, _ = dispatched([2, 1, 0, 1], torch.float32)
-    with pytest.raises(ValueError, match="sums to 3 but x has 4 rows"):
-        fp32(x, torch.tensor([2, 1, 0, 0]), probs)
+    with pytest.raises(ValueError, match="sums to 5 but x has 4 rows"):
+        fp32(x, torch.tensor([2, 1, 1, 1]), probs)
     with pytest.raises(ValueError, match="have biases"):
         experts_pair(torch.float32, grouped=True, add_bias_linear=True)
     biased, _ = experts_pair(torch.float32, add_bias_linear=True)  # automatic: the sequential path computes it

@@ -38,16 +38,20 @@ stay Megatron-Core's unchanged).
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from torch import Tensor
 
-from .cpu import host_collectives
+from packfwd.ops.slot_sum import slot_sum
 
-__all__ = ["OrderedCombineDispatcher", "PaddedAllGatherDispatcher", "ordered_permute", "ordered_unpermute",
-           "pad_expert_parallel"]
+from .cpu import host_collectives
+from .experts import GroupedExperts
+
+__all__ = ["FixedRows", "OrderedCombineDispatcher", "PaddedAllGatherDispatcher", "fixed_permute", "fixed_rows",
+           "ordered_permute", "ordered_unpermute", "pad_expert_parallel"]
 
 
 def pad_expert_parallel(model: torch.nn.Module) -> torch.nn.Module:
@@ -69,8 +73,11 @@ def pad_expert_parallel(model: torch.nn.Module) -> torch.nn.Module:
             raise ValueError(f"{type(dispatcher).__name__} under expert parallelism: packfwd pads the ranks' tokens "
                              "in Megatron-Core's 'allgather' dispatcher only; use "
                              "moe_token_dispatcher_type='allgather'")
-        # methods only, no state added
+        # methods, and the experts' choice of path (the grouped experts take fixed_rows' layout)
         dispatcher.__class__ = PaddedAllGatherDispatcher if dispatcher.ep_size > 1 else OrderedCombineDispatcher
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, GroupedExperts):
+            dispatcher.experts_grouped = experts.use_grouped
     return model
 
 
@@ -134,16 +141,55 @@ def token_slots(routing_map: Tensor, top_k: int, token_of_row: Tensor) -> tuple[
     return picked, valid
 
 
-def _sum_slots(permuted: Tensor, picked: Tensor, valid: Tensor) -> Tensor:
-    t, k = picked.shape
-    if permuted.shape[0] == 0:
-        return permuted.new_zeros(t, permuted.shape[-1])
-    rows = permuted.index_select(0, picked.flatten()).view(t, k, permuted.shape[-1])
-    rows.masked_fill_(~valid[..., None], 0)
-    if k == 1:
-        return rows[:, 0]
-    acc = torch.promote_types(permuted.dtype, torch.float32)  # half types summed in float32, rounded once
-    return rows.sum(1, dtype=acc).to(permuted.dtype)
+class FixedRows(NamedTuple):
+    """The permutation of :func:`fixed_rows`: ``t * k`` rows whatever the routing (module docstring)."""
+
+    token_of_row: Tensor  # [t * k] the token of each row
+    picked: Tensor        # [t, k] each token's rows, its experts ascending
+    valid: Tensor         # [t, k] False at a sink slot (an expert the token did not reach)
+    order: Tensor         # [t * k] the slot (token * k + j) each row holds
+    columns: Tensor       # [t, k] each slot's expert; at a sink an expert the token did not reach (distinct in a row)
+    counts: Tensor        # [E] int64 rows per expert, on the device (the sinks follow the last expert's)
+
+    def probs(self, probs: Tensor) -> Tensor:
+        """The routing probabilities ``probs [t, E]`` of each row ``[t * k]``: 0 at a sink row (a ``where``, so
+        no gradient reaches ``probs`` from a sink, whatever the experts computed there; a row's columns are
+        distinct, so the gather's backward adds nothing twice)."""
+        per_slot = probs.gather(1, self.columns)
+        per_slot = torch.where(self.valid, per_slot, per_slot.new_zeros(()))
+        return per_slot.flatten().index_select(0, self.order)
+
+
+def fixed_rows(routing_map: Tensor, top_k: int) -> FixedRows:
+    """The permutation of the grouped experts without a host sync: ``t * k`` rows (``k = min(top_k, E)``) for
+    ``routing_map [t, E]`` whatever it routes, sorted by expert then token as Megatron-Core's ``permute`` (so the
+    real rows, and the experts' GEMMs over them, are the same as :func:`ordered_permute`'s), then the sink rows
+    (slots of experts a token did not reach: layout pads, tokens whose experts live on another rank), which no
+    expert's group covers.  ``counts`` stay on the device: the grouped GEMM reads its offsets there.  A token
+    routed to more than k experts fails a device-side assert.
+
+    >>> rmap = torch.tensor([[True, False, True], [False, True, False]])
+    >>> rows = fixed_rows(rmap, top_k=2)
+    >>> rows.token_of_row.tolist(), rows.counts.tolist(), rows.valid.tolist()
+    ([0, 1, 0, 1], [1, 1, 1], [[True, True], [True, False]])
+    """
+    t, e = routing_map.shape
+    k = max(1, min(top_k, e))
+    routing_map = routing_map.bool()
+    torch._assert_async((routing_map.sum(1) <= k).all(), f"a token routed to more than top_k={top_k} experts")
+    ids = torch.arange(e, dtype=torch.int32, device=routing_map.device)
+    keyed = torch.where(routing_map, ids, torch.full_like(ids, e))  # [t, E]: the expert, or E (no expert)
+    experts, columns = keyed.topk(k, dim=1, largest=False, sorted=True)  # [t, k] ascending, sinks (E) last
+    order = torch.sort(experts.flatten(), stable=True).indices  # rows by expert, then token; sinks last
+    picked = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=order.device)).view(t, k)
+    return FixedRows(torch.div(order, k, rounding_mode="floor"), picked, experts < e, order, columns,
+                     routing_map.sum(0))
+
+
+def fixed_permute(tokens: Tensor, rows: FixedRows) -> Tensor:
+    """``tokens [t, h]`` in :func:`fixed_rows`' order, ``[t * k, h]``; backward a token's rows summed in ascending
+    expert order, sink rows never read (their gradient may be anything: the grouped GEMMs leave them unwritten)."""
+    return _OrderedPermute.apply(tokens, rows.picked, rows.valid, rows.token_of_row)
 
 
 class _OrderedCombine(torch.autograd.Function):
@@ -153,7 +199,7 @@ class _OrderedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, permuted, picked, valid, token_of_row):
         ctx.save_for_backward(token_of_row)
-        return _sum_slots(permuted, picked, valid)
+        return slot_sum(permuted, picked, valid)
 
     @staticmethod
     def backward(ctx, grad):
@@ -173,7 +219,7 @@ class _OrderedPermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         picked, valid = ctx.saved_tensors
-        return _sum_slots(grad, picked, valid), None, None, None
+        return slot_sum(grad, picked, valid), None, None, None
 
 
 class OrderedCombineDispatcher(MoEAllGatherTokenDispatcher):
@@ -186,11 +232,20 @@ class OrderedCombineDispatcher(MoEAllGatherTokenDispatcher):
         self.hidden_shape_before_permute = hidden_states.shape
         lo, hi = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         self.local_map = self.routing_map[:, lo:hi].contiguous()
+        self.routing_map = None
+        top_k = self.config.moe_router_topk
+        grouped = getattr(self, "experts_grouped", None)
+        if grouped is not None and hidden_states.shape[0] and grouped(hidden_states):
+            # the grouped experts: t * k rows, no host sync (fixed_rows)
+            rows = fixed_rows(self.local_map, top_k)
+            self.reversed_local_input_permutation_mapping = rows.token_of_row
+            self.token_slots = (rows.picked, rows.valid)
+            self.local_probs = rows.probs(probs[:, lo:hi])
+            return fixed_permute(hidden_states, rows), rows.counts, self.local_probs
         tokens_per_expert = self.local_map.sum(dim=0).long().cpu()  # Megatron-Core's sequential experts read it
         permuted, self.reversed_local_input_permutation_mapping, self.token_slots = ordered_permute(
-            hidden_states, self.local_map, self.config.moe_router_topk)
+            hidden_states, self.local_map, top_k)
         self.local_probs = probs[:, lo:hi].T.contiguous().masked_select(self.local_map.T.contiguous())
-        self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs
 
     def combine_preprocess(self, hidden_states: Tensor) -> Tensor:

@@ -7,8 +7,12 @@
       local_experts.{e}     MLP: linear_fc1.weight [2f, h] = [gate; up], linear_fc2.weight [h, f] (TP: f sharded)
 
 The token dispatcher hands the experts ``x [n, h]`` (the tokens routed here, sorted by local expert),
-``tokens_per_expert [E]`` (Megatron-Core's dispatchers give a CPU tensor) and ``probs [n]``; the output is
-``[n, h]`` in the same order.  Grouped (``torch._grouped_mm``: CUTLASS, no host sync, on sm90 / sm100 in bf16)::
+``tokens_per_expert [E]`` and ``probs [n]``; the output is ``[n, h]`` in the same order.  For the grouped path
+packfwd's dispatcher gives ``n = t * top_k`` rows and the counts on the device, no host sync
+(:func:`packfwd.models.dispatch.fixed_rows`): the rows past the last expert's are sinks (slots of experts a token
+did not reach), which no group covers, so the GEMMs leave them unwritten (any bits, NaN too) and the combine never
+reads them.  For the sequential path it gives the routed pairs exactly and the counts on the host, which
+Megatron-Core's ``SequentialMLP`` reads.  Grouped (``torch._grouped_mm``: CUTLASS, no host sync, on sm90 / sm100 in bf16)::
 
     offs = cumsum(tokens_per_expert) as int32 on x's device   (a copy from the host: no sync)
     y    = grouped_mm(x, W1[e].T)                            [n, 2f]   rows offs[e-1]:offs[e] by expert e
@@ -116,9 +120,9 @@ def _groups(tokens_per_expert: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
     host counts (Megatron-Core's dispatchers) give the empty experts' indices, device counts a bool mask."""
     if tokens_per_expert.device.type == "cpu":
         total = int(tokens_per_expert.sum())  # host values: free to check
-        if total != x.shape[0]:
+        if total > x.shape[0]:
             raise ValueError(f"tokens_per_expert sums to {total} but x has {x.shape[0]} rows; the dispatcher hands "
-                             "the experts exactly the tokens it counts")
+                             "the experts at least the tokens it counts (rows past them: sinks, left unwritten)")
         empty = torch.nonzero(tokens_per_expert == 0).flatten()
     else:
         empty = tokens_per_expert == 0
@@ -156,13 +160,16 @@ class GroupedExperts(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor):
         x = permuted_local_hidden_states
-        if not self._use_grouped(x):
+        if not self.use_grouped(x):
             return super().forward(x, tokens_per_expert, permuted_probs)
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
         return grouped_swiglu_mlp(x.contiguous(), fc1, fc2, tokens_per_expert, permuted_probs), None
 
-    def _use_grouped(self, x: Tensor) -> bool:
+    def use_grouped(self, x: Tensor) -> bool:
+        """Whether these experts compute tokens like ``x`` as grouped GEMMs (:attr:`grouped`); the token
+        dispatcher asks too, before it permutes (the grouped path takes its sync-free layout:
+        :func:`packfwd.models.dispatch.fixed_rows`)."""
         if self._grouped is False or x.shape[0] == 0 or self.unsupported:  # no tokens: nothing to group
             return False
         if self._grouped is None:

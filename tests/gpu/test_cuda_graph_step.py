@@ -1,7 +1,9 @@
 """A whole training step of a packfwd model (forward + backward of a log-prob loss) captured once as a CUDA graph
 with a bucket plan (``forward.plan(..., bucket=)``, ``plan=`` in the captured forward), then replayed for new
 batches of other lengths: the loss, the log-probs and every parameter gradient are the bits of the same step run
-eagerly with each batch's bucket plan, and within bf16 rounding of the step planned without a bucket.  For each
+eagerly with each batch's bucket plan, and within bf16 rounding of the step planned without a bucket.  A Llama,
+and a Qwen3-MoE: its grouped experts take ``t * top_k`` rows whatever the routing (the sink rows unwritten by
+the grouped GEMMs, never read), so the MoE layers capture too.  For each
 CUDA attention backend present (torch's flash kernel; cuDNN's when nvidia-cudnn-frontend is installed), under
 torch's deterministic mode (captured in it too): without it the flash backward's atomic ``dq`` sums differ from run to
 run, replayed or not.
@@ -36,10 +38,25 @@ def deterministic():  # warn_only=True would leave the flash backward atomic (it
         yield
 
 
-@pytest.mark.parametrize("backend", ["torch_varlen", "cudnn"])
-def test_a_replayed_step_equals_the_eager_step_for_new_batches(backend, deterministic):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_model(kind):
+    """A tiny Llama, or a Qwen3-MoE (8 experts top-2: the grouped experts, whose dispatcher makes no host sync)."""
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
 
+        return LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                              num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=64, vocab_size=512, decoder_sparse_step=1,
+                                              mlp_only_layers=[]))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("backend", ["torch_varlen", "cudnn"])
+def test_a_replayed_step_equals_the_eager_step_for_new_batches(backend, kind, deterministic):
     import packfwd as pf
     from packfwd.layout.bucket import Bucket, copy_plan_
     from packfwd.logits import log_probs
@@ -49,9 +66,7 @@ def test_a_replayed_step_equals_the_eager_step_for_new_batches(backend, determin
     if backend not in available_backends("cuda"):
         pytest.skip(f"{backend} is not installed here")
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
-    model = from_hf(hf, device="cuda", params_dtype=torch.bfloat16, attention_backend=backend)
+    model = from_hf(hf_model(kind), device="cuda", params_dtype=torch.bfloat16, attention_backend=backend)
     forward = pf.make_forward("thd", logits_processor=lambda logits, labels: {"lp": log_probs(logits, labels)})
     bucket = Bucket(tokens=B * S, max_seqlen=S)
 
@@ -97,5 +112,9 @@ def test_a_replayed_step_equals_the_eager_step_for_new_batches(backend, determin
         loss_plain, lp_plain = step(ids, labels, forward.plan(ids, mask))  # no bucket: bf16 rounding apart
         model.zero_grad(set_to_none=True)
         real = labels >= 0
-        assert (lp[real] - lp_plain[real]).abs().max() < 5e-2, f"batch {seed}: bucket vs plain log-probs"
+        diff = (lp[real] - lp_plain[real]).abs()
+        if kind == "llama":
+            assert diff.max() < 5e-2, f"batch {seed}: bucket vs plain log-probs"
+        else:  # bf16 rounding of another attention shape may tip a near-tie to another expert
+            assert diff.mean() < 1e-2, f"batch {seed}: bucket vs plain log-probs {diff.mean()}"
         assert torch.isclose(loss, loss_plain, rtol=1e-2), f"batch {seed}: bucket vs plain loss"

@@ -61,7 +61,7 @@ def test_bf16_grouped_is_as_close_to_float64_as_sequential():
     from tests.test_moe_grouped import dispatched, experts_pair, run
 
     mine, theirs = experts_pair(torch.bfloat16, device="cuda", **SIZES)
-    assert mine._use_grouped(torch.zeros(1, SIZES["hidden"], device="cuda", dtype=torch.bfloat16))
+    assert mine.use_grouped(torch.zeros(1, SIZES["hidden"], device="cuda", dtype=torch.bfloat16))
     x, probs, grad = dispatched(COUNTS, torch.bfloat16, hidden=SIZES["hidden"], device="cuda")
     reference = experts_pair(torch.float64, device="cuda", **SIZES)[1]
     reference.load_state_dict(theirs.state_dict())
