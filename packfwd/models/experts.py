@@ -16,7 +16,7 @@ Megatron-Core's ``SequentialMLP`` reads.  Grouped (``torch._grouped_mm``: CUTLAS
 
     offs = cumsum(tokens_per_expert) as int32 on x's device   (a copy from the host: no sync)
     y    = grouped_mm(x, W1[e].T)                            [n, 2f]   rows offs[e-1]:offs[e] by expert e
-    a    = swiglu(y) * probs, rounded to x's dtype            [n, f]    (Megatron's MLP applies probs there)
+    a    = swiglu(y) * probs, rounded to x's dtype            [n, f]    (Megatron's MLP applies probs there; swiglu_scaled)
     out  = grouped_mm(a, W2[e].T)                            [n, h]
     backward: dx = grouped_mm(dy, W), dW = grouped_mm(dy.T, x) (an empty expert's dW set to zero)
 
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from torch import Tensor
 
-from packfwd.ops.swiglu import swiglu
+from packfwd.ops.swiglu import swiglu, swiglu_scaled
 
 __all__ = ["GroupedExperts", "GroupedLinear", "grouped_kernel", "grouped_swiglu_mlp", "set_grouped_experts"]
 
@@ -81,8 +81,7 @@ def grouped_swiglu_mlp(x: Tensor, fc1, fc2, tokens_per_expert: Tensor, probs: Te
     """
     groups = _groups(tokens_per_expert, x)
     y = GroupedLinear.apply(x, *groups, *fc1)  # [n, 2f]
-    a = swiglu(y)
-    a = (a * probs.unsqueeze(-1)).to(a.dtype)  # Megatron's MLP: per_token_scale after the activation
+    a = swiglu_scaled(y, probs)  # Megatron's MLP: per_token_scale after the activation (one kernel on CUDA)
     return GroupedLinear.apply(a, *groups, *fc2)  # [n, h]
 
 

@@ -18,6 +18,11 @@ contiguous ``[*, f]`` tensor; the gradient a new contiguous ``[*, 2f]`` one in t
 last dimension is not unit-strided are copied once (any row stride is read as is).  Blocks of rows by blocks of
 ``f`` per program, no atomics: deterministic, bit for bit run to run.
 
+``swiglu_scaled(y, scale)`` is the MoE experts' activation: Megatron-Core applies the routing probability of each
+row after the activation (``(swiglu(fc1) * probs[:, None]).to(dtype)``); two more kernels take it whole (the
+product and its cast forward; the broadcast product and the row sum of the scale's gradient backward), the
+output and d/dy the composition's bits.
+
 ``swiglu(y)`` is the entry point: the kernels (``SwiGLUKernel``, over the launchers ``forward`` and ``backward``;
 the kernels follow them) for a CUDA tensor with Triton installed, else the torch reference ``reference``.
 :class:`SwiGLU` is the activation module packfwd's fused models hand Megatron-Core's MLP (the kernels on CUDA,
@@ -176,6 +181,70 @@ def backward(grad_out: Tensor, y: Tensor) -> Tensor:
     return grad
 
 
+def swiglu_scaled(y: Tensor, scale: Tensor) -> Tensor:
+    """``swiglu(y)`` rounded to ``y``'s dtype, times ``scale [n]`` per row in float32, rounded again: Megatron-Core's
+    expert MLP (``(swiglu(fc1) * probs[:, None]).to(dtype)``, the routing probability applied after the
+    activation) op for op, so the forward is its bits; ``y [n, 2f]``, returns ``[n, f]``.  On CUDA (``scale``
+    float32) one kernel each way instead of the activation, the product, its cast and their backward (a broadcast
+    product and a row sum): the gradient of ``y`` is today's bits, that of ``scale`` its row sum in another order
+    (float32 rounding).  Elsewhere the torch ops themselves.
+
+    >>> swiglu_scaled(torch.tensor([[0.0, 2.0, 3.0, 5.0]]), torch.tensor([0.5]))
+    tensor([[0.0000, 4.4040]])
+    """
+    _check(y, "y")
+    if supported(y) and y.dim() == 2 and scale.dtype == torch.float32 and scale.shape == y.shape[:1]:
+        return SwiGLUScaledKernel.apply(y, scale)
+    a = swiglu(y)
+    return (a * scale.unsqueeze(-1)).to(a.dtype)
+
+
+class SwiGLUScaledKernel(torch.autograd.Function):
+    """:func:`swiglu_scaled` through the kernels; saves ``y`` and ``scale``."""
+
+    @staticmethod
+    def forward(ctx, y, scale):
+        ctx.save_for_backward(y, scale)
+        return scaled_forward(y, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, scale = ctx.saved_tensors
+        return scaled_backward(grad_out, y, scale)
+
+
+def scaled_forward(y: Tensor, scale: Tensor) -> Tensor:
+    """The scaled forward kernel's launcher: ``[n, 2f]``, ``[n]`` float32 ``-> [n, f]`` in ``y``'s dtype."""
+    rows, f = _rows(y, "y")
+    out = torch.empty((rows.shape[0], f), dtype=y.dtype, device=y.device)
+    if rows.shape[0] > 0:
+        block_f, grid = _grid(rows.shape[0], f)
+        _swiglu_scaled_fwd_kernel[grid](
+            rows, rows.stride(0), scale.contiguous(), out, rows.shape[0], f,
+            ROWS=CONFIG["rows"], BLOCK_F=block_f, CUDA_EXP=_CUDA_EXP, num_warps=CONFIG["num_warps"],
+        )
+    return out
+
+
+def scaled_backward(grad_out: Tensor, y: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The scaled backward kernel's launcher: ``(d/dy [n, 2f] in y's dtype, d/dscale [n] float32)``; the row sums
+    of ``d/dscale`` over blocks of ``f`` are added in a fixed order (no atomics)."""
+    rows, f = _rows(y, "y")
+    g = grad_out.reshape(-1, f)
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    grad = torch.empty(rows.shape, dtype=y.dtype, device=y.device)
+    n = rows.shape[0]
+    if n == 0:
+        return grad, torch.zeros_like(scale)
+    block_f, grid = _grid(n, f)
+    parts = torch.empty((n, grid[1]), dtype=torch.float32, device=y.device)
+    _swiglu_scaled_bwd_kernel[grid](
+        rows, rows.stride(0), g, g.stride(0), scale.contiguous(), grad, parts, grid[1], n, f,
+        ROWS=CONFIG["rows"], BLOCK_F=block_f, CUDA_EXP=_CUDA_EXP, num_warps=CONFIG["num_warps"],
+    )
+    return grad, (parts[:, 0] if grid[1] == 1 else parts.sum(1))
+
+
 def _check(y: Tensor, name: str) -> int:
     if not isinstance(y, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
@@ -247,6 +316,46 @@ if triton is not None:
         # autograd of silu(gate) * up: d_up = go * silu(gate); d_gate = silu_backward(go * up, gate), in torch's order
         d_gate = (go * up) * sig * (1.0 + gate * (1.0 - sig))
         d_up = go * tl.math.div_rn(gate, 1.0 + e)
+        dst = grad + r[:, None] * (2 * F) + c[None, :]
+        tl.store(dst, d_gate.to(grad.dtype.element_ty), mask=ok)
+        tl.store(dst + F, d_up.to(grad.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _swiglu_scaled_fwd_kernel(y, stride, scale, out, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr,
+                                  CUDA_EXP: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        ok = (r < N)[:, None] & (c < F)[None, :]
+        at = y + r[:, None] * stride + c[None, :]
+        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        p = tl.load(scale + r, mask=r < N, other=0.0)
+        e = _exp(-gate, CUDA_EXP)
+        a = (tl.math.div_rn(gate, 1.0 + e) * up).to(out.dtype.element_ty).to(tl.float32)  # swiglu, rounded
+        tl.store(out + r[:, None] * F + c[None, :], (a * p[:, None]).to(out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _swiglu_scaled_bwd_kernel(
+        y, stride, g, g_stride, scale, grad, parts, BLOCKS, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr,
+        CUDA_EXP: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        ok = (r < N)[:, None] & (c < F)[None, :]
+        at = y + r[:, None] * stride + c[None, :]
+        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        go = tl.load(g + r[:, None] * g_stride + c[None, :], mask=ok, other=0.0).to(tl.float32)
+        p = tl.load(scale + r, mask=r < N, other=0.0)
+        e = _exp(-gate, CUDA_EXP)
+        sig = tl.math.div_rn(tl.full(gate.shape, 1.0, tl.float32), 1.0 + e)
+        silu = tl.math.div_rn(gate, 1.0 + e)
+        a = (silu * up).to(grad.dtype.element_ty).to(tl.float32)  # the forward's rounded activation
+        # d scale: sum over f of go * a (this block's part); d a: go * scale rounded to the dtype (autograd's)
+        tl.store(parts + r * BLOCKS + tl.program_id(1), tl.sum(tl.where(ok, go * a, 0.0), axis=1), mask=r < N)
+        ga = (go * p[:, None]).to(grad.dtype.element_ty).to(tl.float32)
+        d_gate = (ga * up) * sig * (1.0 + gate * (1.0 - sig))
+        d_up = ga * silu
         dst = grad + r[:, None] * (2 * F) + c[None, :]
         tl.store(dst, d_gate.to(grad.dtype.element_ty), mask=ok)
         tl.store(dst + F, d_up.to(grad.dtype.element_ty), mask=ok)

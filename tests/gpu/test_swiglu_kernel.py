@@ -196,3 +196,54 @@ def test_dispatch():
     want_out, want_grad = exact(y, go)
     close(out, want_out, tol(torch.float32), 1.0)
     close(x.grad, want_grad, tol(torch.float32), 1.0)
+
+
+def composed(y, p, go):
+    """Today's expert activation, op for op: the SwiGLU kernel, torch's product with the row scale and its cast,
+    autograd's backward (the broadcast product's row sum for the scale)."""
+    x, q = y.detach().clone().requires_grad_(True), p.detach().clone().requires_grad_(True)
+    a = K.SwiGLUKernel.apply(x)
+    out = (a * q[:, None]).to(a.dtype)
+    out.backward(go)
+    return out.detach(), x.grad, q.grad
+
+
+def scaled(y, p, go):
+    x, q = y.detach().clone().requires_grad_(True), p.detach().clone().requires_grad_(True)
+    out = K.SwiGLUScaledKernel.apply(x, q)
+    out.backward(go)
+    return out.detach(), x.grad, q.grad
+
+
+# the same bits as the composition where both round alike: float32 everywhere; bf16 / fp16 on the GPU (the
+# interpreter's kernel casts truncate, torch's round to nearest)
+SCALED_BITWISE = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,f", [(1, 1), (5, 3), (13, 37), (37, 20)])
+def test_scaled_swiglu_is_the_activation_times_the_row_scale(n, f, dtype, monkeypatch):
+    """``swiglu_scaled``'s kernels (the MoE experts' activation with the routing probability) against the
+    composition they replace: output and d/dy bit for bit, d/dscale to float32 rounding (another order of the
+    row sum); also with many column blocks (the row sum's parts added after)."""
+    g = torch.Generator().manual_seed(n * 100 + f)
+    y, go = make((n,), f, dtype, seed=n + f)
+    p = torch.rand(n, generator=g).to(DEVICE)
+    for block in (None, 8):
+        if block:
+            monkeypatch.setitem(K.CONFIG, "block_f", block)
+        got, want = scaled(y, p, go), composed(y, p, go)
+        if dtype in SCALED_BITWISE:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        else:  # the interpreter: two truncating roundings against torch's to nearest, up to two units apart
+            close(got[0], want[0], 2 * tol(dtype), want[0].abs().max().item())
+            close(got[1], want[1], 2 * tol(dtype), want[1].abs().max().item())
+        assert got[2].dtype == torch.float32 and got[2].shape == (n,)
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5 * want[2].abs().max().item() + 1e-6)
+
+
+def test_scaled_swiglu_entry_point_is_the_composition_off_the_kernels():
+    """``swiglu_scaled`` where the kernels do not run (the CPU, a float64 scale): the torch ops themselves."""
+    y = torch.randn(4, 6, dtype=torch.float64)
+    p = torch.rand(4, dtype=torch.float64)
+    assert torch.equal(K.swiglu_scaled(y, p), (K.reference(y) * p[:, None]).to(y.dtype))
