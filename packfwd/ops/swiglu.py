@@ -186,14 +186,14 @@ def swiglu_scaled(y: Tensor, scale: Tensor) -> Tensor:
     expert MLP (``(swiglu(fc1) * probs[:, None]).to(dtype)``, the routing probability applied after the
     activation) op for op, so the forward is its bits; ``y [n, 2f]``, returns ``[n, f]``.  On CUDA (``scale``
     float32) one kernel each way instead of the activation, the product, its cast and their backward (a broadcast
-    product and a row sum): the gradient of ``y`` is today's bits, that of ``scale`` its row sum in another order
-    (float32 rounding).  Elsewhere the torch ops themselves.
+    product and a row sum): the gradient of ``y`` is today's bits, that of ``scale`` its row sum in float32 in another
+    order, rounded once to ``scale``'s dtype (torch rounds each product to a half dtype first).  Elsewhere the torch ops themselves.
 
     >>> swiglu_scaled(torch.tensor([[0.0, 2.0, 3.0, 5.0]]), torch.tensor([0.5]))
     tensor([[0.0000, 4.4040]])
     """
     _check(y, "y")
-    if supported(y) and y.dim() == 2 and scale.dtype == torch.float32 and scale.shape == y.shape[:1]:
+    if supported(y) and y.dim() == 2 and scale.dtype in DTYPES and scale.shape == y.shape[:1]:
         return SwiGLUScaledKernel.apply(y, scale)
     a = swiglu(y)
     return (a * scale.unsqueeze(-1)).to(a.dtype)
@@ -214,7 +214,7 @@ class SwiGLUScaledKernel(torch.autograd.Function):
 
 
 def scaled_forward(y: Tensor, scale: Tensor) -> Tensor:
-    """The scaled forward kernel's launcher: ``[n, 2f]``, ``[n]`` float32 ``-> [n, f]`` in ``y``'s dtype."""
+    """The scaled forward kernel's launcher: ``[n, 2f]``, ``[n]`` (a float dtype) ``-> [n, f]`` in ``y``'s dtype."""
     rows, f = _rows(y, "y")
     out = torch.empty((rows.shape[0], f), dtype=y.dtype, device=y.device)
     if rows.shape[0] > 0:
@@ -227,7 +227,7 @@ def scaled_forward(y: Tensor, scale: Tensor) -> Tensor:
 
 
 def scaled_backward(grad_out: Tensor, y: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    """The scaled backward kernel's launcher: ``(d/dy [n, 2f] in y's dtype, d/dscale [n] float32)``; the row sums
+    """The scaled backward kernel's launcher: ``(d/dy [n, 2f] in y's dtype, d/dscale [n] in scale's)``; the row sums
     of ``d/dscale`` over blocks of ``f`` are added in a fixed order (no atomics)."""
     rows, f = _rows(y, "y")
     g = grad_out.reshape(-1, f)
@@ -242,7 +242,7 @@ def scaled_backward(grad_out: Tensor, y: Tensor, scale: Tensor) -> tuple[Tensor,
         rows, rows.stride(0), g, g.stride(0), scale.contiguous(), grad, parts, grid[1], n, f,
         ROWS=CONFIG["rows"], BLOCK_F=block_f, CUDA_EXP=_CUDA_EXP, num_warps=CONFIG["num_warps"],
     )
-    return grad, (parts[:, 0] if grid[1] == 1 else parts.sum(1))
+    return grad, (parts[:, 0] if grid[1] == 1 else parts.sum(1)).to(scale.dtype)
 
 
 def _check(y: Tensor, name: str) -> int:
@@ -329,7 +329,7 @@ if triton is not None:
         at = y + r[:, None] * stride + c[None, :]
         gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
-        p = tl.load(scale + r, mask=r < N, other=0.0)
+        p = tl.load(scale + r, mask=r < N, other=0.0).to(tl.float32)
         e = _exp(-gate, CUDA_EXP)
         a = (tl.math.div_rn(gate, 1.0 + e) * up).to(out.dtype.element_ty).to(tl.float32)  # swiglu, rounded
         tl.store(out + r[:, None] * F + c[None, :], (a * p[:, None]).to(out.dtype.element_ty), mask=ok)
@@ -346,7 +346,7 @@ if triton is not None:
         gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
         go = tl.load(g + r[:, None] * g_stride + c[None, :], mask=ok, other=0.0).to(tl.float32)
-        p = tl.load(scale + r, mask=r < N, other=0.0)
+        p = tl.load(scale + r, mask=r < N, other=0.0).to(tl.float32)
         e = _exp(-gate, CUDA_EXP)
         sig = tl.math.div_rn(tl.full(gate.shape, 1.0, tl.float32), 1.0 + e)
         silu = tl.math.div_rn(gate, 1.0 + e)
