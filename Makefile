@@ -26,7 +26,8 @@ demo: $(STAMP)
 # defined (at import): a pytest process of its own (on a GPU machine the same files run the compiled kernels).
 KERNEL_TESTS := tests/gpu/test_gather_kernel.py tests/gpu/test_plan_kernel.py tests/gpu/test_logprob_kernel.py \
                 tests/gpu/test_linear_logprob_kernel.py tests/gpu/test_rmsnorm_kernel.py tests/gpu/test_swiglu_kernel.py \
-                tests/gpu/test_rope_kernel.py tests/gpu/test_slot_sum_kernel.py
+                tests/gpu/test_rope_kernel.py tests/gpu/test_slot_sum_kernel.py \
+                tests/gpu/test_zero_groups_kernel.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests packfwd

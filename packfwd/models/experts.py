@@ -47,6 +47,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from torch import Tensor
 
 from packfwd.ops.swiglu import swiglu, swiglu_scaled
+from packfwd.ops.zero_groups import zero_groups_
 
 __all__ = ["GroupedExperts", "GroupedLinear", "grouped_kernel", "grouped_swiglu_mlp", "set_grouped_experts"]
 
@@ -108,7 +109,7 @@ class GroupedLinear(torch.autograd.Function):
             return dx, None, None, *(None for _ in weights)
         dw = torch._grouped_mm(dy.transpose(0, 1), x, offs=offs)  # [E, out, in]
         if empty.dtype == torch.bool:
-            dw.masked_fill_(empty[:, None, None], 0)
+            zero_groups_(dw, empty)  # the empty experts' blocks only (a kernel on CUDA)
         elif empty.numel():
             dw.index_fill_(0, empty, 0)
         return dx, None, None, *dw.unbind(0)
