@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 from bench_forward import Timer, matmul_tflops  # noqa: E402
-from common import environment, table, write_json  # noqa: E402
+from common import environment, graph_replay, table, write_json  # noqa: E402
 
 from packfwd import next_token_labels  # noqa: E402
 from packfwd.forward import make_forward  # noqa: E402
@@ -174,7 +174,7 @@ def packfwd_step(model, batch, backward: bool, forward=None, plan=None):
 def graphed_step(model, batch, warmup: int = 2):
     """``packfwd_step`` (forward + backward) captured as one CUDA graph with a bucket plan of the batch's size; the
     returned step plans the batch, copies the plan into the captured one and replays."""
-    from packfwd.layout.bucket import Bucket, copy_plan_
+    from packfwd.layout.bucket import Bucket
 
     forward = make_forward("thd", logits_processor=next_token_log_probs)
     bucket = Bucket(tokens=sum(batch["lengths"]), max_seqlen=max(batch["lengths"]))
@@ -184,28 +184,7 @@ def graphed_step(model, batch, warmup: int = 2):
 
     captured = plan()
     body = packfwd_step(model, batch, True, forward, captured)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):  # kernels compiled, cuDNN graphs built, outside the capture
-            body()
-            model.zero_grad(set_to_none=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph, calls, original = torch.cuda.CUDAGraph(), [], torch._grouped_mm
-    torch._grouped_mm = lambda *a, **k: calls.append(1) or original(*a, **k)
-    try:
-        with torch.cuda.graph(graph):
-            out = body()  # the parameters' .grad are the graph's: each replay writes them anew
-    finally:
-        torch._grouped_mm = original
-
-    def step():
-        copy_plan_(captured, plan())
-        graph.replay()
-        return out
-
-    step.graph, step.grouped_mm_calls = graph, len(calls)  # the captured step's (a replay calls no Python)
-    return step
+    return graph_replay(body, model, captured, plan, warmup)
 
 
 def cudnn_model(hf, device, dtype):

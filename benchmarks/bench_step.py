@@ -76,7 +76,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 from bench_forward import Timer, forward_flops, linear_params, matmul_tflops  # noqa: E402
-from common import device_ms, environment, table, write_json  # noqa: E402
+from common import device_ms, environment, graph_replay, table, write_json  # noqa: E402
 
 from packfwd.forward import make_forward  # noqa: E402
 from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
@@ -297,7 +297,7 @@ def packfwd_step(model, batch, forward=None, plan=None):
 def graphed_step(model, batch, warmup: int = 2):
     """``packfwd_step`` captured as one CUDA graph (forward + backward) with a bucket plan of the batch's size;
     the returned step plans the batch, copies the plan into the captured one and replays."""
-    from packfwd.layout.bucket import Bucket, copy_plan_
+    from packfwd.layout.bucket import Bucket
 
     forward = make_forward("thd", logits_processor=next_token_log_probs)
     bucket = Bucket(tokens=sum(batch["lengths"]), max_seqlen=max(batch["lengths"]))
@@ -307,24 +307,7 @@ def graphed_step(model, batch, warmup: int = 2):
 
     captured = plan()
     body = packfwd_step(model, batch, forward, captured)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):  # kernels compiled, cuDNN graphs built, outside the capture
-            body()
-            model.zero_grad(set_to_none=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()  # the parameters' .grad are the graph's: each replay writes them anew
-
-    def step():
-        copy_plan_(captured, plan())
-        graph.replay()
-        return out
-
-    step.graph = graph
-    return step
+    return graph_replay(body, model, captured, plan, warmup)
 
 
 def hf_step(hf, batch):

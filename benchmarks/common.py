@@ -8,6 +8,7 @@
 * ``copy_bandwidth``: the ceiling every data-moving result is compared with, measured in the same run
   (a device-to-device copy, bytes read plus bytes written).
 * ``environment`` / ``write_json`` / ``table``: what every result is recorded with.
+* ``graph_replay``: a step captured once as a CUDA graph, replayed with its plan copied in.
 """
 
 from __future__ import annotations
@@ -152,3 +153,37 @@ def table(rows: list[dict], columns: Sequence[str]) -> str:
 
 def pick_device(smoke: bool) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+
+
+def graph_replay(body: Callable[[], object], model: torch.nn.Module, captured, plan: Callable[[], object],
+                 warmup: int = 2) -> Callable[[], object]:
+    """``body`` (a whole step that packs with the plan ``captured``) warmed up on a side stream, captured as one
+    CUDA graph; the returned step copies a new ``plan()`` into ``captured`` and replays (its ``.graph`` the graph).
+    ``torch._grouped_mm`` calls made while capturing are counted in ``.grouped_mm_calls`` (a replay calls no
+    Python)."""
+    from packfwd.layout.bucket import copy_plan_
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):  # kernels compiled, cuDNN graphs built, outside the capture
+            body()
+            model.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph, calls, original = torch.cuda.CUDAGraph(), [], getattr(torch, "_grouped_mm", None)
+    if original is not None:
+        torch._grouped_mm = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        with torch.cuda.graph(graph):
+            out = body()  # the parameters' .grad are the graph's: each replay writes them anew
+    finally:
+        if original is not None:
+            torch._grouped_mm = original
+
+    def step():
+        copy_plan_(captured, plan())
+        graph.replay()
+        return out
+
+    step.graph, step.grouped_mm_calls = graph, len(calls)
+    return step

@@ -289,13 +289,19 @@ if triton is not None:
             return tl.exp(x)
 
     @triton.jit
-    def _swiglu_fwd_kernel(y, stride, out, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr, CUDA_EXP: tl.constexpr):
+    def _tile(y, stride, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+        """This program's rows ``r`` and columns ``c`` of f, their mask, and its gate and up halves in float32."""
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
         c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         ok = (r < N)[:, None] & (c < F)[None, :]
         at = y + r[:, None] * stride + c[None, :]
         gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        return r, c, ok, gate, up
+
+    @triton.jit
+    def _swiglu_fwd_kernel(y, stride, out, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr, CUDA_EXP: tl.constexpr):
+        r, c, ok, gate, up = _tile(y, stride, N, F, ROWS, BLOCK_F)
         e = _exp(-gate, CUDA_EXP)
         o = tl.math.div_rn(gate, 1.0 + e) * up  # torch: silu(x) = x / (1 + exp(-x)), then the product
         tl.store(out + r[:, None] * F + c[None, :], o.to(out.dtype.element_ty), mask=ok)
@@ -304,12 +310,7 @@ if triton is not None:
     def _swiglu_bwd_kernel(
         y, stride, g, g_stride, grad, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr, CUDA_EXP: tl.constexpr,
     ):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        ok = (r < N)[:, None] & (c < F)[None, :]
-        at = y + r[:, None] * stride + c[None, :]
-        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        r, c, ok, gate, up = _tile(y, stride, N, F, ROWS, BLOCK_F)
         go = tl.load(g + r[:, None] * g_stride + c[None, :], mask=ok, other=0.0).to(tl.float32)
         e = _exp(-gate, CUDA_EXP)
         sig = tl.math.div_rn(tl.full(gate.shape, 1.0, tl.float32), 1.0 + e)
@@ -323,12 +324,7 @@ if triton is not None:
     @triton.jit
     def _swiglu_scaled_fwd_kernel(y, stride, scale, out, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr,
                                   CUDA_EXP: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        ok = (r < N)[:, None] & (c < F)[None, :]
-        at = y + r[:, None] * stride + c[None, :]
-        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        r, c, ok, gate, up = _tile(y, stride, N, F, ROWS, BLOCK_F)
         p = tl.load(scale + r, mask=r < N, other=0.0).to(tl.float32)
         e = _exp(-gate, CUDA_EXP)
         a = (tl.math.div_rn(gate, 1.0 + e) * up).to(out.dtype.element_ty).to(tl.float32)  # swiglu, rounded
@@ -339,12 +335,7 @@ if triton is not None:
         y, stride, g, g_stride, scale, grad, parts, BLOCKS, N, F, ROWS: tl.constexpr, BLOCK_F: tl.constexpr,
         CUDA_EXP: tl.constexpr,
     ):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-        ok = (r < N)[:, None] & (c < F)[None, :]
-        at = y + r[:, None] * stride + c[None, :]
-        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(at + F, mask=ok, other=0.0).to(tl.float32)
+        r, c, ok, gate, up = _tile(y, stride, N, F, ROWS, BLOCK_F)
         go = tl.load(g + r[:, None] * g_stride + c[None, :], mask=ok, other=0.0).to(tl.float32)
         p = tl.load(scale + r, mask=r < N, other=0.0).to(tl.float32)
         e = _exp(-gate, CUDA_EXP)
