@@ -98,7 +98,7 @@ def ordered_unpermute(permuted: Tensor, routing_map: Tensor, top_k: int, token_o
     """
     if permuted.shape[0] == 0:
         return permuted.new_zeros(routing_map.shape[0], permuted.shape[-1])
-    picked, valid = slots if slots is not None else token_slots(routing_map, top_k, token_of_row)
+    picked, valid = slots if slots is not None else token_slots(routing_map, top_k, permuted.shape[0])
     return _OrderedCombine.apply(permuted, picked, valid, token_of_row)
 
 
@@ -117,28 +117,17 @@ def ordered_permute(tokens: Tensor, routing_map: Tensor, top_k: int) -> tuple[Te
     t = routing_map.shape[0]
     by_expert = routing_map.bool().T.contiguous()  # [E, t]
     token_of_row = torch.arange(t, device=routing_map.device).expand_as(by_expert).masked_select(by_expert)
-    slots = token_slots(routing_map, top_k, token_of_row)
+    slots = token_slots(routing_map, top_k, token_of_row.shape[0])
     return _OrderedPermute.apply(tokens, *slots, token_of_row), token_of_row, slots
 
 
-def token_slots(routing_map: Tensor, top_k: int, token_of_row: Tensor) -> tuple[Tensor, Tensor]:
-    """``(picked [t, k], valid [t, k])``: each token's rows of the permuted tensor in ascending expert order, k =
-    ``min(top_k, E)`` slots (``valid`` False past the experts it reached; ``picked`` then any row).  A token routed
-    to more than k experts would lose some: a device-side assert (no host sync) fails the call instead."""
-    t, e = routing_map.shape
-    k = max(1, min(top_k, e))
-    n = token_of_row.shape[0]
-    # rows grouped by token; within a token ascending expert (permute's rows are expert-major, the sort stable)
-    order = torch.sort(token_of_row, stable=True).indices
-    counts = routing_map.sum(1)  # [t]: experts reached (at most k)
-    torch._assert_async((counts <= k).all(), f"a token routed to more than top_k={top_k} experts")
-    start = counts.cumsum(0) - counts
-    slot = torch.arange(k, device=routing_map.device)
-    valid = slot[None, :] < counts[:, None]
-    if n == 0:  # nothing routed here (an expert-parallel rank whose experts got no token): no slot is valid
-        return torch.zeros(t, k, dtype=torch.long, device=routing_map.device), valid
-    picked = order.index_select(0, (start[:, None] + slot[None, :]).clamp(max=n - 1).flatten()).view(t, k)
-    return picked, valid
+def token_slots(routing_map: Tensor, top_k: int, n: int) -> tuple[Tensor, Tensor]:
+    """``(picked [t, k], valid [t, k])``: each token's rows of the ``n`` routed pairs (:func:`ordered_permute`'s
+    rows: :func:`fixed_rows`' without the sinks) in ascending expert order, k = ``min(top_k, E)`` slots
+    (``valid`` False past the experts it reached; ``picked`` then any row below ``n``).  A token routed to more
+    than k experts fails a device-side assert (:func:`fixed_rows`)."""
+    rows = fixed_rows(routing_map, top_k)
+    return rows.picked.clamp(max=max(n - 1, 0)), rows.valid
 
 
 class FixedRows(NamedTuple):
