@@ -196,7 +196,11 @@ def swiglu_scaled(y: Tensor, scale: Tensor) -> Tensor:
     tensor([[0.0000, 4.4040]])
     """
     _check(y, "y")
-    if supported(y) and y.dim() == 2 and scale.dtype in DTYPES and scale.shape == y.shape[:1]:
+    if not isinstance(scale, Tensor) or scale.shape != y.shape[:-1] or not scale.is_floating_point():
+        raise ValueError(f"scale must be a floating-point tensor of one value per row of y, shape "
+                         f"{tuple(y.shape[:-1])}, got {getattr(scale, 'dtype', type(scale).__name__)} "
+                         f"{tuple(getattr(scale, 'shape', ()))}")
+    if supported(y) and y.dim() == 2 and scale.dtype in DTYPES:
         return SwiGLUScaledKernel.apply(y, scale)
     a = swiglu(y)
     return (a * scale.unsqueeze(-1)).to(a.dtype)

@@ -249,3 +249,10 @@ def test_scaled_swiglu_entry_point_is_the_composition_off_the_kernels():
     y = torch.randn(4, 6, dtype=torch.float64)
     p = torch.rand(4, dtype=torch.float64)
     assert torch.equal(K.swiglu_scaled(y, p), (K.reference(y) * p[:, None]).to(y.dtype))
+
+
+def test_scaled_swiglu_wants_one_scale_per_row():
+    """A scale that would broadcast (one value for all rows) is refused, not applied to every row."""
+    y = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="one value per row"):
+        K.swiglu_scaled(y, torch.rand(1))
