@@ -17,7 +17,10 @@ Megatron-Core's import are most of the cost):
 Pipeline parallelism runs both stages in this process (the first stage's output handed to the last through
 ``set_input_tensor``, as ``tests/test_forward.py`` does): Qwen3 in THD and BSHD (and gradients back through both
 stages), Qwen3-MoE with its dense layer on the first stage (logits, expert load with alignment pads), and
-``moe_aux_loss=True`` refused on a stage.
+``moe_aux_loss=True`` across the stages (the first hands on its routing sums: the whole model's loss and router
+gradients, transformers' loss).  Over gloo, PP=2 x VPP=2 through ``run_micro_batches(pp_group=...)``: the step's
+aux loss and every gradient equal one process's ``run_micro_batches`` of the same plan; Megatron-Core's schedule,
+which sends one tensor per stage, is refused for it.
 """
 
 from __future__ import annotations
@@ -224,6 +227,120 @@ def test_qwen3_moe_pp2():
     load = torch.cat([expert_load(stages[0], forward, ids, mask),
                       expert_load(stages[1], lambda m, *b: run_stages(stages, forward, *b)[2], ids, mask)])
     assert torch.equal(load, expert_load(whole, make_forward("thd"), ids, mask))
-    for stage in stages:
-        with pytest.raises(ValueError, match="needs the whole model in one stage.*use pp_size=1"):
-            make_forward("thd", moe_aux_loss=True)(stage, ids, mask)
+
+
+def _stage_grads(stage, first_layer: int) -> dict:
+    """A stage's gradients by the whole model's parameter names."""
+    def name_of(name):
+        if not name.startswith("decoder.layers."):
+            return name
+        local, rest = name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{int(local) + first_layer}.{rest}"
+
+    return {name_of(n): p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
+
+
+def test_qwen3_moe_pp2_aux_loss_pools_both_stages():
+    """Stage 0 (layers 0: MoE, 1: dense) returns (hidden, routing sums [2E + 1] float64); stage 1 takes them as
+    ``moe_routing=``: its ``moe_aux_loss`` is the whole model's and transformers'; backpropagating it alone through
+    both stages gives every router the whole model's gradient (stage 0's router gets its share only through the
+    handed-on sums)."""
+    from .test_moe import hf_aux_loss
+
+    hf = moe_model(layers=4)
+    whole = from_hf(hf)
+    stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
+    ids, mask = moe_batch()
+    forward = make_forward("thd", seq_align=8, moe_aux_loss=True)
+    want = forward(whole, ids, mask)
+    want["moe_aux_loss"].backward()
+    want_grads = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+    assert sorted(n for n in want_grads if n.endswith("router.weight")) == [
+        f"decoder.layers.{i}.mlp.router.weight" for i in (0, 2, 3)]
+
+    hidden, routing = forward(stages[0], ids, mask)
+    assert routing.dtype == torch.float64 and routing.shape == (2 * 4 + 1,) and routing.requires_grad
+    handed, sums = hidden.detach().requires_grad_(), routing.detach().requires_grad_()
+    stages[1].set_input_tensor(handed)
+    got = forward(stages[1], ids, mask, moe_routing=sums)
+    assert got["moe_aux_loss"].dtype == torch.float64  # the model's dtype (float64 here)
+    torch.testing.assert_close(got["moe_aux_loss"], want["moe_aux_loss"], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got["logits"], want["logits"], atol=1e-10, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(got["moe_aux_loss"], hf_aux_loss(hf, ids, mask).double(), atol=1e-5, rtol=1e-5)
+    got["moe_aux_loss"].backward()
+    torch.autograd.backward([hidden, routing], [handed.grad, sums.grad])
+    merged = {**_stage_grads(stages[0], 0), **_stage_grads(stages[1], 2)}
+    assert sorted(merged) == sorted(want_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(merged[name], grad, atol=1e-12, rtol=1e-10, msg=name)
+
+    with pytest.raises(ValueError, match="later pipeline stage needs the earlier stages' routing: pass moe_routing="):
+        forward(stages[1], ids, mask)
+    with pytest.raises(ValueError, match="moe_routing= given to the first pipeline stage"):
+        forward(stages[0], ids, mask, moe_routing=sums)
+    with pytest.raises(ValueError, match=r"routing sums are torch.float32 \(9,\); pass the earlier stage's float64"):
+        forward(stages[1], ids, mask, moe_routing=sums.float())
+    with pytest.raises(TypeError, match="moe_routing= .* is taken by a make_forward\\(..., moe_aux_loss=True\\)"):
+        make_forward("thd")(stages[1], ids, mask, moe_routing=sums)
+
+
+def _aux_loss(out):
+    """Per-token losses of a micro-batch: its aux loss on every token, and one logit."""
+    return out["moe_aux_loss"].expand(out["logits"].shape[:2]) + 0.1 * out["logits"][..., 3]
+
+
+def _pp_aux_worker(rank: int, world: int, hf, max_tokens: int):
+    """PP=2 x VPP=2 (global stages: layer 0 MoE, 1 dense, 2 and 3 MoE) through run_micro_batches."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(pp_size=2, vpp_size=2)
+    stages = [from_hf(hf, pp_rank=rank, pp_size=2, vpp_rank=v, vpp_size=2) for v in range(2)]
+    ids, mask = moe_batch()
+    forward = make_forward("thd", seq_align=8, moe_aux_loss=True)
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=max_tokens, **forward.layout.plan_args)
+    try:  # Megatron-Core's schedule sends one tensor per stage: refused before it runs anything
+        run_micro_batches(forward, stages, plan, ids, mask, dp_rank=0, loss_fn=_aux_loss, schedule="megatron",
+                          pp_group=ps.get_pipeline_model_parallel_group())
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    got = run_micro_batches(forward, stages, plan, ids, mask, dp_rank=0, loss_fn=_aux_loss,
+                            pp_group=ps.get_pipeline_model_parallel_group())
+    grads = {**_stage_grads(stages[0], rank), **_stage_grads(stages[1], 2 + rank)}
+    ps.destroy_model_parallel()
+    return dict(grads=grads, refused=refused,
+                result=None if got is None else (got.loss, got.moe_aux_loss, got.outputs["logits"]))
+
+
+def test_moe_aux_loss_through_run_micro_batches_pp2_vpp2_over_gloo():
+    """The routing sums travel the chain of four global stages (one with no MoE layer, and back from rank 1 to
+    rank 0 between virtual stages) and their gradients back: the step's loss, aux loss, logits and every gradient
+    equal one process's run_micro_batches of the same plan (several micro-batches)."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+    from packfwd.testing import run_local
+
+    hf, max_tokens = moe_model(layers=4), 16
+    whole = from_hf(hf)
+    ids, mask = moe_batch()
+    forward = make_forward("thd", seq_align=8, moe_aux_loss=True)
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=max_tokens, **forward.layout.plan_args)
+    assert plan.num_micro_batches > 1
+    want = run_micro_batches(forward, whole, plan, ids, mask, dp_rank=0, loss_fn=_aux_loss)
+    want_grads = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+
+    first, last = run_local(_pp_aux_worker, 2, hf, max_tokens, backend="gloo", timeout=300)
+    for rank in (first, last):
+        assert rank["refused"].startswith("schedule='megatron' with a moe_aux_loss=True forward"), rank["refused"]
+    assert first["result"] is None
+    loss, aux, logits = last["result"]
+    torch.testing.assert_close(aux, want.moe_aux_loss, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(loss, want.loss, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(logits, want.outputs["logits"], atol=1e-10, rtol=0)
+    merged = {**first["grads"], **last["grads"]}
+    assert sorted(merged) == sorted(want_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(merged[name], grad, atol=1e-12, rtol=1e-10, msg=name)

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
 from ..layout import rules
-from ..models.moe import (check_aux_loss_model, check_every_ep_rank_runs, model_aux_loss, router_kwargs,
-                          routing_stats)
+from ..models.moe import (check_every_ep_rank_runs, check_stage_routing, model_aux_loss, router_kwargs,
+                          routing_stats, stage_routing_sums)
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
 from .deterministic import check_layout as check_guarantees
@@ -145,10 +145,14 @@ def make_forward(
     from them and the output weight, without ``[t, v]`` logits (``logits_processor=log_probs_and_entropy``; its
     ``token_mask`` argument limits the work to those tokens): see :mod:`packfwd.forward.head`.
 
-    ``moe_aux_loss=True`` (a Mixture-of-Experts model, whole in one stage): the outputs are a dict (without a
-    processor the logits are ``"logits"``) with ``"moe_aux_loss"``, the load-balancing loss of the batch's real
-    tokens, unscaled, every MoE layer pooled as transformers' ``load_balancing_loss_func`` pools them
-    (:func:`packfwd.models.routing.load_balancing_loss`).  With it or not, an MoE model's routers never route a
+    ``moe_aux_loss=True`` (a Mixture-of-Experts model): the outputs are a dict (without a processor the logits are
+    ``"logits"``) with ``"moe_aux_loss"``, the load-balancing loss of the batch's real tokens, unscaled, every MoE
+    layer pooled as transformers' ``load_balancing_loss_func`` pools them
+    (:func:`packfwd.models.routing.load_balancing_loss`).  On pipeline stages the loss pools the layers of every
+    stage: a stage before the last returns ``(hidden, routing)`` (its layers' routing sums, plus those it was
+    given: :func:`packfwd.models.moe.stage_routing_sums`), and every later stage takes the previous one's as
+    ``moe_routing=``; ``run_micro_batches(..., pp_group=...)`` hands it on, its gradient back with the hidden
+    states'.  With it or not, an MoE model's routers never route a
     layout pad (the plan's ``padding_mask()``, passed as the model's ``padding_mask``).
 
     ``batch_invariant=True`` (CUDA, THD, ``tp_size=1``): a sequence's outputs are the same bits whatever it is
@@ -216,8 +220,11 @@ def make_forward(
         return forward
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
-                seqlens=None, plan=None, **processor_args):
+                seqlens=None, plan=None, moe_routing=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
+        if moe_routing is not None and not moe_aux_loss:
+            raise TypeError("moe_routing= (the routing sums an earlier pipeline stage hands on) is taken by a "
+                            "make_forward(..., moe_aux_loss=True) forward only; build it so, or drop moe_routing")
         given = plan
 
         def prepare():
@@ -228,7 +235,7 @@ def make_forward(
                 fused.check_model(model, facts)
             check_ids(input_ids, attention_mask, model)
             if moe_aux_loss:
-                check_aux_loss_model(model)
+                check_stage_routing(model, moe_routing)
             if given is None:
                 plan, ids = layout.pack(input_ids, attention_mask, seqlens)
             elif vision:
@@ -260,13 +267,13 @@ def make_forward(
                 out, head_kwargs = run()
         else:
             (out, head_kwargs), stats = run(), []
-        if not facts.post_process:
-            return out  # a middle pipeline stage: hidden states for the next one
+        if not facts.post_process:  # a middle pipeline stage: hidden states (and routing sums) for the next one
+            return (out, stage_routing_sums(model, stats, moe_routing)) if moe_aux_loss else out
         results = outputs(model, out, facts, processor, plan, args, head_kwargs)
         if not moe_aux_loss:
             return results
         results = results if isinstance(results, dict) else {"logits": results}
-        return {**results, "moe_aux_loss": model_aux_loss(model, stats, device=out.device)}
+        return {**results, "moe_aux_loss": model_aux_loss(model, stats, device=out.device, carried=moe_routing)}
 
     def outputs(model, out, facts, processor, plan, args, head_kwargs):  # the last stage's, unpacked
         if head_kwargs:  # the fused head: out holds the last stage's hidden states [s, b, h]
@@ -290,5 +297,6 @@ def make_forward(
 
     forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)
     forward.layout = spec  # what a micro-batch plan must assume (run_micro_batches checks it)
+    forward.moe_aux_loss = moe_aux_loss  # its middle stages return (hidden, routing sums): packfwd's schedule only
     forward.plan = plan
     return forward

@@ -8,7 +8,11 @@ gradient back and an activation on in one batch of point-to-point ops and, with 
 both shapes first in the order (to previous, from previous, to next, from next).  With two ranks the previous and
 the next rank are one peer, so the peer's first receive (an activation's shape) gets the first send (a gradient's
 shape) -- a shape mismatch on 2 x H200 with megatron-core 0.19.2.  One virtual stage, three or more ranks, and
-packfwd's schedule are not affected."""
+packfwd's schedule are not affected.
+
+A ``moe_aux_loss=True`` forward's stages hand on their routing sums beside the hidden states (the loss pools every
+layer of every stage): packfwd's schedule carries both, and their gradients back; Megatron-Core's sends one tensor
+per stage, so it is refused for such a forward."""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> St
     from packfwd.parallel import pipeline_forward_backward
 
     outs = pipeline_forward_backward(
-        stages, lambda stage, mb: forward(stage, *mb.args, **mb.kwargs), mbs, pp_group=pp_group,
+        stages, lambda stage, mb, *routing: forward(stage, *mb.args, **mb.kwargs, **_routing(routing)), mbs,
+        pp_group=pp_group,
         loss_fn=None if loss_fn is None else (lambda out, mb: mb.loss(loss_fn, out)),
     )
     if outs is None:
@@ -33,6 +38,15 @@ def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> St
                        batch_masks)
 
 
+def _routing(handed: tuple) -> dict:
+    """The keywords of what a stage handed on beside its hidden states: a ``moe_aux_loss=True`` forward's routing
+    sums (``packfwd.make_forward``)."""
+    if len(handed) > 1:
+        raise TypeError(f"a pipeline stage handed on {len(handed)} tensors beside its hidden states; packfwd's "
+                        "forwards hand on at most one (the routing sums of moe_aux_loss=True)")
+    return {"moe_routing": handed[0]} if handed else {}
+
+
 def megatron_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> StepResult | None:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -40,6 +54,12 @@ def megatron_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> S
     if pp_group is not parallel_state.get_pipeline_model_parallel_group():
         raise ValueError("schedule='megatron' takes its pipeline group from megatron.core.parallel_state; pass "
                          "pp_group=parallel_state.get_pipeline_model_parallel_group()")
+    if getattr(forward, "moe_aux_loss", False) and torch.distributed.get_world_size(pp_group) > 1:
+        raise ValueError(
+            "schedule='megatron' with a moe_aux_loss=True forward: the load-balancing loss pools every stage's "
+            "routing, whose sums travel with the hidden states, and Megatron-Core's schedule sends one tensor per "
+            "stage; use schedule='packfwd'"
+        )
     if len(stages) > 1 and torch.distributed.get_world_size(pp_group) == 2:
         raise ValueError(
             "schedule='megatron' with several virtual stages on 2 pipeline ranks: Megatron-Core's interleaved schedule "

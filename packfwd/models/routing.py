@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["RoutingStats", "load_balancing_loss"]
+__all__ = ["RoutingStats", "load_balancing_loss", "routing_sums"]
 
 
 class RoutingStats(NamedTuple):
@@ -26,30 +26,67 @@ class RoutingStats(NamedTuple):
     tokens: Tensor
 
 
-def load_balancing_loss(stats: Sequence[RoutingStats], num_experts: int, *, groups: Sequence = ()) -> Tensor:
+def load_balancing_loss(stats: Sequence[RoutingStats], num_experts: int, *, groups: Sequence = (),
+                        carried: Tensor | None = None) -> Tensor:
     """The load-balancing loss of the routed real tokens, unscaled: transformers' ``load_balancing_loss_func``.
 
     Summed over layers the way transformers does it (it concatenates all layers' router logits): the counts and
     the score sums of every layer are pooled, then ``E * sum_e (count_e / N) * (score_e / N)`` with ``N`` the real
     tokens times the layers.  ``groups``: process groups whose ranks hold other tokens of the same batch (context
     parallelism, sequence parallelism); their sums are all-reduced first, and the backward keeps this rank's
-    share (every rank computes the same loss).  No routed token: 0.
+    share (every rank computes the same loss).  ``carried``: the earlier pipeline stages' layers, pooled
+    (:func:`routing_sums`); the sums are then float64 and the gradient reaches the carried scores.  No routed
+    token: 0.
 
     >>> stats = [RoutingStats(torch.tensor([2.0, 0.0]), torch.tensor([1.5, 0.5]), torch.tensor(2.0))]
     >>> load_balancing_loss(stats, 2)   # 2 * (1 * 0.75 + 0 * 0.25)
     tensor(1.5000)
+    >>> load_balancing_loss(stats[:0], 2, carried=routing_sums(stats, 2))   # the same layer, one stage earlier
+    tensor(1.5000, dtype=torch.float64)
     """
-    if not stats:
+    if carried is not None:
+        sums = routing_sums(stats, num_experts, carried)
+        counts, scores, tokens = sums[:num_experts].detach(), sums[num_experts:-1], sums[-1].detach()
+    elif not stats:
         return torch.zeros(())
+    else:
+        counts, scores, tokens = _pooled(stats, num_experts)
+    for group in groups:
+        counts, tokens, scores = _all_reduce(counts, tokens, scores, group)
+    n = tokens.clamp(min=1)  # no token: counts and scores are 0, and so is the loss
+    return num_experts * ((counts / n) * (scores / n)).sum()
+
+
+def routing_sums(stats: Sequence[RoutingStats], num_experts: int, carried: Tensor | None = None) -> Tensor:
+    """``[2 E + 1]`` float64: the pooled ``tokens_per_expert``, ``probs_per_expert`` and ``tokens`` of ``stats``
+    (one pipeline stage's MoE layers), plus ``carried`` (the earlier stages' sums).  What a pipeline stage hands
+    on to the next for :func:`load_balancing_loss` (the loss pools every layer, so no stage's share is a loss
+    of its own); differentiable in the scores.  Float64: the counts stay exact integers past 2**24.
+
+    >>> routing_sums([RoutingStats(torch.tensor([2.0, 0.0]), torch.tensor([1.5, 0.5]), torch.tensor(2.0))], 2)
+    tensor([2.0000, 0.0000, 1.5000, 0.5000, 2.0000], dtype=torch.float64)
+    """
+    if carried is not None and (not isinstance(carried, Tensor) or carried.dtype != torch.float64
+                                or tuple(carried.shape) != (2 * num_experts + 1,)):
+        got = f"{carried.dtype} {tuple(carried.shape)}" if isinstance(carried, Tensor) else type(carried).__name__
+        raise ValueError(f"the carried routing sums are {got}; pass the earlier stage's float64 "
+                         f"[2 * num_experts + 1] = [{2 * num_experts + 1}] sums (routing_sums)")
+    if stats:
+        counts, scores, tokens = _pooled(stats, num_experts)
+        sums = torch.cat([counts.double(), scores.double(), tokens.double()[None]])
+    else:
+        device = carried.device if carried is not None else None
+        sums = torch.zeros(2 * num_experts + 1, dtype=torch.float64, device=device)
+    return sums if carried is None else carried.to(sums.device) + sums
+
+
+def _pooled(stats: Sequence[RoutingStats], num_experts: int):
     counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0)
     scores = torch.stack([s.probs_per_expert for s in stats]).sum(0)
     tokens = torch.stack([s.tokens for s in stats]).sum()
     if counts.shape != (num_experts,):
         raise ValueError(f"the routing statistics have {counts.shape[-1]} experts, num_experts={num_experts}")
-    for group in groups:
-        counts, tokens, scores = _all_reduce(counts, tokens, scores, group)
-    n = tokens.clamp(min=1)  # no token: counts and scores are 0, and so is the loss
-    return num_experts * ((counts / n) * (scores / n)).sum()
+    return counts, scores, tokens
 
 
 def _all_reduce(counts: Tensor, tokens: Tensor, scores: Tensor, group):

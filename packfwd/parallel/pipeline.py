@@ -18,7 +18,10 @@ order, so each blocking send meets its receive as the next communication of both
 backend buffers, and no reordering to reason about.  It is deliberately minimal (consecutive microbatches overlap
 only on a plain pipeline, not across virtual stages).  Tensors travel with a small header (dtype and shape), so
 stages may return any shape (packed lengths change from microbatch to microbatch); reading it is one host sync per
-transfer.
+transfer.  A stage may hand on more than its hidden states: a tuple ``(hidden, *extra)`` goes to the next stage
+whole, ``hidden`` through ``set_input_tensor`` and ``extra`` as ``forward_step(stage, microbatch, *extra)``, and the
+gradients of all of them come back (``make_forward(..., moe_aux_loss=True)``'s stages hand on their routing sums
+so).
 
 Why not Megatron-Core's schedules (``megatron.core.pipeline_parallel.get_forward_backward_func``): they allocate
 on CUDA unconditionally (``torch.zeros([], device="cuda")`` for the token count, shape buffers on
@@ -59,8 +62,9 @@ def pipeline_forward_backward(
     ``stages``: this rank's model chunks, ``stages[v]`` for virtual stage ``v`` (every rank the same number).
     ``forward_step(stage, microbatch)``: runs one chunk on one microbatch and returns its output: a tensor for
     every stage but the last (the hidden states, e.g. ``[t, 1, h]`` from ``packfwd.make_forward``'s forward on a
-    middle stage), anything for the last.  Before the call the chunk gets the previous stage's output through
-    ``stage.set_input_tensor``.  ``pp_group``: the pipeline process group (rank ``r`` holds stages ``v * pp + r``).
+    middle stage), or a tuple of tensors ``(hidden, *extra)``; anything for the last.  Before the call the chunk
+    gets the previous stage's hidden states through ``stage.set_input_tensor``, and its ``extra`` as further
+    arguments: ``forward_step(stage, microbatch, *extra)``.  ``pp_group``: the pipeline process group (rank ``r`` holds stages ``v * pp + r``).
     ``loss_fn(output, microbatch) -> scalar``: on the last stage; its gradient is backpropagated through every
     stage (scale it yourself, e.g. by the number of microbatches, if you want a mean).
 
@@ -124,28 +128,25 @@ class _Chain:
 
 
 def _forward_all(stages, forward_step, microbatches, chain: _Chain, device, need_grad: bool):
-    """All microbatches forward; returns ``outputs[m][v]`` and the received inputs ``saved[m][v]``."""
+    """All microbatches forward; returns ``outputs[m][v]`` and the received inputs ``saved[m][v]`` (a list of
+    tensors: the hidden states and what came with them; None on the first stage)."""
     outputs, saved = [], []
     for mb in microbatches:
         outs, ins = [], []
         for v, stage in enumerate(stages):
-            x = None
+            got = None
             if not chain.is_first(v):
-                x = _recv(chain.prev_rank(), chain.group, device)
+                got = _recv(chain.prev_rank(), chain.group, device)
                 if need_grad:
-                    x.requires_grad_(True)
-            if x is not None:
-                unwrap(stage).set_input_tensor(x)
-            out = forward_step(stage, mb)
+                    for x in got:
+                        if x.is_floating_point():
+                            x.requires_grad_(True)
+                unwrap(stage).set_input_tensor(got[0])
+            out = forward_step(stage, mb, *got[1:]) if got else forward_step(stage, mb)
             if not chain.is_last(v):
-                if not isinstance(out, Tensor):
-                    raise TypeError(
-                        f"forward_step returned {type(out).__name__} on pipeline stage {chain.stage(v)}, which is not "
-                        "the last; a middle stage must return its hidden-states tensor"
-                    )
-                _send(out.detach(), chain.next_rank(), chain.group)
+                _send([x.detach() for x in _handed_on(out, chain.stage(v))], chain.next_rank(), chain.group)
             outs.append(out)
-            ins.append(x)
+            ins.append(got)
         outputs.append(outs)
         saved.append(ins)
     return outputs, saved
@@ -161,40 +162,60 @@ def _backward_all(outputs, saved, microbatches, chain: _Chain, device, loss_fn) 
                     raise TypeError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
                 torch.autograd.backward(loss)
             else:
-                grad = _recv(chain.next_rank(), chain.group, device)
-                torch.autograd.backward(out, grad.to(out.dtype))
-            x = saved[m][v]
-            if x is not None:
-                grad_in = x.grad if x.grad is not None else torch.zeros_like(x)
-                _send(grad_in, chain.prev_rank(), chain.group)
+                grads = _recv(chain.next_rank(), chain.group, device)
+                pairs = [(x, g.to(x.dtype)) for x, g in zip(_handed_on(out, chain.stage(v)), grads) if x.requires_grad]
+                if pairs:
+                    torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+            got = saved[m][v]
+            if got is not None:
+                _send([x.grad if x.grad is not None else torch.zeros_like(x) for x in got], chain.prev_rank(),
+                      chain.group)
+
+
+def _handed_on(out, stage: int) -> list[Tensor]:
+    """What a stage before the last sends on: its tensor, or its tuple of tensors (the hidden states first)."""
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, tuple) and out and all(isinstance(x, Tensor) for x in out):
+        return list(out)
+    raise TypeError(
+        f"forward_step returned {type(out).__name__} on pipeline stage {stage}, which is not the last; a middle "
+        "stage must return its hidden-states tensor, or a tuple of tensors (the hidden states first)"
+    )
 
 
 # ----------------------------------------------------------------------------------------- point to point
 
 
-def _send(x: Tensor, dst: int, group: Any) -> None:
+def _send(tensors: list[Tensor], dst: int, group: Any) -> None:
+    """Each tensor after a header ``[dtype, ndim, *shape, 0..., tensors after this one]``."""
     import torch.distributed as dist
 
-    if x.dtype not in _DTYPES or x.dim() > _HEADER - 2:
-        raise TypeError(f"cannot send a {x.dtype} tensor of {x.dim()} dims between stages; use one of {_DTYPES}")
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
-    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     peer = dist.get_global_rank(group, dst)
-    dist.send(header.to(x.device), peer, group=group)
-    dist.send(x.contiguous(), peer, group=group)
+    for i, x in enumerate(tensors):
+        if x.dtype not in _DTYPES or x.dim() > _HEADER - 3:
+            raise TypeError(f"cannot send a {x.dtype} tensor of {x.dim()} dims between stages; use one of "
+                            f"{_DTYPES}, at most {_HEADER - 3} dims")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1], header[-1] = _DTYPES.index(x.dtype), x.dim(), len(tensors) - 1 - i
+        header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        dist.send(header.to(x.device), peer, group=group)
+        dist.send(x.contiguous(), peer, group=group)
 
 
-def _recv(src: int, group: Any, device: torch.device) -> Tensor:
+def _recv(src: int, group: Any, device: torch.device) -> list[Tensor]:
     import torch.distributed as dist
 
     peer = dist.get_global_rank(group, src)
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, peer, group=group)
-    code, ndim, *shape = header.tolist()
-    x = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=device)
-    dist.recv(x, peer, group=group)
-    return x
+    got, more = [], 1
+    while more:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, peer, group=group)
+        code, ndim, *shape, more = header.tolist()
+        x = torch.empty(shape[:ndim], dtype=_DTYPES[code], device=device)
+        dist.recv(x, peer, group=group)
+        got.append(x)
+    return got
 
 
 # ---------------------------------------------------------------------------------------------- helpers
