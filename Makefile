@@ -29,6 +29,10 @@ KERNEL_TESTS := tests/gpu/test_gather_kernel.py tests/gpu/test_plan_kernel.py te
                 tests/gpu/test_rope_kernel.py tests/gpu/test_slot_sum_kernel.py \
                 tests/gpu/test_zero_groups_kernel.py
 
+# The multi-process tests' ranks fork from a server that imported these once (packfwd.testing.run_local): each rank
+# then starts in a fraction of a second instead of importing Megatron-Core and transformers anew.
+test test-thorough: export PACKFWD_RUN_LOCAL_PRELOAD = torch,megatron.core,transformers
+
 test: $(STAMP)
 	$(PY) -m pytest -q tests packfwd
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)

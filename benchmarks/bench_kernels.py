@@ -18,6 +18,12 @@ is a third row (``compiled``).  Every fused result is checked against the torch 
 run fails past bf16 rounding).
 
     PYTHONPATH=. python3 benchmarks/bench_kernels.py --out benchmarks/out/kernels.json
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py --sweep-swiglu --out benchmarks/out/swiglu_sweep.json
+
+``--sweep-swiglu`` (CUDA) times the four SwiGLU kernels (plain and scaled by a per-row probability, forward and
+backward) over their launch configurations (``packfwd.ops.swiglu.CONFIG``: rows and columns per program, warps) at
+two shapes: the dense 1B's ``[13312, 2 x 7168]`` and the MoE step's expert rows ``[8 x 13440, 2 x 768]``
+(``bench_moe.py``'s model, top-8), each in GB/s and % of copy (the bytes each must move at least).
     python benchmarks/bench_kernels.py --smoke --out /tmp/kernels_smoke.json    # CPU: the torch rows only (CI)
 """
 
@@ -141,13 +147,74 @@ def measure(name, inputs, impls, nbytes, device, iters, copy_gbs, compile_):
     return rows
 
 
+SWEEP_SHAPES = {"dense": (13312, 7168), "moe": (8 * 13440, 768)}  # (rows, f)
+SWEEP = {"rows": (1, 2, 4, 8, 16), "block_f": (256, 512, 1024, 2048), "num_warps": (2, 4, 8)}
+
+
+def sweep_swiglu(device, iters: int, copy_gbs: float) -> list[dict]:
+    """Every launch configuration of the four SwiGLU kernels at :data:`SWEEP_SHAPES` (module docstring)."""
+    import itertools
+
+    rows = []
+    saved = dict(swiglu.CONFIG)
+    try:
+        for shape, (n, f) in SWEEP_SHAPES.items():
+            g = torch.Generator(device=device).manual_seed(0)
+            y = torch.randn(n, 2 * f, generator=g, device=device).bfloat16()
+            go = torch.randn(n, f, generator=g, device=device).bfloat16()
+            p = torch.rand(n, generator=g, device=device)  # the routing probability, in the router's float32
+            e = 2  # bf16 bytes
+            kernels = {  # name: (fn, bytes moved at least)
+                "fwd": (lambda: swiglu.forward(y), n * 3 * f * e),
+                "bwd": (lambda: swiglu.backward(go, y), n * 5 * f * e),
+                "scaled_fwd": (lambda: swiglu.scaled_forward(y, p), n * (3 * f * e + 4)),
+                "scaled_bwd": (lambda: swiglu.scaled_backward(go, y, p), n * (5 * f * e + 8)),
+            }
+            for r, bf, w in itertools.product(*SWEEP.values()):
+                if bf > 2 * triton_next_pow2(f) or r * bf > 16384:
+                    continue
+                swiglu.CONFIG.update(rows=r, block_f=bf, num_warps=w)
+                for name, (fn, nbytes) in kernels.items():
+                    ms = time_device(fn, device, iters=iters, back_to_back=5)
+                    gbs = nbytes / (ms * 1e-3) / 1e9
+                    rows.append({"shape": shape, "kernel": name, "rows": r, "block_f": bf, "num_warps": w, "ms": ms,
+                                 "GB/s": gbs, "%copy": 100 * gbs / copy_gbs})
+    finally:
+        swiglu.CONFIG.clear()
+        swiglu.CONFIG.update(saved)
+    return rows
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << (int(x) - 1).bit_length()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (torch rows only): seconds")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "kernels.json")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    ap.add_argument("--sweep-swiglu", action="store_true", help="CUDA: the SwiGLU kernels' launch configurations")
     cfg = ap.parse_args(argv)
+    if cfg.sweep_swiglu:
+        if not torch.cuda.is_available():
+            ap.error("--sweep-swiglu needs CUDA")
+        device = torch.device("cuda")
+        copy_gbs = copy_bandwidth(1 << 31, device)
+        rows = sweep_swiglu(device, cfg.iters or 10, copy_gbs)
+        best = {}
+        for r in rows:
+            key = (r["shape"], r["kernel"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+        default = [r for r in rows if (r["rows"], r["block_f"], r["num_warps"]) == (4, 1024, 4)]
+        print(table(default + list(best.values()), list(rows[0])), flush=True)
+        write_json(cfg.out, {"benchmark": "swiglu_sweep", "command": " ".join(sys.argv), "env": environment(),
+                             "shapes": SWEEP_SHAPES, "copy_GB/s": copy_gbs, "results": rows,
+                             "best": list(best.values())})
+        print(f"wrote {cfg.out}")
+        return 0
     cuda = torch.cuda.is_available() and not cfg.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

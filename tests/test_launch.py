@@ -51,6 +51,10 @@ def _rank_info_and_all_reduce(rank: int, world_size: int, pid_dir: str, base: fl
     }
 
 
+def _env_threads_parent(rank: int, world_size: int, name: str):
+    return os.environ.get(name), torch.get_num_threads(), os.getppid(), "megatron.core" in sys.modules
+
+
 def _rank1_raises(rank: int, world_size: int, pid_dir: str):
     _note_pid(pid_dir, rank)
     if rank == 1:
@@ -173,6 +177,21 @@ def test_results_in_rank_order_with_all_reduce(tmp_path):
         torch.testing.assert_close(o["sum"], torch.tensor([9.0], dtype=torch.float64), rtol=0, atol=0)
     assert "PACKFWD_TEST_VAR" not in os.environ  # the parent's environment is restored
     _assert_reaped(tmp_path, 3)
+
+
+@pytest.mark.parametrize("preload", ["", "torch,megatron.core"])
+def test_spawned_or_forked_from_a_preloaded_server_the_ranks_see_the_callers_environment(preload, monkeypatch):
+    """Both start-ups (``PACKFWD_RUN_LOCAL_PRELOAD`` unset: spawn; set: forked from a server that imported the
+    modules once): a variable set just before the call (after the server may have started) reaches every rank,
+    and torch runs on OMP_NUM_THREADS=1 threads.  Spawned ranks are this process's children and import nothing
+    they do not need; forked ones are the server's, with its modules imported."""
+    monkeypatch.setenv("PACKFWD_RUN_LOCAL_PRELOAD", preload)
+    monkeypatch.setenv("PACKFWD_LATE_VAR", f"set-{preload}")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = run_local(_env_threads_parent, 2, "PACKFWD_LATE_VAR", backend="gloo")
+    for value, threads, parent, megatron in out:
+        assert value == f"set-{preload}" and threads == 1
+        assert (parent == os.getpid()) == (not preload) and megatron == bool(preload)
 
 
 def test_failing_rank_raises_rank_error_with_traceback(tmp_path):

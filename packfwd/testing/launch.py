@@ -96,6 +96,13 @@ def run_local(
     ``LOCAL_WORLD_SIZE``, ``NCCL_NVLS_ENABLE=0`` and, unless set, ``OMP_NUM_THREADS=1`` (as torchrun does, to
     avoid oversubscribing the cores); there is no ``MASTER_PORT`` (no TCP rendezvous).
 
+    Start-up: each rank is a fresh interpreter (multiprocessing's ``spawn``), which imports torch, Megatron-Core
+    and transformers anew: seconds per rank.  With ``PACKFWD_RUN_LOCAL_PRELOAD`` set to comma-separated module
+    names (packfwd's ``make test`` sets ``torch,megatron.core,transformers``), the ranks fork from a server
+    process that imported those once (``forkserver``, started at the first call and kept for the process); the
+    rest is the same: the main script re-imported, the environment this process's at the call (set again in the
+    child, and ``torch.set_num_threads`` from its ``OMP_NUM_THREADS``), the children exit when this process does.
+
     Raises ``RankError`` when a rank raises or dies (it names the rank and carries the child's traceback; the
     other ranks are killed after a short grace), and ``TimeoutError`` naming the unfinished ranks when
     ``timeout`` seconds pass (also naming the main guard when some never got past starting).  The call never
@@ -109,9 +116,7 @@ def run_local(
     world_size, backend, timeout = _check_arguments(fn, world_size, backend, timeout, env)
     payload = _pickle_payload(fn, args)
     deadline = time.monotonic() + timeout
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx, forked = _context()
     run_dir = tempfile.mkdtemp(prefix="packfwd-run-local-")  # private (0700): the payload and the FileStore
     procs, conns = [], []
     try:
@@ -122,10 +127,12 @@ def run_local(
             # The process object stays small (a path, not the payload): spawn writes it into a pipe the child
             # reads only after re-importing the main script, and that write would block forever on a child that
             # died in the re-import once it is over the pipe's 64 KB buffer.
+            rank_env = _rank_env(rank, world_size, env)
             proc = ctx.Process(
-                target=_child_main, args=(rank, world_size, backend, run_dir, writer), name=f"packfwd-rank{rank}"
+                target=_child_main, name=f"packfwd-rank{rank}",
+                args=(rank, world_size, backend, run_dir, writer, {**os.environ, **rank_env} if forked else None),
             )
-            with _child_env(_rank_env(rank, world_size, env)):
+            with _child_env(rank_env):
                 proc.start()
             writer.close()  # the parent's copy: with it closed, a dead child shows as EOF on `reader`
             procs.append(proc)
@@ -136,6 +143,18 @@ def run_local(
         for c in conns:
             c.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _context():
+    """The multiprocessing context of the ranks, and whether they fork from a preloaded server (docstring)."""
+    import multiprocessing as mp
+
+    preload = [m.strip() for m in os.environ.get("PACKFWD_RUN_LOCAL_PRELOAD", "").split(",") if m.strip()]
+    if not preload:
+        return mp.get_context("spawn"), False
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)  # read when the server starts: the first call of this process
+    return ctx, True
 
 
 def _refuse_while_bootstrapping() -> None:
@@ -352,7 +371,12 @@ def _stop(procs) -> None:
 # ----------------------------------------------------------------------------------------------- child side
 
 
-def _child_main(rank: int, world_size: int, backend: str, run_dir: str, conn) -> None:
+def _child_main(rank: int, world_size: int, backend: str, run_dir: str, conn, environ=None) -> None:
+    if environ is not None:  # forked from the preloaded server: the caller's environment at the call, not its
+        os.environ.clear()
+        os.environ.update(environ)
+        if "torch" in sys.modules and environ.get("OMP_NUM_THREADS", "").isdigit():
+            sys.modules["torch"].set_num_threads(int(environ["OMP_NUM_THREADS"]))
     _exit_with_parent()
     _send(conn, ("started",))  # the re-import of the main script is over: a death from here on is not the guard
     failed = False

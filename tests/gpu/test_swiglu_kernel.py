@@ -24,7 +24,7 @@ pytestmark = [needs_kernels]
 triton = pytest.importorskip("triton")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (leading shape, f): non-powers of 2, partial row blocks (CONFIG rows = 4), one row, 37 rows, 3-D [s, b, 2f]
+# (leading shape, f): non-powers of 2, partial row blocks (CONFIG rows = 8), one row, 37 rows, 3-D [s, b, 2f]
 SHAPES = [((1,), 1), ((5,), 3), ((13,), 37), ((37,), 20), ((3, 4), 11)]
 
 
