@@ -40,8 +40,8 @@ from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
 from ..layout import rules
-from ..models.moe import (check_every_ep_rank_runs, check_stage_routing, model_aux_loss, router_kwargs,
-                          routing_stats, stage_routing_sums)
+from ..models.aux_loss import check_stage_routing, model_aux_loss, stage_routing_sums
+from ..models.moe import check_every_ep_rank_runs, router_kwargs, routing_stats
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
 from .deterministic import check_layout as check_guarantees
@@ -150,7 +150,7 @@ def make_forward(
     layer pooled as transformers' ``load_balancing_loss_func`` pools them
     (:func:`packfwd.models.routing.load_balancing_loss`).  On pipeline stages the loss pools the layers of every
     stage: a stage before the last returns ``(hidden, routing)`` (its layers' routing sums, plus those it was
-    given: :func:`packfwd.models.moe.stage_routing_sums`), and every later stage takes the previous one's as
+    given: :func:`packfwd.models.aux_loss.stage_routing_sums`), and every later stage takes the previous one's as
     ``moe_routing=``; ``run_micro_batches(..., pp_group=...)`` hands it on, its gradient back with the hidden
     states'.  With it or not, an MoE model's routers never route a
     layout pad (the plan's ``padding_mask()``, passed as the model's ``padding_mask``).
@@ -222,9 +222,6 @@ def make_forward(
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
                 seqlens=None, plan=None, moe_routing=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
-        if moe_routing is not None and not moe_aux_loss:
-            raise TypeError("moe_routing= (the routing sums an earlier pipeline stage hands on) is taken by a "
-                            "make_forward(..., moe_aux_loss=True) forward only; build it so, or drop moe_routing")
         given = plan
 
         def prepare():
@@ -234,8 +231,7 @@ def make_forward(
             if fused is not None:
                 fused.check_model(model, facts)
             check_ids(input_ids, attention_mask, model)
-            if moe_aux_loss:
-                check_stage_routing(model, moe_routing)
+            check_stage_routing(model, moe_routing, moe_aux_loss)
             if given is None:
                 plan, ids = layout.pack(input_ids, attention_mask, seqlens)
             elif vision:

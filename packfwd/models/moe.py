@@ -37,7 +37,7 @@ What :class:`~packfwd.models.router.PackedRouter` changes in Megatron-Core's ``T
 
 Megatron-Core's own auxiliary losses stay off (``moe_router_load_balancing_type="none"``): a packfwd model adds no
 hidden gradient.  Ask the forward for the loss (``make_forward(..., moe_aux_loss=True)``) and add it, scaled, to
-yours; sigmoid routing has none (:func:`check_aux_loss_model`).  The MLP kind of
+yours; sigmoid routing has none (:func:`packfwd.models.aux_loss.check_aux_loss_model`).  The MLP kind of
 :class:`packfwd.models.family.Moe` is :class:`MoeKind` (``family.mlp_kind`` finds it).
 Megatron-Core is imported inside the functions (and by :mod:`packfwd.models.router`, which they import).
 """
@@ -45,16 +45,14 @@ Megatron-Core is imported inside the functions (and by :mod:`packfwd.models.rout
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
-from torch import Tensor
 
-from .routing import RoutingStats, load_balancing_loss, routing_sums
+from .routing import RoutingStats
 
-__all__ = ["MoeKind", "check_aux_loss_model", "check_every_ep_rank_runs", "check_stage_routing", "is_moe",
-           "model_aux_loss", "moe_config_fields", "moe_spec", "router_kwargs", "routing_stats",
-           "stage_routing_sums"]
+__all__ = ["MoeKind", "check_every_ep_rank_runs", "is_moe", "moe_config_fields", "moe_spec", "router_kwargs",
+           "routing_stats"]
 
 
 def moe_config_fields(moe, num_layers: int) -> dict:
@@ -249,72 +247,3 @@ def router_kwargs(model: torch.nn.Module, plan) -> dict:
     {}
     """
     return {"padding_mask": plan.padding_mask()} if is_moe(model) else {}
-
-
-def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device=None, carried=None) -> Tensor:
-    """:func:`load_balancing_loss` of one forward of ``model`` (its last pipeline stage, or the whole model: every
-    MoE layer), its token sums all-reduced over the model's context-parallel group, and tensor-parallel group under
-    sequence parallelism.  ``carried``: the earlier pipeline stages' :func:`stage_routing_sums`, pooled in (the
-    loss is then float64 arithmetic, cast to the routers' score dtype)."""
-    gpt = check_aux_loss_model(model)
-    config, groups = gpt.config, gpt.pg_collection
-    reduce = [groups.cp] if config.context_parallel_size > 1 else []
-    if config.sequence_parallel and config.tensor_model_parallel_size > 1:
-        reduce.append(groups.tp)
-    loss = load_balancing_loss(stats, config.num_moe_experts, groups=reduce, carried=carried)
-    if carried is not None:
-        loss = loss.to(_score_dtype(config))
-    return loss.to(device) if device is not None else loss
-
-
-def stage_routing_sums(model: torch.nn.Module, stats: Sequence[RoutingStats], carried=None) -> Tensor:
-    """A pipeline stage's :func:`~packfwd.models.routing.routing_sums` (its layers' routing pooled, plus the earlier
-    stages' ``carried``): what it hands to the next stage for the last stage's :func:`model_aux_loss`.  Summed on
-    this rank only: the last stage all-reduces the pooled sums over CP / SP once."""
-    gpt = check_aux_loss_model(model)
-    return routing_sums(stats, gpt.config.num_moe_experts, carried)
-
-
-def check_stage_routing(model: torch.nn.Module, carried) -> None:
-    """``carried`` (the forward's ``moe_routing``) is given exactly when ``model`` is a later pipeline stage, and
-    is ``[2 E + 1]`` float64; else a ValueError naming the fix."""
-    gpt = check_aux_loss_model(model)
-    if gpt.pre_process and carried is not None:
-        raise ValueError("moe_routing= given to the first pipeline stage (or a whole model): no earlier stage routed "
-                         "anything; drop moe_routing")
-    if not gpt.pre_process and carried is None:
-        raise ValueError("moe_aux_loss=True on a later pipeline stage needs the earlier stages' routing: pass "
-                         "moe_routing= the previous stage's output[1] (its forward returns (hidden, routing sums)); "
-                         "run_micro_batches(..., pp_group=...) hands it on")
-    if carried is not None:
-        routing_sums((), gpt.config.num_moe_experts, carried)  # its dtype and shape, or a ValueError
-
-
-def _score_dtype(config) -> torch.dtype:
-    """The dtype of the routers' scores (``PackedRouter._stats``): the gate's, at least float32."""
-    gate = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype, config.params_dtype)
-    return torch.promote_types(gate, torch.float32)
-
-
-def check_aux_loss_model(model: torch.nn.Module):
-    """The model inside ``model``'s wrappers, if it can give :func:`model_aux_loss`: an MoE model with softmax
-    routing (DeepSeek-V3's sigmoid routing balances with its expert bias, no loss), all of it in this stage; else a
-    ValueError naming the fix.
-
-    >>> check_aux_loss_model(torch.nn.Linear(2, 2))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: moe_aux_loss=True on a model without MoE layers (config.num_moe_experts is None); ...
-    """
-    from packfwd._validate import unwrap
-
-    gpt = unwrap(model)
-    if not is_moe(gpt):
-        raise ValueError("moe_aux_loss=True on a model without MoE layers (config.num_moe_experts is None); "
-                         "drop moe_aux_loss, or build an MoE model")
-    if gpt.config.moe_router_score_function != "softmax":
-        raise ValueError("moe_aux_loss=True on a model with sigmoid routing (DeepSeek-V3 style): it balances its "
-                         "experts with the routing-only expert bias, without a load-balancing loss (transformers "
-                         "defines none for it), and packfwd defines none either; drop moe_aux_loss (the experts' "
-                         "load is in packfwd.models.moe.routing_stats)")
-    return gpt
