@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from torch import Tensor
 
+from packfwd.ops.gather import take_rows
 from packfwd.ops.slot_sum import slot_sum
 
 from .cpu import host_collectives
@@ -193,7 +194,7 @@ class _OrderedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (token_of_row,) = ctx.saved_tensors
-        return grad.index_select(0, token_of_row), None, None, None
+        return take_rows(grad, token_of_row), None, None, None
 
 
 class _OrderedPermute(torch.autograd.Function):
@@ -203,7 +204,7 @@ class _OrderedPermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, picked, valid, token_of_row):
         ctx.save_for_backward(picked, valid)
-        return tokens.index_select(0, token_of_row)
+        return take_rows(tokens, token_of_row)
 
     @staticmethod
     def backward(ctx, grad):

@@ -69,6 +69,17 @@ def gather_rows(
     return gather_rows_torch(srcs, index, inverse, fill_value, dense=dense, expand=expand)
 
 
+def take_rows(src: Tensor, index: Tensor) -> Tensor:
+    """``src.index_select(0, index)`` for an ``index`` with every entry in range (rows may repeat), by the kernel on
+    CUDA when the output is large (from ``KERNEL_MIN_BYTES``), bit for bit the same.  No autograd of its own: for
+    the forward or backward of a caller's ``autograd.Function`` (the MoE permutation, whose rows repeat a token
+    ``top_k`` times, so its backward is a sum, not a gather)."""
+    nbytes = index.numel() * (src[0].numel() if src.shape[0] else 0) * src.element_size()
+    if src.is_cuda and _kernel_takes([src]) and nbytes >= KERNEL_MIN_BYTES:
+        return _launch([src], index.long(), 0, 0.0)
+    return src.index_select(0, index)
+
+
 def use_op(src: Tensor) -> bool:
     """Whether a gather from ``src`` goes through the custom op (CUDA, Triton installed, large enough)."""
     return src.is_cuda and kernel_available() and src.numel() * src.element_size() >= KERNEL_MIN_BYTES

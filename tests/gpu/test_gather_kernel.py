@@ -137,3 +137,31 @@ def test_transforms_through_the_kernel_equal_the_torch_path(monkeypatch):
 def test_large_tensors_take_the_kernel_path():
     x = torch.empty(_gather.KERNEL_MIN_BYTES // 4, device="cuda")
     assert _gather.use_op(x) and not _gather.use_op(x[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_take_rows_with_repeated_rows_equals_index_select(dtype, monkeypatch):
+    """``take_rows`` (the MoE permutation: every token's row ``top_k`` times, in expert order) is
+    ``index_select`` bit for bit, through the kernel: under the interpreter its CPU tensors are routed to it."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(37, 2048 // 8, generator=g).to(DEVICE, dtype)
+    index = torch.randint(0, 37, (37 * 8,), generator=g).to(DEVICE)
+    launched = []
+
+    def launch(*args):
+        launched.append(True)
+        return _launch(*args)
+
+    monkeypatch.setattr(_gather, "KERNEL_MIN_BYTES", 0)
+    monkeypatch.setattr(_gather, "_launch", launch)
+    if str(DEVICE) == "cpu":  # the interpreter: take the kernel path for CPU tensors too
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    got = _gather.take_rows(src, index)
+    monkeypatch.undo()
+    assert launched and torch.equal(got, src.index_select(0, index))
+
+
+@gpu_only
+def test_take_rows_below_the_threshold_is_index_select():
+    src, index = torch.randn(8, 4, device="cuda"), torch.tensor([3, 3, 0], device="cuda")
+    assert torch.equal(_gather.take_rows(src, index), src[index])
