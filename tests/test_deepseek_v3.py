@@ -16,7 +16,8 @@ input's dtype the attention alone agrees to 1e-10, and the same weights with the
 YaRN give other logits (the checks see both).  Caller positions (shifted rows) reach the RoPE in THD and BSHD.
 The YaRN numbers equal transformers' (inverse frequencies bit for bit).  The weights convert back bit for bit,
 whole and from TP=2 shards.  Under TP=2 with sequence parallelism (THD, BSHD) and CP=2 (THD) over gloo the
-logits equal transformers per sequence too; two pipeline stages (in this process) give the one-stage model's
+logits equal transformers per sequence too, and under EP=2 (each rank its own batch, of its own shape); two pipeline
+stages (in this process) give the one-stage model's
 logits.  A flash kernel (a stand-in on the CPU) gets q, k and v padded to one head dim and the value's channels
 come back exact.  Bad configurations raise naming the field and the fix.
 """
@@ -38,9 +39,9 @@ from packfwd.models.hf_weights import hf_to_megatron
 from packfwd.models.latent import Mla, Yarn
 
 from .oracles import assert_hf_round_trip
-from .test_glm4_moe import (LAYOUTS, assert_layout_equals_per_sequence, assert_parallel_equal_per_sequence,
-                             assert_two_stages_equal_one, parallel_worker, per_sequence, ragged_batch,
-                             with_expert_bias)
+from .test_glm4_moe import (LAYOUTS, assert_ep2_equals_transformers, assert_layout_equals_per_sequence,
+                             assert_parallel_equal_per_sequence, assert_two_stages_equal_one, parallel_worker,
+                             per_sequence, ragged_batch, with_expert_bias)
 from .test_moe import randomise
 
 V = 64
@@ -218,3 +219,11 @@ def test_tp2_sp_and_cp2_equal_transformers_per_sequence():
     ranks = run_local(parallel_worker, 2, hf, _mla_rows, backend="gloo", timeout=300)
     assert [r["probe"] for r in ranks] == [(2 * 12, (16 + 4) // 2)] * 2  # 2 of 4 heads; half the kv latent's rows
     assert_parallel_equal_per_sequence(hf, ranks)
+
+
+def test_ep2_ranks_with_batches_of_their_own_shape_equal_transformers():
+    """Expert parallelism with latent attention (the attention replicated, 4 of the 8 routed experts per rank, the
+    shared expert and the correction bias replicated): each rank's own batch equals transformers per sequence, and
+    the weights gather back bitwise."""
+    assert_ep2_equals_transformers(ds_model(ds_config()))
+

@@ -241,9 +241,14 @@ def _ep_worker(rank: int, world: int, hf, batches):
 def test_ep2_ranks_with_batches_of_their_own_shape_equal_transformers():
     """Expert parallelism (4 of the 8 routed experts per rank; shared experts, the correction bias and the dense
     layer replicated): each rank's own batch equals transformers per sequence; the weights gather back bitwise."""
+    assert_ep2_equals_transformers(glm_model(glm_config()))
+
+
+def assert_ep2_equals_transformers(hf) -> None:
+    """EP=2 over gloo, rank 0 the ragged batch and rank 1 one of another shape: logits per sequence, 4 experts per
+    rank, ``to_hf_state_dict`` whole and bitwise on each rank."""
     from packfwd.testing import run_local
 
-    hf = glm_model(glm_config())
     small = torch.zeros(3, 6, dtype=torch.bool)  # rank 1: lengths 6, 2 (left-padded), 4 (right-padded)
     small[0], small[1, 4:], small[2, :4] = True, True, True
     small_ids = torch.randint(1, V, (3, 6), generator=torch.Generator().manual_seed(1)).masked_fill(~small, 0)
