@@ -25,7 +25,7 @@ def routing(t: int, e: int, k: int, seed: int, empty_rows=()) -> torch.Tensor:
 
 def expert_outputs(x: torch.Tensor, rmap: torch.Tensor) -> torch.Tensor:
     """Megatron's permuted rows (expert-major, tokens ascending), each made a function of (token row, expert)."""
-    permuted, _, sorted_indices = permute(x, rmap)[:3]
+    permuted, _, sorted_indices = permute(x, rmap, num_out_tokens=int(rmap.sum()))[:3]
     experts = rmap.T.nonzero()[:, 0]  # the expert of each permuted row, in permute's order
     return permuted * (1.0 + experts[:, None].to(x.dtype)) + experts[:, None].to(x.dtype), sorted_indices
 
@@ -129,7 +129,7 @@ def test_ordered_permute_equals_megatron_permute_and_its_gradient(t, e, k, empty
     x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
     x_theirs = x.detach().clone().requires_grad_(True)
     mine, rows, _ = ordered_permute(x, rmap, top_k=k)
-    theirs, _, sorted_indices = permute(x_theirs, rmap)[:3]
+    theirs, _, sorted_indices = permute(x_theirs, rmap, num_out_tokens=int(rmap.sum()))[:3]
     assert torch.equal(mine, theirs) and torch.equal(rows, sorted_indices)
     upstream = torch.randn_like(mine)
     mine.backward(upstream)
