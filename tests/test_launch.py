@@ -182,15 +182,16 @@ def test_results_in_rank_order_with_all_reduce(tmp_path):
 @pytest.mark.parametrize("preload", ["", "torch,megatron.core"])
 def test_spawned_or_forked_from_a_preloaded_server_the_ranks_see_the_callers_environment(preload, monkeypatch):
     """Both start-ups (``PACKFWD_RUN_LOCAL_PRELOAD`` unset: spawn; set: forked from a server that imported the
-    modules once): a variable set just before the call (after the server may have started) reaches every rank,
+    modules once): a variable set just before the call (after the server may have started; 70 KB) reaches every rank,
     and torch runs on OMP_NUM_THREADS=1 threads.  Spawned ranks are this process's children and import nothing
     they do not need; forked ones are the server's, with its modules imported."""
     monkeypatch.setenv("PACKFWD_RUN_LOCAL_PRELOAD", preload)
-    monkeypatch.setenv("PACKFWD_LATE_VAR", f"set-{preload}")
+    late = f"set-{preload}" + "x" * 70_000  # larger than a pipe's buffer: the environment must not go through one
+    monkeypatch.setenv("PACKFWD_LATE_VAR", late)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = run_local(_env_threads_parent, 2, "PACKFWD_LATE_VAR", backend="gloo")
     for value, threads, parent, megatron in out:
-        assert value == f"set-{preload}" and threads == 1
+        assert value == late and threads == 1
         assert (parent == os.getpid()) == (not preload) and megatron == bool(preload)
 
 

@@ -127,10 +127,14 @@ def run_local(
             # The process object stays small (a path, not the payload): spawn writes it into a pipe the child
             # reads only after re-importing the main script, and that write would block forever on a child that
             # died in the re-import once it is over the pipe's 64 KB buffer.
+            # (Likewise a forked rank's environment goes through a file: the caller's may be any size.)
             rank_env = _rank_env(rank, world_size, env)
+            if forked:
+                with open(os.path.join(run_dir, f"environ{rank}.pkl"), "wb") as f:
+                    pickle.dump({**os.environ, **rank_env}, f)
             proc = ctx.Process(
-                target=_child_main, name=f"packfwd-rank{rank}",
-                args=(rank, world_size, backend, run_dir, writer, {**os.environ, **rank_env} if forked else None),
+                target=_child_main, args=(rank, world_size, backend, run_dir, writer, forked),
+                name=f"packfwd-rank{rank}",
             )
             with _child_env(rank_env):
                 proc.start()
@@ -371,8 +375,10 @@ def _stop(procs) -> None:
 # ----------------------------------------------------------------------------------------------- child side
 
 
-def _child_main(rank: int, world_size: int, backend: str, run_dir: str, conn, environ=None) -> None:
-    if environ is not None:  # forked from the preloaded server: the caller's environment at the call, not its
+def _child_main(rank: int, world_size: int, backend: str, run_dir: str, conn, forked: bool = False) -> None:
+    if forked:  # from the preloaded server: the caller's environment at the call, not the server's
+        with open(os.path.join(run_dir, f"environ{rank}.pkl"), "rb") as f:
+            environ = pickle.load(f)
         os.environ.clear()
         os.environ.update(environ)
         if "torch" in sys.modules and environ.get("OMP_NUM_THREADS", "").isdigit():
