@@ -240,9 +240,11 @@ def _stage_grads(stage, first_layer: int) -> dict:
     return {name_of(n): p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
 
 
-def test_qwen3_moe_pp2_aux_loss_pools_both_stages():
+@pytest.mark.parametrize("data_format, layout", [("thd", {"seq_align": 8}), ("bshd", {})])
+def test_qwen3_moe_pp2_aux_loss_pools_both_stages(data_format, layout):
     """Stage 0 (layers 0: MoE, 1: dense) returns (hidden, routing sums [2E + 1] float64); stage 1 takes them as
-    ``moe_routing=``: its ``moe_aux_loss`` is the whole model's and transformers'; backpropagating it alone through
+    ``moe_routing=``, in THD with alignment pads and in BSHD (padding columns): its ``moe_aux_loss`` is the whole
+    model's and transformers'; backpropagating it alone through
     both stages gives every router the whole model's gradient (stage 0's router gets its share only through the
     handed-on sums)."""
     from .test_moe import hf_aux_loss
@@ -251,7 +253,7 @@ def test_qwen3_moe_pp2_aux_loss_pools_both_stages():
     whole = from_hf(hf)
     stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
     ids, mask = moe_batch()
-    forward = make_forward("thd", seq_align=8, moe_aux_loss=True)
+    forward = make_forward(data_format, moe_aux_loss=True, **layout)
     want = forward(whole, ids, mask)
     want["moe_aux_loss"].backward()
     want_grads = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
@@ -275,6 +277,12 @@ def test_qwen3_moe_pp2_aux_loss_pools_both_stages():
     for name, grad in want_grads.items():
         torch.testing.assert_close(merged[name], grad, atol=1e-12, rtol=1e-10, msg=name)
 
+    empty = torch.zeros_like(mask)  # nothing to route: the sums handed on are zeros, and the loss is 0
+    hidden, routing = forward(stages[0], ids, empty)
+    assert not routing.any()
+    stages[1].set_input_tensor(hidden)
+    assert forward(stages[1], ids, empty, moe_routing=routing)["moe_aux_loss"].item() == 0.0
+
     with pytest.raises(ValueError, match="later pipeline stage needs the earlier stages' routing: pass moe_routing="):
         forward(stages[1], ids, mask)
     with pytest.raises(ValueError, match="moe_routing= given to the first pipeline stage"):
@@ -282,7 +290,7 @@ def test_qwen3_moe_pp2_aux_loss_pools_both_stages():
     with pytest.raises(ValueError, match=r"routing sums are torch.float32 \(9,\); pass the earlier stage's float64"):
         forward(stages[1], ids, mask, moe_routing=sums.float())
     with pytest.raises(TypeError, match="moe_routing= .* is taken by a make_forward\\(..., moe_aux_loss=True\\)"):
-        make_forward("thd")(stages[1], ids, mask, moe_routing=sums)
+        make_forward(data_format, **layout)(stages[1], ids, mask, moe_routing=sums)
 
 
 def _aux_loss(out):
