@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .moe import is_moe
-from .routing import RoutingStats, load_balancing_loss, routing_sums
+from .routing import RoutingStats, check_carried, load_balancing_loss, routing_sums
 
 __all__ = ["check_aux_loss_model", "check_stage_routing", "model_aux_loss", "stage_routing_sums"]
 
@@ -62,7 +62,7 @@ def check_stage_routing(model: torch.nn.Module, carried, aux_loss: bool = True) 
                          "moe_routing= the previous stage's output[1] (its forward returns (hidden, routing sums)); "
                          "run_micro_batches(..., pp_group=...) hands it on")
     if carried is not None:
-        routing_sums((), gpt.config.num_moe_experts, carried)  # its dtype and shape, or a ValueError
+        check_carried(carried, gpt.config.num_moe_experts)
 
 
 def _score_dtype(config) -> torch.dtype:

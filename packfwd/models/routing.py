@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["RoutingStats", "load_balancing_loss", "routing_sums"]
+__all__ = ["RoutingStats", "check_carried", "load_balancing_loss", "routing_sums"]
 
 
 class RoutingStats(NamedTuple):
@@ -66,11 +66,8 @@ def routing_sums(stats: Sequence[RoutingStats], num_experts: int, carried: Tenso
     >>> routing_sums([RoutingStats(torch.tensor([2.0, 0.0]), torch.tensor([1.5, 0.5]), torch.tensor(2.0))], 2)
     tensor([2.0000, 0.0000, 1.5000, 0.5000, 2.0000], dtype=torch.float64)
     """
-    if carried is not None and (not isinstance(carried, Tensor) or carried.dtype != torch.float64
-                                or tuple(carried.shape) != (2 * num_experts + 1,)):
-        got = f"{carried.dtype} {tuple(carried.shape)}" if isinstance(carried, Tensor) else type(carried).__name__
-        raise ValueError(f"the carried routing sums are {got}; pass the earlier stage's float64 "
-                         f"[2 * num_experts + 1] = [{2 * num_experts + 1}] sums (routing_sums)")
+    if carried is not None:
+        check_carried(carried, num_experts)
     if stats:
         counts, scores, tokens = _pooled(stats, num_experts)
         sums = torch.cat([counts.double(), scores.double(), tokens.double()[None]])
@@ -78,6 +75,16 @@ def routing_sums(stats: Sequence[RoutingStats], num_experts: int, carried: Tenso
         device = carried.device if carried is not None else None
         sums = torch.zeros(2 * num_experts + 1, dtype=torch.float64, device=device)
     return sums if carried is None else carried.to(sums.device) + sums
+
+
+def check_carried(carried, num_experts: int) -> None:
+    """``carried`` is what :func:`routing_sums` makes for ``num_experts`` experts (``[2 E + 1]`` float64), else a
+    ValueError naming it."""
+    if not isinstance(carried, Tensor) or carried.dtype != torch.float64 or tuple(carried.shape) != (
+            2 * num_experts + 1,):
+        got = f"{carried.dtype} {tuple(carried.shape)}" if isinstance(carried, Tensor) else type(carried).__name__
+        raise ValueError(f"the carried routing sums are {got}; pass the earlier stage's float64 "
+                         f"[2 * num_experts + 1] = [{2 * num_experts + 1}] sums (routing_sums)")
 
 
 def _pooled(stats: Sequence[RoutingStats], num_experts: int):
