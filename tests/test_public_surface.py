@@ -1,6 +1,6 @@
 """What is public, said once per package (``__all__``) and kept true.
 
-* every package under ``packfwd/`` has an ``__all__`` of names it defines, and binds no other public name
+* every package under ``packfwd/`` (at any depth) has an ``__all__`` of names it defines, and binds no other public name
   (besides its submodules): ``from pkg import *`` gives exactly ``__all__``;
 * every public name has its own docstring (not the one a dataclass or NamedTuple makes up);
 * every public name is documented where a user looks: ``packfwd``'s in the README's "## API" section, a
@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["packfwd"] + sorted(
-    "packfwd." + p.parent.name for p in (ROOT / "packfwd").glob("*/__init__.py")
+# every package found on disk, sub-packages included (packfwd/models/<sub>/ too): a new one is checked unasked
+PACKAGES = sorted(
+    ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "packfwd").rglob("__init__.py")
 )
 
 
