@@ -23,7 +23,7 @@ A correctness check per fill compares THD and padded logits on the real tokens.
     python benchmarks/bench_forward.py --smoke --out /tmp/forward_smoke.json     # tiny model on the CPU (CI)
 
 ``--megatron-rope`` runs the THD rows with Megatron-Core's own THD RoPE (per sequence, 4 host syncs per layer)
-instead of packfwd's :class:`~packfwd.models.rope.PackedRope`, to measure what that costs.
+instead of packfwd's :class:`~packfwd.models.mixers.rope.PackedRope`, to measure what that costs.
 """
 
 from __future__ import annotations

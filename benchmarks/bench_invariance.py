@@ -203,7 +203,7 @@ def cost(model, vocab: int, cfg, device) -> list[dict]:
 def attention_cost(lengths, cfg, device) -> list[dict]:
     if device.type != "cuda":
         return [{"mode": "attention", "skipped": "the flash backward runs on CUDA only"}]
-    from packfwd.models.varlen import varlen_attention
+    from packfwd.models.mixers.varlen import varlen_attention
 
     t = sum(lengths)
     cu = torch.tensor([0, *np.cumsum(lengths)], device=device, dtype=torch.int32)

@@ -8,7 +8,7 @@ The ops of a transformer layer outside its matrix products, at the shapes of the
 * ``qk_norm``: Qwen3's QK-norm, ``[t * 16, 128]`` rows of head_dim; torch: ``rms_norm``;
 * ``swiglu``: ``[t, 2f] -> [t, f]``; torch: Megatron-Core's unfused gated MLP, ``silu(gate) * up``;
 * ``rope``: query and key ``[t, heads, 128]`` views of the fused QKV output, rotated by per-token angles (the
-  fused kernel takes one angle per channel pair); torch: :func:`packfwd.models.rope.apply_rope` on the full
+  fused kernel takes one angle per channel pair); torch: :func:`packfwd.models.mixers.rope.apply_rope` on the full
   ``[t, 1, 128]`` table (Megatron-Core's arithmetic, what ``fused=False`` models run).
 
 Each op: forward, and forward + backward (the backward from a fixed random gradient), milliseconds (CUDA events,
@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 from common import copy_bandwidth, environment, table, time_device, write_json  # noqa: E402
 
-from packfwd.models.rope import apply_rope  # noqa: E402
+from packfwd.models.mixers.rope import apply_rope  # noqa: E402
 from packfwd.ops import rmsnorm, rope, swiglu  # noqa: E402
 
 FULL = {"t": 13312, "h": 2048, "f": 7168, "hq": 16, "hk": 8, "d": 128}

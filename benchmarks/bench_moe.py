@@ -14,7 +14,7 @@ Rows (``--variants``), each forward only (``fwd``: log-probs under no_grad) and 
   per MoE layer reading the weights in place (packfwd's default on sm90 / sm100 in bf16);
 * ``grouped_scatter_combine``: grouped, with Megatron-Core's own permutation and combine (``index_select`` with
   an atomic ``index_add_`` backward, ``scatter_add_``: their bits following the batch) in place of packfwd's
-  ordered ones (``packfwd.models.dispatch``): what the order costs;
+  ordered ones (``packfwd.models.mlp.dispatch``): what the order costs;
 * ``sequential``: the same model with Megatron-Core's loop over experts (``set_grouped_experts(model, False)``);
 * ``grouped_cudnn``: grouped, a second packfwd model of the same weights with ``attention_backend="cudnn"``
   (cuDNN's ragged attention; skipped without nvidia-cudnn-frontend); ``grouped_cudnn_graph``: that model's
@@ -65,7 +65,7 @@ def set_combine(model, how: str) -> None:
     """Every MoE layer's dispatcher: packfwd's ordered permutation and combine, or Megatron-Core's ("scatter")."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    from packfwd.models.dispatch import OrderedCombineDispatcher
+    from packfwd.models.mlp.dispatch import OrderedCombineDispatcher
 
     for m in model.modules():
         d = getattr(m, "token_dispatcher", None)
@@ -190,7 +190,7 @@ def graphed_step(model, batch, warmup: int = 2):
 def cudnn_model(hf, device, dtype):
     """packfwd's model of ``hf``'s weights with cuDNN's attention, or None where that backend is missing."""
     from packfwd.models import from_hf
-    from packfwd.models.varlen import available_backends
+    from packfwd.models.mixers.varlen import available_backends
 
     if "cudnn" not in available_backends(device):
         return None
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     warmup = cfg.warmup or (1 if cfg.smoke else 2)
     timer = Timer(device)
 
-    from packfwd.models.experts import GroupedExperts, grouped_kernel, set_grouped_experts
+    from packfwd.models.mlp.experts import GroupedExperts, grouped_kernel, set_grouped_experts
 
     ceiling = matmul_tflops(device, dtype, timer)
     t0 = time.perf_counter()

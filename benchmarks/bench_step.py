@@ -11,7 +11,7 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
 * ``packfwd_plain``: ``make_forward("thd", logits_processor=<log-probs>)`` on packfwd's model with Megatron-Core's
   plain modules (today's path).
 * ``packfwd_fused``: the same with the model built with the fused layer switch (SwiGLU, THD RoPE, QK-norm
-  kernels; ``packfwd.models.spec.FUSED_NORMS``), when this checkout has one (``from_hf(fused=)``,
+  kernels; ``packfwd.models.runtime.spec.FUSED_NORMS``), when this checkout has one (``from_hf(fused=)``,
   ``build_model(fused=)`` or ``ModelArgs.fused``); ``packfwd_fused_torch_norms`` / ``packfwd_fused_kernel_norms``:
   the fused model with every norm torch's ``rms_norm`` / packfwd's Triton RMSNorm (which norm wins where);
   ``packfwd_fused_cudnn``: the fused model with ``attention_backend="cudnn"`` (cuDNN's ragged attention through
@@ -84,7 +84,7 @@ from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
             "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn", "packfwd_fused_graph",
             "packfwd_fused_cudnn_graph")
-# the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.spec.FUSED_NORMS)
+# the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.runtime.spec.FUSED_NORMS)
 NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
     "llama1b": ("llama", dict(hidden_size=2048, intermediate_size=7168, num_hidden_layers=16, num_attention_heads=16,
@@ -170,14 +170,14 @@ def packfwd_model(hf, device, dtype, fused: bool, attention_backend: str | None 
     """packfwd's model with ``hf``'s weights; ``fused`` picks the layer (explicitly wherever the switch exists)."""
     if attention_backend is not None:
         from packfwd.models import from_hf
-        from packfwd.models.varlen import available_backends
+        from packfwd.models.mixers.varlen import available_backends
 
         if attention_backend not in available_backends(device):
             raise Skip(f"attention_backend={attention_backend!r} is not available here: {available_backends(device)}")
         return from_hf(hf, device=device, params_dtype=dtype, fused=fused, attention_backend=attention_backend)
     from packfwd.models import build_model, from_hf
-    from packfwd.models.hf import args_from_hf_config, load_weights
-    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.models.convert.hf import args_from_hf_config, load_weights
+    from packfwd.models.convert.hf_weights import hf_to_megatron
 
     how = fused_switch()
     if how is None:
@@ -544,7 +544,7 @@ def attention_bench(args, batch, device, dtype, timer, runs: int) -> dict:
         return {"skipped": "attention kernels are CUDA-only"}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from packfwd.models.varlen import available_backends, varlen_attention
+    from packfwd.models.mixers.varlen import available_backends, varlen_attention
 
     lengths = batch["lengths"]
     t, hq, hkv, d = sum(lengths), args.num_attention_heads, args.query_groups, args.kv_channels
@@ -633,7 +633,7 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
                 row["profile"] = profile_step(step, module, cfg.device)
         return row, module
     if name.startswith("packfwd"):
-        from packfwd.models import spec
+        from packfwd.models.runtime import spec
 
         kept = dict(spec.FUSED_NORMS)
         if name in NORM_VARIANTS:
@@ -663,7 +663,7 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
 
 
 def run_shape(shape, cfg, timer) -> dict:
-    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.convert.hf import args_from_hf_config
 
     family = SHAPES[shape][0]
     hf = hf_model(shape, cfg.smoke, cfg.device, cfg.dtype)

@@ -118,7 +118,7 @@ def cp_rank(rank: int, world: int, state: dict, args) -> dict:
 
     from packfwd import make_forward
     from packfwd.models import build_model
-    from packfwd.models.hf import load_weights
+    from packfwd.models.convert.hf import load_weights
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(cp_size=world)

@@ -116,8 +116,8 @@ def assert_hf_round_trip(hf, tp_size=2):
     """packfwd's weights of ``hf`` convert back to its state dict bit for bit, whole and merged from ``tp_size``
     shards."""
     from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
-    from packfwd.models.hf import args_from_hf_config
-    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.models.convert.hf import args_from_hf_config
+    from packfwd.models.convert.hf_weights import hf_to_megatron
 
     sd = hf.state_dict()
     back = to_hf_state_dict(from_hf(hf))

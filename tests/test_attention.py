@@ -1,4 +1,4 @@
-"""packfwd.models.varlen and packfwd.models.attention: the varlen backends, the automatic choice among them, and
+"""packfwd.models.mixers.varlen and packfwd.models.mixers.attention: the varlen backends, the automatic choice among them, and
 the Megatron-facing CoreAttention.
 
 Strategy: every result is checked against a float64 loop over sequences and heads that builds each sequence's
@@ -18,9 +18,9 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 
-from packfwd.models import varlen
-from packfwd.models.attention import CoreAttention
-from packfwd.models.varlen import BACKENDS, available_backends, varlen_attention, varlen_attention_reference
+from packfwd.models.mixers import varlen
+from packfwd.models.mixers.attention import CoreAttention
+from packfwd.models.mixers.varlen import BACKENDS, available_backends, varlen_attention, varlen_attention_reference
 
 
 def loop_attention(q, k, v, lens_q, lens_k, causal, scale=None):

@@ -35,7 +35,7 @@ from packfwd.forward import deterministic as det
 from packfwd.logits import log_probs_and_entropy
 from packfwd.micro import plan_micro_batches, run_micro_batches
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.family import Moe
+from packfwd.models.families.family import Moe
 
 ARGS = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
                  num_query_groups=2)
@@ -336,7 +336,7 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _tp_shards(state: dict, tp: int) -> list[dict]:
-    from packfwd.models.hf_weights import hf_to_megatron, megatron_to_hf
+    from packfwd.models.convert.hf_weights import hf_to_megatron, megatron_to_hf
 
     hf = megatron_to_hf([state], ARGS)
     return [hf_to_megatron(hf, ARGS, tp_size=tp, tp_rank=r) for r in range(tp)]
@@ -347,7 +347,7 @@ def _layouts_worker(rank: int, world: int, states: dict, ids, mask, pieces: dict
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.hf import load_weights
+    from packfwd.models.convert.hf import load_weights
     from packfwd.models.runtime import ensure_model_parallel
 
     labels, out = pf.next_token_labels(ids, mask), {}

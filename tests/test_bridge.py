@@ -32,7 +32,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralF
                           Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from packfwd.models import build_model, from_hf
-from packfwd.models.hf import args_from_hf_config
+from packfwd.models.convert.hf import args_from_hf_config
 
 try:
     from mbridge.core.bridge import _MODEL_REGISTRY

@@ -19,7 +19,8 @@ import warnings
 import pytest
 import torch
 
-from packfwd.models import ModelArgs, build_model, varlen
+from packfwd.models import ModelArgs, build_model
+from packfwd.models.mixers import varlen
 
 SMALL = ModelArgs(vocab_size=128, hidden_size=32, ffn_hidden_size=48, num_layers=1, num_attention_heads=4,
                   num_query_groups=2, fused=False)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packfwd.models.varlen import varlen_attention_reference
+from packfwd.models.mixers.varlen import varlen_attention_reference
 from packfwd.parallel import all_gather_cp, context_parallel_attention, zigzag_to_global
 from packfwd.parallel.context import _zigzag_global_index, plan_zigzag_attention
 from packfwd.testing import run_local
@@ -207,7 +207,7 @@ def _cp_sources_worker(rank: int, world: int):
     ``check_cp`` accepts the model's group and refuses the other, whose gather would mix other ranks' outputs."""
     from types import SimpleNamespace
 
-    from packfwd.models.facts import check_cp
+    from packfwd.models.runtime.facts import check_cp
 
     groups = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}
     mine = groups[(0, 1) if rank < 2 else (2, 3)]
@@ -346,7 +346,7 @@ GPU_CASE = Case("gpu_ragged_gqa", real=(37, 3, 64), padded=(40, 4, 64), hq=8, hk
 
 
 def _cp_worker_cuda(rank: int, cp: int, case: Case):
-    from packfwd.models.varlen import varlen_attention
+    from packfwd.models.mixers.varlen import varlen_attention
 
     device = torch.device("cuda", rank)
     pos = torch.tensor(_local_positions(list(case.padded), cp, rank), dtype=torch.long)

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (transformers' ``DeepseekV3ForCausalLM``) as a packfwd family: multi-head latent attention (MLA).
 
-MLA (``packfwd.models.mla``): queries through a low-rank latent (``q_lora_rank``, ``q_a_layernorm``) or a plain
+MLA (``packfwd.models.mixers.mla``): queries through a low-rank latent (``q_lora_rank``, ``q_a_layernorm``) or a plain
 ``q_proj``, keys and values through one shared latent (``kv_lora_rank``, ``kv_a_layernorm``) projected up per
 head, ``qk_rope_head_dim`` rotated channels (one key head shared by all), a value head dim of its own; RoPE plain or
 YaRN (frequencies, cos/sin factor and the ``mscale_all_dim`` softmax correction), rotated channels interleaved
@@ -33,10 +33,10 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, from_hf
-from packfwd.models.gpt import build_model, model_args
-from packfwd.models.hf import args_from_hf_config, load_weights
-from packfwd.models.hf_weights import hf_to_megatron
-from packfwd.models.latent import Mla, Yarn
+from packfwd.models.runtime.gpt import build_model, model_args
+from packfwd.models.convert.hf import args_from_hf_config, load_weights
+from packfwd.models.convert.hf_weights import hf_to_megatron
+from packfwd.models.mixers.latent import Mla, Yarn
 
 from .oracles import assert_hf_round_trip
 from .test_glm4_moe import (LAYOUTS, assert_ep2_equals_transformers, assert_layout_equals_per_sequence,
@@ -150,7 +150,7 @@ def test_a_flash_kernel_gets_one_head_dim_and_the_value_channels_come_back(monke
     """The flash kernels take one head dim: with v's 6 against q/k's 12, a kernel (here a stand-in that refuses
     other shapes and computes the reference) gets q, k, v zero-padded to 12, and the first 6 output channels are
     the reference's; q/k narrower than v (4 against 6) are padded instead."""
-    from packfwd.models import varlen
+    from packfwd.models.mixers import varlen
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
         assert q.shape[-1] == k.shape[-1] == v.shape[-1]

@@ -47,7 +47,7 @@ from packfwd.testing import RankError, run_local
 from packfwd.layers import layer_partition
 from packfwd.logits import log_probs_and_entropy
 from packfwd.models import from_hf, megatron_to_hf
-from packfwd.models.hf import args_from_hf_config
+from packfwd.models.convert.hf import args_from_hf_config
 
 from .test_hf_interop import TINY, randomise, ragged_batch
 
@@ -127,7 +127,7 @@ def run_layouts(rank: int, world_size: int, hf, layouts, device_type: str = "cpu
 
 def _run_layout(hf, layout: Layout, device_type: str, dtype):
     """Forward and backward of this rank's shard on the batch; its outputs and gradients (see :func:`result`)."""
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
     from packfwd.parallel import pipeline_forward_backward
 
     rank = setup_rank(hf, layout, device_type, dtype)

@@ -1,4 +1,4 @@
-"""packfwd's model families (packfwd.models.family): each one entry, each equal to transformers.
+"""packfwd's model families (packfwd.models.families.family): each one entry, each equal to transformers.
 
 Strategy: per family, a tiny transformers causal LM (hidden 32, 2 layers, vocab 96) in float64 on the CPU with
 O(1)-scale random weights (std 0.5 on every parameter, norms ``1 + 0.5 * noise``), so that a wrong layout,
@@ -33,12 +33,12 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, build_model, from_hf, megatron_to_hf, to_hf_state_dict
-from packfwd.models import family as family_module
-from packfwd.models.family import FAMILIES, Family, Moe, family_of_hf_config
-from packfwd.models.gpt import model_args, transformer_config
-from packfwd.models.hf import args_from_hf_config
-from packfwd.models.hf_weights import hf_to_megatron
-from packfwd.models.spec import RMSNorm
+from packfwd.models.families import family as family_module
+from packfwd.models.families.family import FAMILIES, Family, Moe, family_of_hf_config
+from packfwd.models.runtime.gpt import model_args, transformer_config
+from packfwd.models.convert.hf import args_from_hf_config
+from packfwd.models.convert.hf_weights import hf_to_megatron
+from packfwd.models.runtime.spec import RMSNorm
 from packfwd.testing import run_local
 
 from .oracles import assert_equals_hf_per_sequence, assert_hf_round_trip
@@ -206,7 +206,7 @@ class OneExpert:
         return {}
 
     def layer_spec(self, args, layer):
-        from packfwd.models.spec import mlp_spec
+        from packfwd.models.runtime.spec import mlp_spec
 
         self.calls.append(("spec", layer))
         return mlp_spec(None)
@@ -255,8 +255,8 @@ def test_qwen2_vl_is_an_entry_read_like_the_others():
     family, its text config under ``text_config``; the generic ``from_hf`` points to the vision builders."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from packfwd.models.family import FAMILIES
-    from packfwd.models.hf_vl import vl_args_from_hf_config
+    from packfwd.models.families.family import FAMILIES
+    from packfwd.models.convert.hf_vl import vl_args_from_hf_config
 
     cfg = Qwen2VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,

@@ -60,7 +60,7 @@ def jagged(x, mask):
 def run(model, head, data_format="thd", *, nested=False, token_mask=True, backward=True, **kw):
     """One forward (+ backward) of ``head``: outputs (padded, or the values of nested ones), gradients by
     parameter name, the temperature's gradient."""
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
 
     ids, mask, labels, response, w = batch()
     temperature = TEMPERATURE.clone().requires_grad_(backward)

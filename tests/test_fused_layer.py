@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.family import Moe
-from packfwd.models.gpt import model_args
-from packfwd.models.rope import PackedRope
-from packfwd.models.spec import FusedRMSNorm, RMSNorm
+from packfwd.models.families.family import Moe
+from packfwd.models.runtime.gpt import model_args
+from packfwd.models.mixers.rope import PackedRope
+from packfwd.models.runtime.spec import FusedRMSNorm, RMSNorm
 from packfwd.ops.swiglu import SwiGLU
 
 from .test_hf_interop import ragged_batch

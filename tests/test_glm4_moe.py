@@ -29,9 +29,9 @@ from transformers.models.glm4_moe import modeling_glm4_moe
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, from_hf, to_hf_state_dict
-from packfwd.models.gpt import build_model, model_args
-from packfwd.models.hf import args_from_hf_config, load_weights
-from packfwd.models.hf_weights import hf_to_megatron
+from packfwd.models.runtime.gpt import build_model, model_args
+from packfwd.models.convert.hf import args_from_hf_config, load_weights
+from packfwd.models.convert.hf_weights import hf_to_megatron
 
 from .oracles import assert_hf_round_trip
 from .test_moe import randomise
@@ -305,7 +305,7 @@ def test_bf16_router_is_float32_and_chooses_transformers_experts():
     """``from_hf(params_dtype=bf16)`` keeps the router's gate weight float32 (the HF tensor bit for bit, back too)
     and computes its logits in float32 from the bf16 hidden states, as transformers does: on 512 tokens the chosen
     experts equal transformers' for every token (a bf16 gate, as before, picks another set for ~1% of them)."""
-    from packfwd.models.moe import routers
+    from packfwd.models.mlp.moe import routers
 
     hf = bf16_glm()
     model = from_hf(hf, params_dtype=torch.bfloat16)

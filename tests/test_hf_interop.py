@@ -28,9 +28,9 @@ from packfwd import next_token_labels
 from packfwd.forward import make_forward
 from packfwd.logits import log_probs_and_entropy
 from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
-from packfwd.models.gpt import model_args
-from packfwd.models.hf import args_from_hf_config
-from packfwd.models.hf_weights import hf_to_megatron
+from packfwd.models.runtime.gpt import model_args
+from packfwd.models.convert.hf import args_from_hf_config
+from packfwd.models.convert.hf_weights import hf_to_megatron
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
 CONFIGS = {

@@ -18,12 +18,12 @@ from packfwd import to_thd
 from packfwd.forward import make_forward
 from packfwd.layers import layer_partition
 from packfwd.models import ModelArgs, build_model, is_value_model
-from packfwd.models.attention import CoreAttention
-from packfwd.models.cpu import config_overrides, is_host
-from packfwd.models.gpt import ValueHead, model_args
-from packfwd.models.hf import load_weights
-from packfwd.models.model import PackedGPTModel
-from packfwd.models.rope import PackedRope, PackedRotaryEmbedding
+from packfwd.models.mixers.attention import CoreAttention
+from packfwd.models.runtime.cpu import config_overrides, is_host
+from packfwd.models.runtime.gpt import ValueHead, model_args
+from packfwd.models.convert.hf import load_weights
+from packfwd.models.runtime.model import PackedGPTModel
+from packfwd.models.mixers.rope import PackedRope, PackedRotaryEmbedding
 from packfwd.models.runtime import StagePlacement, ensure_model_parallel, stage_process_groups
 
 from .test_hf_interop import hf_model, ragged_batch
@@ -251,7 +251,7 @@ class _Functional(torch.nn.Module):
 def test_a_model_built_for_loading_carries_megatron_tensor_parallel_tags(family):
     """``init=False`` (what ``from_hf`` builds) tags every tensor-parallel weight as Megatron-Core's initialisation
     does: its grad-norm clipping counts an untagged shard once, on the first TP rank only (a silently wrong norm)."""
-    from packfwd.models.family import Moe
+    from packfwd.models.families.family import Moe
 
     moe = Moe(num_experts=4, top_k=2, ffn_hidden_size=16, dense_layers=(0,)) if family == "qwen3_moe" else None
     args = ModelArgs(vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=2, num_attention_heads=2,

@@ -23,9 +23,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from packfwd.forward import make_forward
 from packfwd.layout import plan_bshd, plan_thd, to_bshd, to_thd
 from packfwd.models import from_hf, to_hf_state_dict
-from packfwd.models.gpt import model_args
-from packfwd.models.hf import args_from_hf_config
-from packfwd.models.hf_weights import hf_to_megatron, megatron_to_hf
+from packfwd.models.runtime.gpt import model_args
+from packfwd.models.convert.hf import args_from_hf_config
+from packfwd.models.convert.hf_weights import hf_to_megatron, megatron_to_hf
 
 from .oracles import assert_equals_hf_per_sequence
 
@@ -259,7 +259,7 @@ def _parallel_worker(rank: int, world: int, hf, layouts):
     """Per layout ``(name, tp, cp)`` (TP with sequence parallelism): this rank's logits, aux loss, router grads."""
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
     from packfwd.models.runtime import ensure_model_parallel
 
     results = {}

@@ -1,4 +1,4 @@
-"""packfwd's MoE combine (``packfwd.models.dispatch.ordered_unpermute``, every packfwd MoE layer's dispatcher):
+"""packfwd's MoE combine (``packfwd.models.mlp.dispatch.ordered_unpermute``, every packfwd MoE layer's dispatcher):
 each token's output is the sum of its own experts' outputs in ascending expert order, so its bits do not depend
 on the other tokens of the batch, their number or their order.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-from packfwd.models.dispatch import OrderedCombineDispatcher, PaddedAllGatherDispatcher, ordered_unpermute
+from packfwd.models.mlp.dispatch import OrderedCombineDispatcher, PaddedAllGatherDispatcher, ordered_unpermute
 
 
 def routing(t: int, e: int, k: int, seed: int, empty_rows=()) -> torch.Tensor:
@@ -108,7 +108,7 @@ def test_gradient_is_the_gather_of_the_output_gradient():
 
 def test_every_moe_layer_gets_the_ordered_combine():
     from packfwd.models import ModelArgs, build_model
-    from packfwd.models.family import Moe
+    from packfwd.models.families.family import Moe
 
     model = build_model(ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2,
                                   num_attention_heads=4, num_query_groups=2, family="qwen3_moe",
@@ -123,7 +123,7 @@ def test_every_moe_layer_gets_the_ordered_combine():
 def test_ordered_permute_equals_megatron_permute_and_its_gradient(t, e, k, empty):
     """Forward: Megatron-Core's permute, rows and ``sorted_indices`` bit for bit; backward: its gradient (a token's
     rows summed), to float64 rounding, and a per-token loop in ascending expert order bit for bit in float32."""
-    from packfwd.models.dispatch import ordered_permute
+    from packfwd.models.mlp.dispatch import ordered_permute
 
     rmap = routing(t, e, k, seed=t + e, empty_rows=empty)
     x = torch.randn(t, 4, dtype=torch.float64, requires_grad=True)
@@ -160,7 +160,7 @@ def test_a_token_with_more_experts_than_top_k_fails_instead_of_losing_some():
 def test_a_rank_whose_experts_got_no_token_permutes_and_combines_nothing():
     """Under expert parallelism a rank's local experts may receive no token: zero rows out, zeros back, and the
     permutation's backward gives every token a zero gradient."""
-    from packfwd.models.dispatch import ordered_permute
+    from packfwd.models.mlp.dispatch import ordered_permute
 
     rmap = torch.zeros(5, 2, dtype=torch.bool)
     x = torch.randn(5, 3, requires_grad=True)
@@ -178,7 +178,7 @@ def test_fixed_rows_are_ordered_permutes_rows_then_sinks(t, e, k, empty):
     (rows, tokens, probabilities: Megatron-Core's order), then the sinks; every valid slot names its own row, a
     sink's probability is 0, and NaN in every sink row (what the grouped GEMMs leave there) reaches neither the
     combine nor the permutation's gradient: both equal the exact path's bit for bit."""
-    from packfwd.models.dispatch import fixed_permute, fixed_rows, ordered_permute
+    from packfwd.models.mlp.dispatch import fixed_permute, fixed_rows, ordered_permute
 
     rmap = routing(t, e, k, seed=3 * t + e, empty_rows=empty)
     n = int(rmap.sum())
@@ -213,7 +213,7 @@ def test_fixed_rows_are_ordered_permutes_rows_then_sinks(t, e, k, empty):
 def test_fixed_rows_with_no_routed_token_and_more_than_top_k_fails():
     """A rank whose experts got no token: every row a sink, counts zero; a token with more experts than top_k
     fails (device-side assert) instead of losing some."""
-    from packfwd.models.dispatch import fixed_rows
+    from packfwd.models.mlp.dispatch import fixed_rows
 
     rows = fixed_rows(torch.zeros(5, 2, dtype=torch.bool), top_k=2)
     assert rows.token_of_row.shape == (10,) and not rows.valid.any() and not rows.counts.any()
@@ -228,7 +228,7 @@ def test_grouped_moe_layers_ignore_whatever_the_gemms_leave_in_the_sink_rows(mon
     loop), with layout pads (``seq_align=8``) routed nowhere."""
     from packfwd.forward import make_forward
     from packfwd.models import from_hf
-    from packfwd.models.experts import set_grouped_experts
+    from packfwd.models.mlp.experts import set_grouped_experts
     from tests.test_moe import hf_model, ragged_batch
 
     original, sinks = torch._grouped_mm, []

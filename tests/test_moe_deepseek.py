@@ -26,9 +26,9 @@ from transformers import DeepseekV3Config, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP, DeepseekV3MoE
 
 from packfwd.forward import make_forward
-from packfwd.models.family import Moe, mlp_kind
-from packfwd.models.hf_moe import deepseek_moe_fields
-from packfwd.models.router import PackedRouter
+from packfwd.models.families.family import Moe, mlp_kind
+from packfwd.models.mlp.moe_weights import deepseek_moe_fields
+from packfwd.models.mlp.router import PackedRouter
 
 from .oracles import assert_equals_hf_per_sequence
 from .test_moe import expert_load, ragged_batch, randomise
@@ -71,9 +71,9 @@ def packfwd_block(block: DeepseekV3MoE, cfg: DeepseekV3Config, layer: int = 0):
     from megatron.core.transformer.spec_utils import build_module
 
     from packfwd.models.args import transformer_config
-    from packfwd.models.hf import load_weights
+    from packfwd.models.convert.hf import load_weights
     from packfwd.models.runtime import ensure_model_parallel
-    from packfwd.models.spec import mlp_spec
+    from packfwd.models.runtime.spec import mlp_spec
 
     ensure_model_parallel()
     args = moe_args(cfg)
@@ -159,7 +159,7 @@ def test_config_fields():
     cfg = deepseek_config("groups", num_layers=3, first_dense=2)
     moe = Moe(**deepseek_moe_fields(cfg))
     assert (moe.num_groups, moe.group_top_k, moe.scaling_factor, moe.dense_layers) == (4, 2, 2.5, (0, 1))
-    from packfwd.models.moe import moe_config_fields
+    from packfwd.models.mlp.moe import moe_config_fields
 
     fields = moe_config_fields(moe, 3)
     assert fields["moe_router_score_function"] == "sigmoid" and fields["moe_router_enable_expert_bias"]
@@ -176,9 +176,9 @@ def test_the_router_dtype_is_fp32_for_deepseek_routing_only():
     """DeepSeek-V3-style routing (GLM-4.5) keeps transformers' float32 router: ``Moe.router_dtype="fp32"`` is
     Megatron-Core's ``moe_router_dtype``, and a bf16 model built with it (randomly initialised too) holds a float32
     gate weight; Qwen3-MoE and Mixtral (their transformers gates run in the hidden dtype) keep the model's dtype."""
-    from packfwd.models.gpt import build_model
-    from packfwd.models.hf import args_from_hf_config
-    from packfwd.models.moe import moe_config_fields, routers
+    from packfwd.models.runtime.gpt import build_model
+    from packfwd.models.convert.hf import args_from_hf_config
+    from packfwd.models.mlp.moe import moe_config_fields, routers
 
     from .test_moe import CONFIGS, TINY
 
@@ -205,7 +205,7 @@ def test_the_router_dtype_is_fp32_for_deepseek_routing_only():
     (dict(num_groups=4, group_top_k=4, top_k=2), ValueError, "group_top_k <= top_k"),
 ])
 def test_routing_megatron_core_cannot_build_is_refused(moe, error, match):
-    from packfwd.models.moe import moe_config_fields
+    from packfwd.models.mlp.moe import moe_config_fields
 
     with pytest.raises(error, match=match):
         moe_config_fields(Moe(**{**dict(num_experts=8, top_k=2, ffn_hidden_size=16), **moe}), 1)
@@ -214,7 +214,7 @@ def test_routing_megatron_core_cannot_build_is_refused(moe, error, match):
 def test_a_shared_expert_gate_needs_a_shared_expert():
     with pytest.raises(ValueError, match="shared_expert_gate=True gates a shared expert: give it a width"):
         Moe(num_experts=8, top_k=2, ffn_hidden_size=16, shared_expert_gate=True)
-    from packfwd.models.moe import moe_config_fields
+    from packfwd.models.mlp.moe import moe_config_fields
 
     fields = moe_config_fields(Moe(num_experts=8, top_k=2, ffn_hidden_size=16, shared_ffn_hidden_size=8,
                                    shared_expert_gate=True), 1)
@@ -265,9 +265,9 @@ def test_the_router_compiles_nothing():
 def qwen3_deepseek_hybrid(seed: int = 0):
     """A Qwen3 decoder (GQA, QK-norm) whose layer 0 has a dense MLP and layers 1, 2 the DeepSeek block, in
     transformers (its MLP modules swapped) and in packfwd (``Moe(**deepseek_moe_fields(...))``), same weights."""
-    from packfwd.models.gpt import build_model
-    from packfwd.models.hf import args_from_hf_config, load_weights
-    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.models.runtime.gpt import build_model
+    from packfwd.models.convert.hf import args_from_hf_config, load_weights
+    from packfwd.models.convert.hf_weights import hf_to_megatron
 
     qwen = Qwen3Config(hidden_size=H, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, vocab_size=V)

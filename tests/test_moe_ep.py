@@ -21,7 +21,7 @@ import torch
 
 from packfwd.forward import make_forward
 from packfwd.models import from_hf, to_hf_state_dict
-from packfwd.models.hf_moe import expert_shard
+from packfwd.models.mlp.moe_weights import expert_shard
 from tests.oracles import assert_equals_hf_per_sequence
 from tests.test_moe import V, expert_load, hf_model, ragged_batch
 
@@ -58,7 +58,7 @@ def one_process(hf, batches):
 def aux_of(model, forward, ids, mask):
     """An aux-loss-only forward and backward of ``model`` (its gradients zeroed first): the loss and the routers'
     weight gradients."""
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
 
     model.zero_grad(set_to_none=True)
     loss = forward(model, ids, mask)["moe_aux_loss"]
@@ -77,7 +77,7 @@ def _ep_worker(rank: int, world: int, hf, batches):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(ep_size=2)
@@ -147,8 +147,8 @@ def test_ep2_ranks_with_batches_of_their_own_shape_equal_one_process(name):
 
 
 def test_ep_refusals():
-    from packfwd.models.gpt import _check_expert_parallel
-    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.runtime.gpt import _check_expert_parallel
+    from packfwd.models.convert.hf import args_from_hf_config
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel()
@@ -174,8 +174,8 @@ def _tp_ep_worker(rank: int, world: int, hf, batches, dense):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
-    from packfwd.models.hf import _weights
+    from packfwd.models.runtime.cpu import host_collectives
+    from packfwd.models.convert.hf import _weights
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(tp_size=2, ep_size=2)
@@ -209,9 +209,9 @@ def test_ep2_with_tp2_sp_equals_one_process():
     each holding its tokens' part); the weights merge back to the HF state dict bit for bit, and ``to_hf_state_dict``
     gives it on every rank (and a dense Qwen3's under TP=2 too)."""
     from packfwd.models import megatron_to_hf
-    from packfwd.models.hf import args_from_hf_config
-    from packfwd.models.hf_moe import merge_expert_shards
-    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.models.convert.hf import args_from_hf_config
+    from packfwd.models.mlp.moe_weights import merge_expert_shards
+    from packfwd.models.convert.hf_weights import hf_to_megatron
     from packfwd.testing import run_local
     from tests.test_families import hf_model as dense_model
 
@@ -311,8 +311,8 @@ def test_ep2_with_pp2_equals_one_process():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from packfwd.models import megatron_to_hf
-    from packfwd.models.hf import args_from_hf_config
-    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.models.convert.hf import args_from_hf_config
+    from packfwd.models.convert.hf_weights import hf_to_megatron
     from packfwd.testing import run_local
     from tests.test_moe import CONFIGS, TINY, randomise
 
@@ -355,8 +355,8 @@ def _tp_etp1_worker(rank: int, world: int, hf, batches):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
-    from packfwd.models.hf import _weights
+    from packfwd.models.runtime.cpu import host_collectives
+    from packfwd.models.convert.hf import _weights
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(tp_size=2, ep_size=2, etp_size=1)
@@ -392,8 +392,8 @@ def test_ep2_with_tp2_sp_etp1_equals_one_process():
     DP; a weight TP replicates summed over the TP ranks); experts whole and bit for bit; to_hf_state_dict gives the
     HF state dict bit for bit on every rank."""
     from packfwd.models import megatron_to_hf
-    from packfwd.models.hf import args_from_hf_config
-    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.models.convert.hf import args_from_hf_config
+    from packfwd.models.convert.hf_weights import hf_to_megatron
     from packfwd.testing import run_local
 
     hf = hf_model("qwen3_moe-norm")
@@ -443,7 +443,7 @@ def _cp_ep_worker(rank: int, world: int, hf, batches):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(cp_size=2, ep_size=4)

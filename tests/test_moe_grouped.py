@@ -1,4 +1,4 @@
-"""packfwd's experts (:class:`packfwd.models.experts.GroupedExperts`) against Megatron-Core's ``SequentialMLP``.
+"""packfwd's experts (:class:`packfwd.models.mlp.experts.GroupedExperts`) against Megatron-Core's ``SequentialMLP``.
 
 Strategy: the same weights in both modules, the same dispatched tokens (ragged groups, empty experts, no tokens
 at all).  On the CPU the default path is Megatron-Core's own loop, so it equals ``SequentialMLP`` bit for bit in
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from packfwd.forward import make_forward
 from packfwd.models import from_hf
-from packfwd.models.experts import GroupedExperts, _block_view, grouped_kernel, set_grouped_experts
+from packfwd.models.mlp.experts import GroupedExperts, _block_view, grouped_kernel, set_grouped_experts
 from tests.oracles import assert_equals_hf_per_sequence
 from tests.test_moe import hf_model, ragged_batch
 
@@ -36,7 +36,7 @@ def experts_pair(dtype, grouped=None, device="cpu", experts=E, hidden=H, ffn=FFN
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from packfwd.models.cpu import ensure_cuda_rng_tracker
+    from packfwd.models.runtime.cpu import ensure_cuda_rng_tracker
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel()
@@ -196,7 +196,7 @@ def _parallel_worker(rank: int, world: int, hf, layouts):
     """Per layout ``(name, tp, ep)``: this rank's logits and gradients on the grouped and the sequential path."""
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
     from packfwd.models.runtime import ensure_model_parallel
 
     results = {}

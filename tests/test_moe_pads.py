@@ -20,7 +20,7 @@ from packfwd.forward import make_forward
 from packfwd.layout import plan_thd, to_thd
 from packfwd.layout.params import CpPlace
 from packfwd.models import from_hf
-from packfwd.models.model import layout_pads
+from packfwd.models.runtime.model import layout_pads
 from packfwd.models.runtime import ensure_model_parallel
 from packfwd.verl import gptmodel_forward_model_engine as engine
 from packfwd.verl.layouts import VerlThd
@@ -115,7 +115,7 @@ def test_glm_expert_bias_counts_skip_verl_bucket_pads():
     """GLM-4.5's router counts tokens per expert for its expert-bias update (with grad): real tokens only."""
     import transformers
 
-    from packfwd.models.router import PackedRouter
+    from packfwd.models.mlp.router import PackedRouter
 
     torch.manual_seed(0)
     cfg = transformers.Glm4MoeConfig(

@@ -102,7 +102,7 @@ def test_model_builds_megatrons_mtp_block():
     inner = [getattr(layer, "mtp_model_layer", None) or layer.transformer_layer for layer in model.mtp.layers]
     assert [layer.layer_number for layer in inner] in ([3, 4], [1, 2])  # Megatron-Core 0.16 / 0.19 numbering
     assert type(inner[0].self_attention.core_attention).__name__ == "CoreAttention"  # packfwd's attention + RoPE
-    from packfwd.models.gpt import model_args
+    from packfwd.models.runtime.gpt import model_args
 
     assert model_args(model).mtp_num_layers == 2 and model_args(build(TIED)).tie_embeddings
     stages = [build(pp_rank=r, pp_size=2) for r in range(2)]
@@ -153,7 +153,7 @@ def test_forward_matches_the_per_sequence_reference(data_format, args):
         torch.testing.assert_close(every, reference(model, ids, mask, mask)[2], **TOL)
         out = {k: pf.pad(v.values(), pf.plan_unpad(mask)) if v.is_nested else v for k, v in out.items()}
     elif data_format == "thd_aligned":  # every sequence padded to a multiple of 4: Megatron-Core's own roll
-        # (which cuts at the real offsets) is wrong here; see the module docstring of packfwd.models.mtp
+        # (which cuts at the real offsets) is wrong here; see the module docstring of packfwd.models.runtime.mtp
         out = pf.make_forward("thd", mtp=True, seq_align=4)(model, ids, mask, mtp_loss_mask=loss_mask)
     else:
         out = pf.make_forward(data_format, mtp=True)(model, ids, mask, mtp_loss_mask=loss_mask)
@@ -188,7 +188,7 @@ def test_forward_with_a_processor_and_without_mtp():
 def test_pipeline_stages_with_mtp_on_the_last():
     """PP=2 in one process: the stages hold the whole model's weights (the last stage its embedding copy, for
     the MTP layers and the tied output); stage 0's hidden states into stage 1 give the reference's numbers."""
-    from packfwd.models.hf import load_weights
+    from packfwd.models.convert.hf import load_weights
 
     whole = build(TIED)
     weights = {n: p.detach() for n, p in whole.named_parameters()}

@@ -314,7 +314,7 @@ def test_from_hf_of_the_bare_decoder_names_the_fix():
 def test_megatron_rope_model_refuses_positions_it_cannot_use():
     """A model built with ``packed_rope=False`` (Megatron-Core's own THD RoPE) reads no positions: the default
     ones pass, others raise instead of being ignored."""
-    from packfwd.models.hf import args_from_hf_config
+    from packfwd.models.convert.hf import args_from_hf_config
 
     hf, _ = _llama()
     model = build_model(args_from_hf_config(hf.config), packed_rope=False)

@@ -1,4 +1,4 @@
-"""packfwd.models.rope: THD RoPE without host syncs.
+"""packfwd.models.mixers.rope: THD RoPE without host syncs.
 
 Strategy: the positions RoPE uses (``packfwd.layout.rules.local_positions``) are checked against
 ``packfwd.position_ids`` of the same THD plan and a plain loop; the rotation against Megatron-Core's
@@ -19,10 +19,10 @@ from packfwd import plan_thd, position_ids
 from packfwd.forward import make_forward
 from packfwd.layout.rules import local_positions
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.attention import CoreAttention
-from packfwd.models.gpt import transformer_config
-from packfwd.models.hf import load_weights
-from packfwd.models.rope import PackedRope, PackedRotaryEmbedding
+from packfwd.models.mixers.attention import CoreAttention
+from packfwd.models.runtime.gpt import transformer_config
+from packfwd.models.convert.hf import load_weights
+from packfwd.models.mixers.rope import PackedRope, PackedRotaryEmbedding
 from packfwd.models.runtime import StagePlacement
 
 from .test_hf_interop import ragged_batch

@@ -31,7 +31,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from packfwd.forward import make_forward
 from packfwd.models import from_hf, megatron_to_hf
-from packfwd.models.hf import args_from_hf_config
+from packfwd.models.convert.hf import args_from_hf_config
 
 from .oracles import assert_equals_hf_per_sequence
 from .test_families import TINY, _loss, hf_model, hf_norm_in_input_dtype, ragged_batch  # noqa: F401 (a fixture)
@@ -71,7 +71,7 @@ def _switch(tp: int = 1, cp: int = 1):
 
 def _ranks_worker(rank: int, world: int, dense, moe):
     """Every two-rank case, in a row: {case: this rank's outputs}."""
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
 
     ids, mask = ragged_batch()
     out = {}

@@ -112,7 +112,7 @@ def test_tracker_records_verls_per_depth_losses():
     """Training mode: the per-depth mean MTP loss that verl's engine reads from Megatron-Core's tracker."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
 
     b, model = batch(), mtp_model()
     kw = dict(logits_processor=log_prob_processor, mtp_config=ON,

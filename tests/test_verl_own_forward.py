@@ -218,7 +218,7 @@ def test_packed_positions_are_still_read(model):
 def test_device_checks_name_the_fix_in_torchs_limit(monkeypatch):
     """On CUDA the checks are ``torch._assert_async`` (no host sync), whose message torch caps under 255
     characters: the checks are run on meta tensors (no values, any device but the CPU) and their messages read."""
-    from packfwd.models.positions import assert_per_sequence, check_default_positions
+    from packfwd.models.runtime.positions import assert_per_sequence, check_default_positions
 
     said = []
     monkeypatch.setattr(torch, "_assert_async", lambda ok, message: said.append(message))

@@ -169,9 +169,9 @@ def test_verl_dropin_vision_forward_equals_transformers(data_format):
 
 def test_gradients_equal_transformers():
     """A weighted sum of the logits: the vision tower's and the language model's gradients equal transformers'."""
-    from packfwd.models.gpt import model_args
-    from packfwd.models.hf_vl import language_model_state_dict
-    from packfwd.models.hf_weights import hf_to_megatron
+    from packfwd.models.runtime.gpt import model_args
+    from packfwd.models.convert.hf_vl import language_model_state_dict
+    from packfwd.models.convert.hf_weights import hf_to_megatron
 
     hf, model, ids, mask, mm, _ = setup("qwen2_vl")
     _, _, _, rows, alone = vl_batch()

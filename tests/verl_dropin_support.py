@@ -238,7 +238,7 @@ def rank_cases(rank: int, world_size: int, tp: int, cp: int) -> dict:
     ``{case: (largest output difference, largest gradient difference)}`` (the comparisons assert)."""
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(tp_size=tp, cp_size=cp)
@@ -252,7 +252,7 @@ def rank_cases(rank: int, world_size: int, tp: int, cp: int) -> dict:
 
     def case(name, data_format, make_call, modules=(model,), **kw):
         ref_model, our_model = views(modules[0], data_format)
-        with host_collectives():  # the backward of a sequence-parallel model on the CPU (packfwd.models.cpu)
+        with host_collectives():  # the backward of a sequence-parallel model on the CPU (packfwd.models.runtime.cpu)
             results[name] = compare(make_call(vf, ref_model), make_call(pv, our_model), list(modules), **kw)[:2]
 
     for fmt in ("thd", "bshd") if cp == 1 else ("thd",):

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
 from ..layout import rules
-from ..models.aux_loss import check_stage_routing, model_aux_loss, stage_routing_sums
-from ..models.moe import check_every_ep_rank_runs, router_kwargs, routing_stats
+from ..models.mlp.aux_loss import check_stage_routing, model_aux_loss, stage_routing_sums
+from ..models.mlp.moe import check_every_ep_rank_runs, router_kwargs, routing_stats
 from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
                      model_facts)
 from .deterministic import check_layout as check_guarantees
@@ -148,9 +148,9 @@ def make_forward(
     ``moe_aux_loss=True`` (a Mixture-of-Experts model): the outputs are a dict (without a processor the logits are
     ``"logits"``) with ``"moe_aux_loss"``, the load-balancing loss of the batch's real tokens, unscaled, every MoE
     layer pooled as transformers' ``load_balancing_loss_func`` pools them
-    (:func:`packfwd.models.routing.load_balancing_loss`).  On pipeline stages the loss pools the layers of every
+    (:func:`packfwd.models.mlp.routing.load_balancing_loss`).  On pipeline stages the loss pools the layers of every
     stage: a stage before the last returns ``(hidden, routing)`` (its layers' routing sums, plus those it was
-    given: :func:`packfwd.models.aux_loss.stage_routing_sums`), and every later stage takes the previous one's as
+    given: :func:`packfwd.models.mlp.aux_loss.stage_routing_sums`), and every later stage takes the previous one's as
     ``moe_routing=``; ``run_micro_batches(..., pp_group=...)`` hands it on, its gradient back with the hidden
     states'.  With it or not, an MoE model's routers never route a
     layout pad (the plan's ``padding_mask()``, passed as the model's ``padding_mask``).

@@ -1,7 +1,7 @@
 """What ``make_forward`` checks before it runs a model: the processor it may call on a vocabulary slice, the ids
 and positions, the processor's results.  The model's parallel layout and head (``ModelFacts``, ``model_facts``,
 ``check_cp``) and the output of a batch with no real token (``empty_output``) live with the models
-(:mod:`packfwd.models.facts`), whose padded-rows path uses them too; they are re-exported here."""
+(:mod:`packfwd.models.runtime.facts`), whose padded-rows path uses them too; they are re-exported here."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from torch import Tensor
 
 from .._validate import check_positions as _check_positions
 from .._validate import unwrap
-from ..models.facts import ModelFacts as ModelFacts
-from ..models.facts import check_cp as check_cp
-from ..models.facts import empty_output as empty_output
-from ..models.facts import model_facts as model_facts
+from ..models.runtime.facts import ModelFacts as ModelFacts
+from ..models.runtime.facts import check_cp as check_cp
+from ..models.runtime.facts import empty_output as empty_output
+from ..models.runtime.facts import model_facts as model_facts
 
 
 def bind_processor(processor, facts: ModelFacts):

@@ -13,7 +13,7 @@ tokens, e.g. the response; the others are 0) packed like every processor argumen
 checked at real tokens, as with the logits head: ``make_forward`` passes ``real_tokens`` (False at the layout's
 padding slots, which hold the packing's fill), reordered like the other per-token arguments.
 
-How: the model is called with ``return_hidden=True`` (:class:`packfwd.models.model.PackedGPTModel` then skips
+How: the model is called with ``return_hidden=True`` (:class:`packfwd.models.runtime.model.PackedGPTModel` then skips
 its output layer and returns the final-normed hidden states ``[s, b, h]``, this rank's token slice under
 sequence parallelism).  The weight is the output layer's, or the word embedding when they are tied (as
 Megatron-Core's ``GPTModel`` picks it), this rank's vocab rows under tensor parallelism.  Under sequence
@@ -72,7 +72,7 @@ class FusedHead:
 
     def check_model(self, model, facts) -> None:
         """Eager checks (in the forward's validation, before the model runs)."""
-        from ..models.gpt import unwrap  # imports no Megatron-Core
+        from ..models.runtime.gpt import unwrap  # imports no Megatron-Core
 
         gpt = unwrap(model)
         if "return_hidden" not in inspect.signature(gpt.forward).parameters:
@@ -92,7 +92,7 @@ class FusedHead:
     def run(self, processor, model, facts, out: Tensor, args: dict) -> tuple[dict, int]:
         """The processor's fused form on the hidden states ``out [s, b, h]``: ``({name: [t, ...]}, t)``, rows in the
         layout's token order (``layout.tokens``)."""
-        from ..models.gpt import unwrap
+        from ..models.runtime.gpt import unwrap
 
         gpt = unwrap(model)
         fn, bound = _unbind(processor)

@@ -5,7 +5,7 @@ Everything the MTP layers need is computed in the caller's layout, before any pa
 with the same plan (THD, BSHD, jagged, any CP split); nothing is rolled over the packed buffer:
 
 * depth ``k``'s input ids: the token ``k`` places later in the same sequence, 0 where there is none
-  (``shift_in_sequence``), given to the model as ``mtp_input_ids [D, *ids]`` (``packfwd.models.mtp``);
+  (``shift_in_sequence``), given to the model as ``mtp_input_ids [D, *ids]`` (``packfwd.models.runtime.mtp``);
 * depth ``k``'s labels: the token ``k + 1`` places later (``mtp_labels``), and its loss mask: the caller's main
   loss mask read ``k`` tokens later (``mtp_loss_mask``).
 
@@ -38,7 +38,7 @@ __all__ = ["make_mtp_forward", "mtp_depth"]
 def mtp_depth(model) -> int:
     """The number of MTP depths of ``model`` (possibly wrapped); an error when it has none or cannot take
     packfwd's per-depth ids."""
-    from ..models.gpt import unwrap  # imports no Megatron-Core
+    from ..models.runtime.gpt import unwrap  # imports no Megatron-Core
 
     gpt = unwrap(model)
     depth = getattr(getattr(gpt, "config", None), "mtp_num_layers", None) or 0

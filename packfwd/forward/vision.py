@@ -112,7 +112,7 @@ def takes_packing(model: torch.nn.Module) -> bool:
     >>> takes_packing(M()), takes_packing(torch.nn.Linear(1, 1))
     (True, False)
     """
-    from ..models.gpt import unwrap  # imports no Megatron-Core
+    from ..models.runtime.gpt import unwrap  # imports no Megatron-Core
 
     try:
         return HOOK in inspect.signature(unwrap(model).forward).parameters
@@ -124,7 +124,7 @@ def vision_call(model, layout, plan, ids: Tensor, input_ids: Tensor, attention_m
     """The keyword arguments (module docstring's table, multimodal inputs aside) of ``model`` under ``layout``
     (``make_forward``'s ``Thd`` / ``Bshd`` adapter) with ``plan``; ``ids``: the packed ids."""
     if not takes_packing(model):
-        from ..models.gpt import unwrap
+        from ..models.runtime.gpt import unwrap
 
         raise TypeError(
             f"make_forward(vision=True) gives the model the padded batch and a `packing` argument to pack the "

@@ -1,8 +1,8 @@
 """The architecture of one decoder in one frozen dataclass (:class:`ModelArgs`: its family's entry and its
 numbers), and Megatron-Core's ``TransformerConfig`` from it (:func:`transformer_config`).
 
-Near the bottom of :mod:`packfwd.models`: it imports :mod:`packfwd.models.family` (the families and MLP kinds)
-and :mod:`packfwd.models.cpu` (inside :func:`transformer_config`) only, and Megatron-Core only inside that
+Near the bottom of :mod:`packfwd.models`: it imports :mod:`packfwd.models.families.family` (the families and MLP kinds)
+and :mod:`packfwd.models.runtime.cpu` (inside :func:`transformer_config`) only, and Megatron-Core only inside that
 function.
 """
 
@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .family import Moe, family, mlp_kind
-from .latent import Mla, mla_config_fields
+from .families.family import Moe, family, mlp_kind
+from .mixers.latent import Mla, mla_config_fields
 
 __all__ = ["ModelArgs", "check_mrope_section", "check_rotary_percent", "transformer_config"]
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """The architecture of a decoder: ``family`` names its entry of :data:`packfwd.models.family.FAMILIES` (QK-norm,
+    """The architecture of a decoder: ``family`` names its entry of :data:`packfwd.models.families.family.FAMILIES` (QK-norm,
     which linears carry a bias, the HF weight names), the other fields its numbers and per-model choices.
 
     >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
@@ -53,9 +53,9 @@ class ModelArgs:
     mtp_num_layers: int = 0  # multi-token prediction depths (DeepSeek-V3's MTP), built on the last stage
     mtp_loss_scaling_factor: float = 0.1  # Megatron-Core's weight of the MTP loss (Megatron's default)
     mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
-    family: str = "llama"  # the entry of packfwd.models.family.FAMILIES
+    family: str = "llama"  # the entry of packfwd.models.families.family.FAMILIES
     moe: Moe | None = None  # a Mixture-of-Experts MLP (but on moe.dense_layers); None: dense SwiGLU everywhere
-    mla: Mla | None = None  # multi-head latent attention (DeepSeek-V3; packfwd.models.latent); None: grouped-query
+    mla: Mla | None = None  # multi-head latent attention (DeepSeek-V3; packfwd.models.mixers.latent); None: grouped-query
     fused: bool = True  # packfwd's fused kernels on CUDA (RMSNorm, SwiGLU, THD RoPE; same weights, numbers within
     #  rounding, the torch path elsewhere); False: Megatron-Core's plain modules, for checking
 
@@ -95,7 +95,7 @@ class ModelArgs:
                                  "without Llama-3 scaling and without MTP layers; drop one of them")
         if self.moe is not None:
             if not isinstance(self.moe, Moe):
-                raise TypeError(f"ModelArgs.moe must be a packfwd.models.family.Moe or None, got {type(self.moe)}")
+                raise TypeError(f"ModelArgs.moe must be a packfwd.models.families.family.Moe or None, got {type(self.moe)}")
             if self.moe.dense_layers and self.moe.dense_layers[-1] >= self.num_layers:
                 raise ValueError(f"Moe.dense_layers={self.moe.dense_layers} names a layer beyond num_layers="
                                  f"{self.num_layers}")
@@ -107,10 +107,10 @@ class ModelArgs:
         if self.mla is None:
             if wants:
                 raise ValueError(f"family={self.family!r} has multi-head latent attention: pass mla=Mla(...) "
-                                 "(packfwd.models.latent), e.g. through args_from_hf_config")
+                                 "(packfwd.models.mixers.latent), e.g. through args_from_hf_config")
             return
         if not isinstance(self.mla, Mla):
-            raise TypeError(f"ModelArgs.mla must be a packfwd.models.latent.Mla or None, got {type(self.mla)}")
+            raise TypeError(f"ModelArgs.mla must be a packfwd.models.mixers.latent.Mla or None, got {type(self.mla)}")
         if not wants:
             raise ValueError(f"mla given for family={self.family!r}, whose attention is grouped-query; pass "
                              "family='deepseek_v3' or mla=None")
@@ -164,7 +164,7 @@ def check_rotary_percent(percent, kv_channels: int) -> float:
 
 
 def check_mrope_section(section, kv_channels: int) -> tuple[int, int, int]:
-    """``section`` as three positive ints summing to ``kv_channels // 2`` (:mod:`packfwd.models.mrope`).
+    """``section`` as three positive ints summing to ``kv_channels // 2`` (:mod:`packfwd.models.mixers.mrope`).
 
     >>> check_mrope_section([16, 24, 24], 128)
     (16, 24, 24)
@@ -195,7 +195,7 @@ def transformer_config(
 ):
     """Megatron-Core's ``TransformerConfig`` for ``args``: no dropout, none of Megatron-Core's fused kernels (its
     unfused paths run on every device and match HF transformers' math), parameters placed for ``device``
-    (:func:`packfwd.models.cpu.config_overrides`).  ``init=False`` skips weight initialisation (for loading).
+    (:func:`packfwd.models.runtime.cpu.config_overrides`).  ``init=False`` skips weight initialisation (for loading).
 
     ``args.fused`` sets ``use_te_activation_func``: Megatron-Core's MLPs then call the activation module of their
     spec (:class:`packfwd.ops.swiglu.SwiGLU`, which packfwd's specs always name; Megatron-Core ignores it without
@@ -210,7 +210,7 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    from .cpu import config_overrides
+    from .runtime.cpu import config_overrides
 
     config_class, mla = (TransformerConfig, {}) if args.mla is None else (
         MLATransformerConfig, mla_config_fields(args.mla, args.rope_theta))

@@ -1,7 +1,7 @@
 """A fused Triton RoPE for packed (THD) query and key: ``q [t, hq, d]``, ``k [t, hk, d]`` rotated by per-token
 ``cos``/``sin [t, d_rot]`` rows, forward and backward, without the ``cat`` of halves.
 
-The math is Megatron-Core's (``_apply_rotary_pos_emb_bshd``, what :func:`packfwd.models.rope.apply_rope` computes),
+The math is Megatron-Core's (``_apply_rotary_pos_emb_bshd``, what :func:`packfwd.models.mixers.rope.apply_rope` computes),
 in the input's dtype, op for op: ``x * cos + rotate_half(x) * sin`` over the first ``d_rot`` channels of each head
 (the rest pass through), with ``rotate_half`` the two halves ``[-x2, x1]`` (or, ``interleaved``, the pairs
 ``(-x[2i+1], x[2i])``).  Per pair of channels ``(a, b)`` (``(j, j + d_rot/2)``, or ``(2i, 2i+1)``)::
@@ -29,7 +29,7 @@ table), which spares the caller the ``cat`` that lays a table out.
 
 ``rope(q, k, cos, sin, interleaved)`` is the entry point: the kernels (:class:`RopeKernel`, over the launcher
 :func:`rotate`) where :func:`supported`, else :func:`reference` (the torch ops, differentiable).  Importing this
-module without Triton works; launching does not.  ``packfwd.models.rope.PackedRope(fused=True)`` takes it.
+module without Triton works; launching does not.  ``packfwd.models.mixers.rope.PackedRope(fused=True)`` takes it.
 
 Tested (``tests/gpu/test_rope_kernel.py``, on a GPU or in Triton's interpreter on the CPU) against float64 math,
 against ``apply_rope`` and Megatron-Core's own rotation, bit for bit: fp32 / bf16 / fp16, GQA, partial rotary,

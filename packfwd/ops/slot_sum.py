@@ -47,7 +47,7 @@ def supported(rows: Tensor) -> bool:
 def slot_sum(rows: Tensor, picked: Tensor, valid: Tensor) -> Tensor:
     """``[t, h]``: each token's valid rows of ``rows [n, h]`` summed in ascending slot order (module docstring);
     the kernel where :func:`supported`, else :func:`reference`.  Not differentiable itself: the combine's autograd
-    function (``packfwd.models.dispatch``) gives its backward, a gather.
+    function (``packfwd.models.mlp.dispatch``) gives its backward, a gather.
 
     >>> rows = torch.tensor([[1.0], [20.0], [300.0]])
     >>> slot_sum(rows, torch.tensor([[0, 2], [1, 1], [0, 0]]), torch.tensor([[True, True], [True, False], [False, False]]))

@@ -162,7 +162,7 @@ def context_parallel_attention(
     with flash-attn's varlen semantics (bottom-right causal).  ``softmax_scale=None`` means ``d ** -0.5``.
     With ``cp_size=1``, no communication happens and ``cp_group`` may be ``None``.
 
-    >>> from packfwd.models.varlen import varlen_attention_reference
+    >>> from packfwd.models.mixers.varlen import varlen_attention_reference
     >>> q = k = v = torch.eye(4).reshape(4, 1, 4)  # one sequence of 4 tokens, one head, d=4
     >>> cu = torch.tensor([0, 4], dtype=torch.int32)
     >>> out = context_parallel_attention(q, k, v, cu, 4, cp_size=1, cp_rank=0, cp_group=None,

@@ -2,7 +2,7 @@
 
 Megatron's sequence-parallel all-gathers and reduce-scatters (and its global memory buffer) allocate their
 buffers on ``torch.cuda.current_device()``.  Inside :func:`host_collectives` that returns the CPU device, so gloo
-gathers into host tensors (:mod:`packfwd.models.cpu`, point 5, says where packfwd's models need it).  Pure torch:
+gathers into host tensors (:mod:`packfwd.models.runtime.cpu`, point 5, says where packfwd's models need it).  Pure torch:
 this module imports no Megatron-Core and no other packfwd module.
 """
 

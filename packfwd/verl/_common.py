@@ -83,7 +83,7 @@ def multimodal_kwargs(model, multi_modal_inputs: Mapping[str, Tensor] | None, de
     timing = inputs.get(VIDEO_TIMING)
     if timing is not None:
         if not _takes(model, VIDEO_TIMING):
-            from packfwd.models.gpt import unwrap  # imports no Megatron-Core
+            from packfwd.models.runtime.gpt import unwrap  # imports no Megatron-Core
 
             raise ValueError(
                 f"multi_modal_inputs has {VIDEO_TIMING!r} (the videos' temporal spacing), but "
@@ -96,7 +96,7 @@ def multimodal_kwargs(model, multi_modal_inputs: Mapping[str, Tensor] | None, de
 
 
 def _takes(model, name: str) -> bool:
-    from packfwd.models.gpt import unwrap  # imports no Megatron-Core
+    from packfwd.models.runtime.gpt import unwrap  # imports no Megatron-Core
 
     try:
         return name in inspect.signature(unwrap(model).forward).parameters

@@ -71,7 +71,7 @@ def router_padding(model, info, router_padding_mask: Tensor | None = None) -> di
     >>> router_padding(torch.nn.Linear(2, 2), info), router_padding(torch.nn.Linear(2, 2), info, torch.ones(1, 4) > 0)
     ({}, {'padding_mask': tensor([[True, True, True, True]])})
     """
-    from packfwd.models.moe import router_kwargs
+    from packfwd.models.mlp.moe import router_kwargs
 
     planned = router_kwargs(model, info)
     if router_padding_mask is None:

@@ -13,7 +13,7 @@ config says ``mtp_detach_heads``, and it scales by ``_verl_mtp_loss_normalizatio
 
 packfwd does the same, except where the labels come from: every depth's ids, labels and mask are the caller's
 shifted ``k`` places *within each sequence*, in the caller's layout (``packfwd.layout.labels.shift_in_sequence``),
-then packed with the forward's plan; the model's MTP layers embed the given ids (``packfwd.models.mtp``).  So no
+then packed with the forward's plan; the model's MTP layers embed the given ids (``packfwd.models.runtime.mtp``).  So no
 label crosses into another sequence, a pad, or the wrong CP chunk.  The model must be packfwd's
 (``packfwd.models.build_model`` with ``mtp_num_layers``), unpatched.
 """
@@ -28,7 +28,7 @@ from torch import Tensor
 from packfwd.forward.mtp import mtp_depth
 from packfwd.layout.labels import shift_in_sequence
 from packfwd.logits import log_probs
-from packfwd.models.gpt import unwrap
+from packfwd.models.runtime.gpt import unwrap
 
 __all__ = ["attach_mtp_loss", "check_mtp_model", "engine_loss_mask", "mtp_call", "mtp_targets"]
 
@@ -174,7 +174,7 @@ def _log(loss, num, logits, labels, mask, k, depth, tp_group) -> None:
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from packfwd.models.cpu import host_collectives, is_host
+    from packfwd.models.runtime.cpu import host_collectives, is_host
 
     mean = loss.sum().detach() * (num > 0) / num.clamp(min=1)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)

@@ -12,7 +12,7 @@ Its forward, per batch:
    (transformers' ``get_rope_index`` values);
 4. ``packing.embeddings`` / ``packing.positions``: both in this rank's layout with the batch's plan (THD: this CP
    rank's zigzag share; image tokens go where their sequence's tokens go);
-5. the language model (:func:`packfwd.models.hf_vl.language_model_from_hf`, ``position_embedding_type="mrope"``) on
+5. the language model (:func:`packfwd.models.convert.hf_vl.language_model_from_hf`, ``position_embedding_type="mrope"``) on
    ``decoder_input``, returning ``[1, t, v]`` (THD) or ``[b, s_c, v]`` (BSHD).
 
 Every CP rank runs the vision tower on all the batch's images (the tower is not split); under sequence
@@ -48,7 +48,7 @@ class VisionLanguageModel(torch.nn.Module):
         super().__init__()
         if getattr(language_model, "position_embedding_type", None) != "mrope":
             raise ValueError("language_model must be a multimodal-RoPE model (ModelArgs(mrope_section=...), e.g. "
-                             "packfwd.models.hf_vl.language_model_from_hf)")
+                             "packfwd.models.convert.hf_vl.language_model_from_hf)")
         self.visual = visual
         self.language_model = language_model
         self.token_ids = dict(image_token_id=image_token_id, video_token_id=video_token_id,
@@ -144,7 +144,7 @@ def _scatter_sequence_parallel(hidden: Tensor, model) -> Tensor:
 def from_hf(hf_model: torch.nn.Module, **kwargs) -> VisionLanguageModel:
     """A :class:`VisionLanguageModel` of a transformers ``Qwen2VLForConditionalGeneration`` /
     ``Qwen2_5_VLForConditionalGeneration``: its vision tower (the same module, not a copy) and its language model
-    converted (:func:`packfwd.models.hf_vl.language_model_from_hf`, which ``kwargs`` go to: TP, pipeline stage,
+    converted (:func:`packfwd.models.convert.hf_vl.language_model_from_hf`, which ``kwargs`` go to: TP, pipeline stage,
     device, dtype, attention backend).
 
     >>> import packfwd as pf
@@ -162,7 +162,7 @@ def from_hf(hf_model: torch.nn.Module, **kwargs) -> VisionLanguageModel:
     >>> out.shape
     torch.Size([2, 5, 64])
     """
-    from packfwd.models.hf_vl import language_model_from_hf
+    from packfwd.models.convert.hf_vl import language_model_from_hf
 
     config = hf_model.config
     inner = getattr(hf_model, "model", None)

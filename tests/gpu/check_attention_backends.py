@@ -55,7 +55,7 @@ def check(name: str, err: float, tol: float) -> None:
 
 
 def attention_checks(device: torch.device) -> None:
-    from packfwd.models.varlen import available_backends, varlen_attention, varlen_attention_reference
+    from packfwd.models.mixers.varlen import available_backends, varlen_attention, varlen_attention_reference
 
     backends = [b for b in available_backends(device) if b != "reference"]
     print(f"CUDA backends found: {backends}")
@@ -92,7 +92,7 @@ def attention_checks(device: torch.device) -> None:
 
 def cross_checks(device: torch.device) -> None:
     """Unequal ``cu_seqlens`` (bottom-right causal) and ``d_v != d``, bf16, against the reference."""
-    from packfwd.models.varlen import available_backends, varlen_attention, varlen_attention_reference
+    from packfwd.models.mixers.varlen import available_backends, varlen_attention, varlen_attention_reference
 
     for backend in [b for b in available_backends(device) if b != "reference"]:
         for case, (lq, lk, h, hk, d, dv) in CROSS_CASES.items():
@@ -125,7 +125,7 @@ def model_checks(device: torch.device) -> None:
     except ImportError:
         print("skip model checks: transformers is not installed")
         return
-    from packfwd.models.varlen import available_backends
+    from packfwd.models.mixers.varlen import available_backends
     from packfwd.forward import make_forward
     from packfwd.models import from_hf
 

@@ -61,7 +61,7 @@ def test_a_replayed_step_equals_the_eager_step_for_new_batches(backend, kind, de
     from packfwd.layout.bucket import Bucket, copy_plan_
     from packfwd.logits import log_probs
     from packfwd.models import from_hf
-    from packfwd.models.varlen import available_backends
+    from packfwd.models.mixers.varlen import available_backends
 
     if backend not in available_backends("cuda"):
         pytest.skip(f"{backend} is not installed here")

@@ -86,7 +86,7 @@ def models():
 
 
 def test_the_bf16_model_runs_a_flash_kernel_on_padded_head_dims(models, monkeypatch):
-    from packfwd.models import varlen
+    from packfwd.models.mixers import varlen
 
     backends = varlen.available_backends("cuda")
     assert backends[0] != "reference", backends

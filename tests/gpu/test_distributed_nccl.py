@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from packfwd.testing import run_local
-from packfwd.models.hf import args_from_hf_config
+from packfwd.models.convert.hf import args_from_hf_config
 from tests.test_distributed import (
     Layout,
     batch,

@@ -160,8 +160,8 @@ def test_moe_forward_and_backward_on_grouped_experts_makes_no_sync(batch):
     """An MoE model (Qwen3-MoE kind, grouped experts: the dispatcher's ``t * top_k`` rows with device counts, the
     ordered combine's kernel) with host ``seqlens``: no sync in forward + backward; the logits agree with Megatron-Core's
     sequential experts' (host counts, exact pairs) to bf16 rounding on average (a near-tie may route elsewhere)."""
-    from packfwd.models.experts import grouped_kernel, set_grouped_experts
-    from packfwd.models.family import Moe
+    from packfwd.models.mlp.experts import grouped_kernel, set_grouped_experts
+    from packfwd.models.families.family import Moe
 
     ids, mask, lengths = batch
     args = ModelArgs(vocab_size=256, hidden_size=128, ffn_hidden_size=256, num_layers=2, num_attention_heads=4,

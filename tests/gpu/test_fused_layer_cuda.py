@@ -31,7 +31,7 @@ import torch
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.hf import load_weights
+from packfwd.models.convert.hf import load_weights
 from packfwd.ops import rmsnorm, rope, swiglu
 
 from ._kernel_device import DEVICE, gpu_only, needs_kernels

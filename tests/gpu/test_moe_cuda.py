@@ -30,7 +30,7 @@ SIZES = dict(experts=len(COUNTS), hidden=256, ffn=128)
 
 
 def needs_kernel():
-    from packfwd.models.experts import grouped_kernel
+    from packfwd.models.mlp.experts import grouped_kernel
 
     if not grouped_kernel(torch.zeros(1, 8, dtype=torch.bfloat16, device="cuda")):
         pytest.skip("torch._grouped_mm has no kernel on this GPU (sm90 / sm100 only)")
@@ -48,7 +48,7 @@ def results(got):
 
 
 def test_the_kernel_is_used_exactly_on_sm90_and_sm100():
-    from packfwd.models.experts import grouped_kernel
+    from packfwd.models.mlp.experts import grouped_kernel
 
     major = torch.cuda.get_device_capability()[0]
     x = torch.zeros(4, 8, device="cuda", dtype=torch.bfloat16)
@@ -131,7 +131,7 @@ def test_qwen3_moe_packed_forward_and_backward_grouped_vs_sequential(monkeypatch
     needs_kernel()
     from packfwd.forward import make_forward
     from packfwd.models import from_hf
-    from packfwd.models.experts import set_grouped_experts
+    from packfwd.models.mlp.experts import set_grouped_experts
 
     hf = qwen3_moe()
     ids, mask, lengths = rl_batch()
@@ -167,7 +167,7 @@ def test_deepseek_style_router_with_expert_bias_on_cuda():
 
     from packfwd.forward import make_forward
     from packfwd.models import from_hf
-    from packfwd.models.moe import routers
+    from packfwd.models.mlp.moe import routers
     from tests.oracles import assert_equals_hf_per_sequence
     from tests.test_glm4_moe import glm_config, glm_model, ragged_batch
 

@@ -106,7 +106,7 @@ def _ep_worker(rank: int, world: int, hf, data, dtype: str):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from packfwd.models.cpu import host_collectives
+    from packfwd.models.runtime.cpu import host_collectives
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel(ep_size=2)
@@ -150,7 +150,7 @@ def reference(dtype: str):
 
 @pytest.mark.parametrize("dtype", ["fp32"] if GLOO else ["fp32", "bf16"])
 def test_ep2_over_nccl_equals_one_gpu(dtype):
-    from packfwd.models.hf_moe import expert_shard
+    from packfwd.models.mlp.moe_weights import expert_shard
     from packfwd.testing import run_local
 
     data = batches()

@@ -22,7 +22,7 @@ def pp_rank(rank: int, world: int, state: dict) -> dict:
 
     import packfwd as pf
     from packfwd.models import build_model
-    from packfwd.models.hf import load_weights
+    from packfwd.models.convert.hf import load_weights
     from packfwd.models.runtime import ensure_model_parallel
     from packfwd.parallel import pipeline_forward_backward
 

@@ -1,7 +1,7 @@
 """The fused Triton RoPE (``packfwd.ops.rope``) against today's torch rotation, Megatron-Core's own and float64 math.
 
 Strategy: the kernel claims the bits of Megatron-Core's arithmetic (``x * cos + rotate_half(x) * sin`` in the
-input's dtype) and of autograd through it, so the main oracle is :func:`packfwd.models.rope.apply_rope` (what
+input's dtype) and of autograd through it, so the main oracle is :func:`packfwd.models.mixers.rope.apply_rope` (what
 packfwd's models run unfused) compared with ``torch.equal``, outputs and gradients; Megatron-Core's
 ``_apply_rotary_pos_emb_bshd`` (given the angles) is a second, independent one; float64 math on the same rounded
 inputs bounds the error of both.  Cases: fp32 / bf16 / fp16, GQA (4 query heads, 2 key-value heads), full and
@@ -64,7 +64,7 @@ def fused(q, k, cos, sin, gq, gk, interleaved, kernel=True, paired=False):
 
 def unfused(q, k, cos, sin, gq, gk, interleaved, rotate=None):
     """Outputs and gradients of a torch rotation ``rotate(t, cos [t, 1, d_rot], sin)`` (default: apply_rope)."""
-    from packfwd.models.rope import apply_rope
+    from packfwd.models.mixers.rope import apply_rope
 
     rotate = rotate or (lambda t, c, s: apply_rope(t, c, s, interleaved))
     q, k = q.detach().clone().requires_grad_(True), k.detach().clone().requires_grad_(True)
@@ -237,7 +237,7 @@ def test_dispatch():
 def test_packed_rope_fused(monkeypatch, interleaved):
     """``PackedRope(fused=True)`` takes the kernels where they take the tensors (on the CPU: made to here) and
     gives the unfused ``PackedRope``'s bits, gradients included; partial rotary (``rotary_percent=0.5``)."""
-    from packfwd.models.rope import PackedRope, PackedRotaryEmbedding
+    from packfwd.models.mixers.rope import PackedRope, PackedRotaryEmbedding
 
     rotary = PackedRotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_interleaved=interleaved,
                                    use_cpu_initialization=True).to(DEVICE)

@@ -86,7 +86,7 @@ def test_bfloat16_varlen_logits_near_transformers(kind):
 def test_mrope_angles_equal_megatron_on_cuda():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-    from packfwd.models.mrope import MropeRotaryEmbedding
+    from packfwd.models.mixers.mrope import MropeRotaryEmbedding
 
     theirs = MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0)
     ours = MropeRotaryEmbedding(kv_channels=16, rotary_percent=1.0, mrope_section=(2, 3, 3)).cuda()

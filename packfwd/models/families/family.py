@@ -7,14 +7,14 @@ that) and :meth:`Family.hf_fields` reads one model's numbers from its HF config.
 <packfwd.models.args.ModelArgs>` naming the entry in ``family``):
 
 * Megatron-Core's ``TransformerConfig``: :func:`packfwd.models.args.transformer_config`;
-* packfwd's ``ModuleSpec`` of each layer: :func:`packfwd.models.spec.layer_spec`;
-* the weight mapping both ways: :mod:`packfwd.models.hf_weights`;
-* ``from_hf`` / ``args_from_hf_config`` / ``to_hf_state_dict``: :mod:`packfwd.models.hf`.
+* packfwd's ``ModuleSpec`` of each layer: :func:`packfwd.models.runtime.spec.layer_spec`;
+* the weight mapping both ways: :mod:`packfwd.models.convert.hf_weights`;
+* ``from_hf`` / ``args_from_hf_config`` / ``to_hf_state_dict``: :mod:`packfwd.models.convert.hf`.
 
 **Adding a dense family** whose layers are built from the choices below is one entry in :data:`FAMILIES`.
 
 **MLP kinds.**  A dense SwiGLU MLP (``ModelArgs.moe=None``, and the layers ``Moe.dense_layers``) is built in
-:mod:`packfwd.models.spec`.  Any other MLP is described by a frozen dataclass (:class:`Moe`) and built by the
+:mod:`packfwd.models.runtime.spec`.  Any other MLP is described by a frozen dataclass (:class:`Moe`) and built by the
 :class:`MlpKind` registered for its type with :func:`register_mlp_kind`: its Megatron-Core config fields, its
 layer spec and its weight mapping.  :func:`mlp_kind` looks it up (``NotImplementedError`` naming the fix when
 none is registered).  Megatron-Core is not imported here.  (A little over 300 lines: the MoE description, the
@@ -116,7 +116,7 @@ class Family:
     tie_embeddings: bool = False  # when the config does not say (tie_word_embeddings)
     read_moe: Callable[[Any], Moe] | None = None  # the MoE description of a config; None: dense SwiGLU MLPs
     mrope: bool = False  # multimodal RoPE (Qwen2-VL): rope_parameters["mrope_section"]; the text under text_config
-    read_mla: Callable[[Any], Any] | None = None  # the multi-head latent attention (packfwd.models.latent.Mla) of
+    read_mla: Callable[[Any], Any] | None = None  # the multi-head latent attention (packfwd.models.mixers.latent.Mla) of
     #                                              a config (DeepSeek-V3); None: grouped-query attention
 
     def __post_init__(self):
@@ -259,16 +259,16 @@ def _mixtral(cfg) -> Moe:
 
 
 def _deepseek_mla(cfg):
-    """DeepSeek-V3's multi-head latent attention (:func:`packfwd.models.latent.mla_from_hf_config`)."""
-    from .latent import mla_from_hf_config
+    """DeepSeek-V3's multi-head latent attention (:func:`packfwd.models.mixers.latent.mla_from_hf_config`)."""
+    from ..mixers.latent import mla_from_hf_config
 
     return mla_from_hf_config(cfg)
 
 
 def _deepseek_moe(cfg) -> Moe | None:
     """DeepSeek-V3-style MLPs (GLM-4.5): sigmoid scores with a correction bias, group-limited top-k, shared
-    experts, the first ``first_k_dense_replace`` layers dense (:func:`packfwd.models.hf_moe.deepseek_moe_fields`)."""
-    from .hf_moe import deepseek_moe_fields
+    experts, the first ``first_k_dense_replace`` layers dense (:func:`packfwd.models.mlp.moe_weights.deepseek_moe_fields`)."""
+    from ..mlp.moe_weights import deepseek_moe_fields
 
     fields = deepseek_moe_fields(cfg)
     return Moe(**fields) if fields is not None else None
@@ -348,10 +348,10 @@ class MlpKind(Protocol):
 
 
 class _MoeKindOnUse:
-    """The built-in kind of :class:`Moe`: :class:`packfwd.models.moe.MoeKind`, imported when first used."""
+    """The built-in kind of :class:`Moe`: :class:`packfwd.models.mlp.moe.MoeKind`, imported when first used."""
 
     def __getattr__(self, name: str):
-        from .moe import MoeKind
+        from ..mlp.moe import MoeKind
 
         return getattr(MoeKind(), name)
 
@@ -380,6 +380,6 @@ def mlp_kind(description) -> MlpKind:
     except KeyError:
         raise NotImplementedError(
             f"packfwd builds no {type(description).__name__} MLP yet: no MLP kind is registered for it "
-            f"(packfwd.models.family.register_mlp_kind; Mixture-of-Experts layers come with packfwd.models.moe). "
+            f"(packfwd.models.families.family.register_mlp_kind; Mixture-of-Experts layers come with packfwd.models.mlp.moe). "
             "Build the model with dense MLPs (moe=None) meanwhile"
         ) from None

@@ -9,7 +9,7 @@ the modules run exactly as Megatron-Core ships them.
    initialised on the host with torch's default generator, no CUDA RNG tracker involved.
 2. Rotary embeddings.  ``RotaryEmbedding.get_emb`` moves its ``inv_freq`` to ``torch.cuda.current_device()``
    on every call while it sits on the CPU.  packfwd's models are built with
-   :class:`packfwd.models.rope.PackedRotaryEmbedding`, whose ``get_emb`` computes the same table on
+   :class:`packfwd.models.mixers.rope.PackedRotaryEmbedding`, whose ``get_emb`` computes the same table on
    ``inv_freq``'s own device (the CPU when the config says ``use_cpu_initialization``, point 1).
 3. The CUDA RNG tracker (``model_parallel_cuda_manual_seed``).  Megatron draws from it to initialise weights on
    the GPU and for dropout in tensor-parallel regions.  On the CPU nothing draws from it (point 1, and packfwd's
@@ -18,12 +18,12 @@ the modules run exactly as Megatron-Core ships them.
    states; for a model on the CPU, :func:`ensure_host_rng_tracker` installs Megatron's own inference tracker
    (``initialize_rng_tracker(inference_rng_tracker=True)``, whose ``fork`` does nothing) when no states exist.
 4. Megatron's ``DotProductAttention`` takes its scratch buffer from a global CUDA memory buffer; packfwd's
-   layer spec replaces it with :class:`packfwd.models.attention.CoreAttention`, so it is never built.
+   layer spec replaces it with :class:`packfwd.models.mixers.attention.CoreAttention`, so it is never built.
 5. Communication buffers.  Megatron's sequence-parallel all-gathers and reduce-scatters (and its global memory
    buffer) allocate on ``torch.cuda.current_device()``.  Inside :func:`host_collectives` that returns the CPU
    device, so gloo gathers into host tensors (it lives in :mod:`packfwd.parallel.host`, below the models, for
    the pipeline schedule enters it too; re-exported here).  A sequence-parallel model built for the CPU runs its own forward
-   inside it (``packfwd.models.model.PackedGPTModel`` decides so at construction); run the backward inside it
+   inside it (``packfwd.models.runtime.model.PackedGPTModel`` decides so at construction); run the backward inside it
    yourself (``with host_collectives(): loss.backward()``; :func:`packfwd.parallel.pipeline_forward_backward`
    does).  Tensor parallelism without
    sequence parallelism, and context parallelism, need none of this.

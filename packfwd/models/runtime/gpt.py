@@ -1,8 +1,8 @@
-"""Decoders of packfwd's families (:mod:`packfwd.models.family`) as Megatron-Core ``GPTModel`` s: whole models,
+"""Decoders of packfwd's families (:mod:`packfwd.models.families.family`) as Megatron-Core ``GPTModel`` s: whole models,
 pipeline stages, value models.
 
-The model is :class:`packfwd.models.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers of
-:mod:`packfwd.models.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias and QK-norm, tied
+The model is :class:`packfwd.models.runtime.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers of
+:mod:`packfwd.models.runtime.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias and QK-norm, tied
 or untied embeddings), with Megatron's tensor-parallel linears and embeddings, and packfwd's parts chosen by its
 constructor (THD RoPE without host syncs, the value head).  This module is the builder, the top of
 :mod:`packfwd.models` below its HF conversion:
@@ -14,7 +14,7 @@ constructor (THD RoPE without host syncs, the value head).  This module is the b
 
 It also re-exports the names that live below it, where they have always been found: :class:`ModelArgs` and
 :func:`transformer_config` (:mod:`packfwd.models.args`), :class:`ValueHead` and :func:`is_value_model`
-(:mod:`packfwd.models.value`), :func:`unwrap` (:mod:`packfwd._validate`).  Megatron-Core is imported inside the
+(:mod:`packfwd.models.runtime.value`), :func:`unwrap` (:mod:`packfwd._validate`).  Megatron-Core is imported inside the
 functions only.
 """
 
@@ -24,8 +24,8 @@ import torch
 
 from packfwd._validate import unwrap as unwrap
 
-from .args import ModelArgs as ModelArgs
-from .args import transformer_config as transformer_config
+from ..args import ModelArgs as ModelArgs
+from ..args import transformer_config as transformer_config
 from .value import ValueHead as ValueHead
 from .value import is_value_model as is_value_model
 
@@ -52,7 +52,7 @@ def build_model(
     init: bool = True,
     packed_rope: bool = True,
 ):
-    """A :class:`~packfwd.models.model.PackedGPTModel` (Megatron-Core's ``GPTModel``) for ``args`` on ``device``:
+    """A :class:`~packfwd.models.runtime.model.PackedGPTModel` (Megatron-Core's ``GPTModel``) for ``args`` on ``device``:
     the whole model, or one pipeline stage.
 
     Parallel sizes come from ``megatron.core.parallel_state`` (``tp_size``/``cp_size``, when given, must match
@@ -66,20 +66,20 @@ def build_model(
     Expert parallelism (``ep_size``, Megatron-Core's ``expert_model_parallel_size``; None: whatever
     ``parallel_state`` says): an MoE layer holds experts ``[r * E / ep, (r + 1) * E / ep)`` of expert-parallel rank
     ``r``; expert-parallel ranks are data-parallel ranks, each with a batch of its own shape
-    (:mod:`packfwd.models.dispatch`; on the CPU run the backward inside ``host_collectives()``).  Built and tested
+    (:mod:`packfwd.models.mlp.dispatch`; on the CPU run the backward inside ``host_collectives()``).  Built and tested
     with CP >= 1 (the expert-parallel ranks drawn from the CP x DP ranks), PP >= 1, and TP = 1 or TP > 1 with
     ``sequence_parallel=True``; the experts' TP size
     ``expert_tp_size`` (Megatron-Core's ``expert_tensor_parallel_size``; None: TP's) is TP's or 1 (whole experts,
     the expert-parallel group then made of TP ranks); other combinations raise NotImplementedError.
 
     ``sequence_parallel=True`` on the CPU (gloo): the forward works as is, the backward must run inside
-    ``packfwd.models.cpu.host_collectives()`` (Megatron allocates its gather buffers on CUDA otherwise; see
-    :mod:`packfwd.models.cpu`, point 5).
+    ``packfwd.models.runtime.cpu.host_collectives()`` (Megatron allocates its gather buffers on CUDA otherwise; see
+    :mod:`packfwd.models.runtime.cpu`, point 5).
 
-    ``attention_backend``: see :mod:`packfwd.models.varlen`.  ``init=False`` leaves weights uninitialised (fast;
+    ``attention_backend``: see :mod:`packfwd.models.mixers.varlen`.  ``init=False`` leaves weights uninitialised (fast;
     for loading).  Weights are randomly initialised by Megatron otherwise (on the CPU from torch's default
     generator: seed it with ``torch.manual_seed``).  ``packed_rope=False``: Megatron-Core's own THD RoPE (two
-    host syncs per call; for comparison) instead of packfwd's (:mod:`packfwd.models.rope`).
+    host syncs per call; for comparison) instead of packfwd's (:mod:`packfwd.models.mixers.rope`).
 
     >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_attention_heads=4)
     >>> model = build_model(args)
@@ -94,9 +94,9 @@ def build_model(
     from packfwd.layers import layer_partition
 
     from .cpu import ensure_cuda_rng_tracker, ensure_host_rng_tracker, is_host
-    from .dispatch import pad_expert_parallel
+    from ..mlp.dispatch import pad_expert_parallel
     from .model import PackedGPTModel
-    from .runtime import ensure_model_parallel, stage_process_groups
+    from .parallel_state import ensure_model_parallel, stage_process_groups
 
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -196,7 +196,7 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
 
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:
-    from .latent import mla_tp_widths
+    from ..mixers.latent import mla_tp_widths
 
     for name, value in (("vocab_size", args.vocab_size), ("num_query_groups", args.query_groups),
                         ("num_attention_heads", args.num_attention_heads), ("ffn_hidden_size", args.ffn_hidden_size),

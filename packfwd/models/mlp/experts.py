@@ -9,7 +9,7 @@
 The token dispatcher hands the experts ``x [n, h]`` (the tokens routed here, sorted by local expert),
 ``tokens_per_expert [E]`` and ``probs [n]``; the output is ``[n, h]`` in the same order.  For the grouped path
 packfwd's dispatcher gives ``n = t * top_k`` rows and the counts on the device, no host sync
-(:func:`packfwd.models.dispatch.fixed_rows`): the rows past the last expert's are sinks (slots of experts a token
+(:func:`packfwd.models.mlp.dispatch.fixed_rows`): the rows past the last expert's are sinks (slots of experts a token
 did not reach), which no group covers, so the GEMMs leave them unwritten (any bits, NaN too) and the combine never
 reads them.  For the sequential path it gives the routed pairs exactly and the counts on the host, which
 Megatron-Core's ``SequentialMLP`` reads.  Grouped (``torch._grouped_mm``: CUTLASS, no host sync, on sm90 / sm100 in bf16)::
@@ -36,7 +36,7 @@ stacked in the forward and again in the backward (a transient copy each time, ne
 its shards along ``f`` (Megatron's expert linears communicate nothing; the dispatcher does), so the same code
 runs on every rank.  Bias, other activations, FP8 and ``moe_apply_probs_on_input`` are left to the sequential
 path (``grouped=True`` with them is a ValueError).  This module imports Megatron-Core;
-:func:`packfwd.models.moe.moe_spec` imports it only when a model is built.
+:func:`packfwd.models.mlp.moe.moe_spec` imports it only when a model is built.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class GroupedExperts(SequentialMLP):
     def use_grouped(self, x: Tensor) -> bool:
         """Whether these experts compute tokens like ``x`` as grouped GEMMs (:attr:`grouped`); the token
         dispatcher asks too, before it permutes (the grouped path takes its sync-free layout:
-        :func:`packfwd.models.dispatch.fixed_rows`)."""
+        :func:`packfwd.models.mlp.dispatch.fixed_rows`)."""
         if self._grouped is False or x.shape[0] == 0 or self.unsupported:  # no tokens: nothing to group
             return False
         if self._grouped is None:

@@ -2,8 +2,8 @@
 
 :class:`CoreAttention` stands where Megatron-Core's layer spec puts ``DotProductAttention`` (or Transformer
 Engine's): ``SelfAttention`` builds it with Megatron's keywords plus the spec's params (the varlen backend and
-the RoPE of THD batches, :mod:`packfwd.models.spec`), and calls it with the projected query, key and value.  It
-computes attention with :func:`packfwd.models.varlen.varlen_attention`, and under context parallelism with
+the RoPE of THD batches, :mod:`packfwd.models.runtime.spec`), and calls it with the projected query, key and value.  It
+computes attention with :func:`packfwd.models.mixers.varlen.varlen_attention`, and under context parallelism with
 :func:`packfwd.parallel.context_parallel_attention`.  A plain ``torch.nn.Module`` without parameters: this file
 never imports Megatron-Core.
 """
@@ -20,10 +20,10 @@ __all__ = ["CoreAttention"]
 
 
 class CoreAttention(torch.nn.Module):
-    """Megatron-Core's ``core_attention`` submodule, computed by :func:`~packfwd.models.varlen.varlen_attention`.
+    """Megatron-Core's ``core_attention`` submodule, computed by :func:`~packfwd.models.mixers.varlen.varlen_attention`.
 
     Built by ``SelfAttention`` with Megatron's builder keywords; ``backend`` and ``rope`` come from the layer
-    spec's params (:func:`packfwd.models.spec.layer_spec`).
+    spec's params (:func:`packfwd.models.runtime.spec.layer_spec`).
     Called as Megatron calls it: ``(query, key, value, attention_mask, *, attn_mask_type, attention_bias,
     packed_seq_params)``, with
 
@@ -73,7 +73,7 @@ class CoreAttention(torch.nn.Module):
         available_backends("cuda")  # look the CUDA kernels up now, eagerly: a compiled forward reads what they found
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.cp_group = getattr(pg_collection, "cp", None)
-        # RoPE of THD batches (packfwd.models.rope.PackedRope, from the layer spec): applied here, with no host
+        # RoPE of THD batches (packfwd.models.mixers.rope.PackedRope, from the layer spec): applied here, with no host
         # sync, instead of Megatron-Core's per-sequence THD RoPE.  None: q and k arrive rotated.
         self.rope = rope
 

@@ -1,5 +1,5 @@
 """HF transformers multi-head latent attention weights (DeepSeek-V3's ``self_attn``) <-> packfwd's MLA layer's
-(:mod:`packfwd.models.mla`, Megatron-Core's MLA names), TP-sharded: pure functions.
+(:mod:`packfwd.models.mixers.mla`, Megatron-Core's MLA names), TP-sharded: pure functions.
 
 One layer's attention (``H`` heads, ``dq = dn + dr``; prefixes ``model.layers.{i}.self_attn.`` and
 ``decoder.layers.{j}.self_attention.``)::

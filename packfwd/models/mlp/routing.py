@@ -1,7 +1,7 @@
 """The routing of an MoE forward, over its real tokens, and the load-balancing loss of it: pure torch.
 
-:class:`packfwd.models.router.PackedRouter` records one :class:`RoutingStats` per MoE layer and forward (inside
-:func:`packfwd.models.moe.routing_stats`); :func:`load_balancing_loss` pools them the way transformers'
+:class:`packfwd.models.mlp.router.PackedRouter` records one :class:`RoutingStats` per MoE layer and forward (inside
+:func:`packfwd.models.mlp.moe.routing_stats`); :func:`load_balancing_loss` pools them the way transformers'
 ``load_balancing_loss_func`` pools its layers.
 """
 

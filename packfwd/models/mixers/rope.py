@@ -5,11 +5,11 @@ Megatron-Core applies RoPE to a THD tensor one sequence at a time: it reads the 
 Python.  That is two host syncs per call, four per layer (query and key), and a handful of kernels per sequence.
 
 packfwd's models apply the same rotation from one gather instead.  Both parts are chosen when the model is built
-(:class:`packfwd.models.model.PackedGPTModel`):
+(:class:`packfwd.models.runtime.model.PackedGPTModel`):
 
 * :class:`PackedRotaryEmbedding` is the model's rotary module: Megatron-Core's ``RotaryEmbedding`` whose forward
   returns None for packed batches (``packed_seq=True``), so Megatron-Core skips its own THD RoPE;
-* :class:`PackedRope`, handed to every :class:`~packfwd.models.attention.CoreAttention` through the layer spec,
+* :class:`PackedRope`, handed to every :class:`~packfwd.models.mixers.attention.CoreAttention` through the layer spec,
   rotates the query and key of a THD batch: each token's position inside its own sequence comes from
   ``cu_seqlens_padded`` on the device (``packfwd.layout.rules.local_positions``, zigzag-aware under context
   parallelism), its angles from the rotary module's own table, and the arithmetic is Megatron's, op for op
@@ -41,7 +41,7 @@ class PackedRotaryEmbedding(RotaryEmbedding):
       batches to :class:`PackedRope`.  ``packed=False`` keeps Megatron-Core's own THD RoPE (for comparison).
     * The ``[s, 1, 1, d]`` angle table is computed on ``inv_freq``'s own device.  Megatron's ``get_emb`` moves
       ``inv_freq`` to ``torch.cuda.current_device()`` first, which fails for a model on the CPU
-      (:mod:`packfwd.models.cpu`, point 2); on CUDA both compute the same table.
+      (:mod:`packfwd.models.runtime.cpu`, point 2); on CUDA both compute the same table.
 
     Holds no parameters or buffers: the model's state dict is Megatron-Core's.
 
@@ -81,7 +81,7 @@ def apply_rope(t: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -
 
 
 class PackedRope:
-    """RoPE of a THD batch for :class:`~packfwd.models.attention.CoreAttention`: ``rope(q, k, cu_seqlens_padded,
+    """RoPE of a THD batch for :class:`~packfwd.models.mixers.attention.CoreAttention`: ``rope(q, k, cu_seqlens_padded,
     cp_size, cp_rank, positions=None) -> (q, k)`` with ``q: [t, h, d]``, ``k: [t, h_kv, d]``.
 
     ``positions``: ``[t]`` int64, the caller's position of every token; None: each token's position inside its own

@@ -24,12 +24,12 @@ stream: the slices of one batch are equal, those of another batch are not, and a
 all-reduce (MAX) of an integer per MoE layer and forward, a host sync (learning a max length is the one sync
 packfwd allows; Megatron-Core's ``SequentialMLP`` already syncs on its experts' token counts).  A pad slot is
 routed to no expert (its routing-map row is empty, its probabilities 0: the same rule as
-:class:`~packfwd.models.router.PackedRouter`'s layout pads), so it counts in no expert's load and its output, zero,
+:class:`~packfwd.models.mlp.router.PackedRouter`'s layout pads), so it counts in no expert's load and its output, zero,
 is cut off before the layer returns.  Backward: the reduce-scatter's gradient is an all-gather of the same padded
 shape, so each rank's experts get the gradient of every rank's loss for the tokens routed to them.
 
 On the CPU (gloo) the gather and reduce-scatter allocate on ``torch.cuda.current_device()``: the forward enters
-:func:`packfwd.models.cpu.host_collectives` by itself; run the backward inside it (as for sequence parallelism).
+:func:`packfwd.models.runtime.cpu.host_collectives` by itself; run the backward inside it (as for sequence parallelism).
 :func:`pad_expert_parallel` gives the MoE layers of a model this dispatcher when the expert-parallel group has
 more than one rank (:func:`packfwd.models.build_model` calls it; with one rank, nothing is gathered and the layers
 stay Megatron-Core's unchanged).
@@ -48,7 +48,7 @@ from torch import Tensor
 from packfwd.ops.gather import take_rows
 from packfwd.ops.slot_sum import slot_sum
 
-from .cpu import host_collectives
+from packfwd.parallel.host import host_collectives
 from .experts import GroupedExperts
 
 __all__ = ["FixedRows", "OrderedCombineDispatcher", "PaddedAllGatherDispatcher", "fixed_permute", "fixed_rows",

@@ -1,7 +1,7 @@
 """The load-balancing loss of an MoE model's forward, or of its pipeline stages' forwards together.
 
-:func:`model_aux_loss` is :func:`packfwd.models.routing.load_balancing_loss` of one forward's routing statistics
-(:func:`packfwd.models.moe.routing_stats`), all-reduced over CP (and TP under sequence parallelism).  The loss pools
+:func:`model_aux_loss` is :func:`packfwd.models.mlp.routing.load_balancing_loss` of one forward's routing statistics
+(:func:`packfwd.models.mlp.moe.routing_stats`), all-reduced over CP (and TP under sequence parallelism).  The loss pools
 every layer, so no pipeline stage's share is a loss of its own: a stage before the last hands on its
 :func:`stage_routing_sums` (its layers pooled, plus those it was given) with its hidden states, and the last stage
 pools them into the loss; the gradient goes back along the same chain.  No Megatron-Core import.
@@ -37,7 +37,7 @@ def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device
 
 
 def stage_routing_sums(model: torch.nn.Module, stats: Sequence[RoutingStats], carried=None) -> Tensor:
-    """A pipeline stage's :func:`~packfwd.models.routing.routing_sums` (its layers' routing pooled, plus the earlier
+    """A pipeline stage's :func:`~packfwd.models.mlp.routing.routing_sums` (its layers' routing pooled, plus the earlier
     stages' ``carried``): what it hands to the next stage for the last stage's :func:`model_aux_loss`.  Summed on
     this rank only: the last stage all-reduces the pooled sums over CP / SP once."""
     gpt = check_aux_loss_model(model)
@@ -91,5 +91,5 @@ def check_aux_loss_model(model: torch.nn.Module):
         raise ValueError("moe_aux_loss=True on a model with sigmoid routing (DeepSeek-V3 style): it balances its "
                          "experts with the routing-only expert bias, without a load-balancing loss (transformers "
                          "defines none for it), and packfwd defines none either; drop moe_aux_loss (the experts' "
-                         "load is in packfwd.models.moe.routing_stats)")
+                         "load is in packfwd.models.mlp.moe.routing_stats)")
     return gpt

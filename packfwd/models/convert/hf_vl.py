@@ -1,10 +1,10 @@
 """The language model of a transformers Qwen2-VL / Qwen2.5-VL as packfwd's Megatron-Core model (multimodal RoPE).
 
 The VL language model is a Qwen2 decoder (QKV bias, SwiGLU, RMSNorm, grouped-query attention) whose RoPE is
-multimodal (``rope_parameters["mrope_section"]``, :mod:`packfwd.models.mrope`); its weights are the Qwen2
+multimodal (``rope_parameters["mrope_section"]``, :mod:`packfwd.models.mixers.mrope`); its weights are the Qwen2
 weights under another prefix.  So :func:`vl_args_from_hf_config` reads the text config into :class:`ModelArgs`
 with ``mrope_section``, :func:`language_model_state_dict` renames the language model's tensors to the names
-:func:`packfwd.models.hf_weights.hf_to_megatron` reads (the vision tower's are left out), and
+:func:`packfwd.models.convert.hf_weights.hf_to_megatron` reads (the vision tower's are left out), and
 :func:`language_model_from_hf` builds the model (TP-sharded, any pipeline stage) with them.  The vision tower stays
 transformers' (``hf.model.visual``): :mod:`packfwd.vision.model` merges its output into the embeddings.
 
@@ -19,8 +19,8 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from .args import ModelArgs
-from .family import family
+from ..args import ModelArgs
+from ..families.family import family
 
 __all__ = ["language_model_from_hf", "language_model_state_dict", "vl_args_from_hf_config"]
 
@@ -92,10 +92,10 @@ def language_model_from_hf(
 
     from packfwd.layers import layer_partition
 
-    from .gpt import build_model
+    from ..runtime.gpt import build_model
     from .hf import load_weights
     from .hf_weights import hf_to_megatron
-    from .runtime import ensure_model_parallel
+    from ..runtime.parallel_state import ensure_model_parallel
 
     if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
         raise TypeError(f"language_model_from_hf takes a transformers model, got {type(hf_model).__name__}")

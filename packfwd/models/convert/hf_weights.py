@@ -1,5 +1,5 @@
 """HF transformers state dicts <-> packfwd's Megatron-Core state dicts, TP-sharded: pure functions, for the
-families of :mod:`packfwd.models.family` (the names below; a layer's non-dense MLP is converted by its MLP kind).
+families of :mod:`packfwd.models.families.family` (the names below; a layer's non-dense MLP is converted by its MLP kind).
 
 Weight layout (Megatron-Core's, per layer; ``ng`` query groups = kv heads, ``r = heads / ng``, ``d`` head dim)::
 
@@ -7,14 +7,14 @@ Weight layout (Megatron-Core's, per layer; ``ng`` query groups = kv heads, ``r =
     q_layernorm.weight [d]                         QK-norm (Qwen3's self_attn.q_norm; k_layernorm: k_norm)
     linear_fc1.weight  [2 * ffn, hidden]           [gate; up]
 
-A layer with multi-head latent attention (``args.mla``, DeepSeek-V3) has :mod:`packfwd.models.hf_mla`'s attention
+A layer with multi-head latent attention (``args.mla``, DeepSeek-V3) has :mod:`packfwd.models.mixers.mla_weights`'s attention
 weights instead of ``linear_qkv`` / ``linear_proj``.
 
 A TP rank holds a contiguous block of rows of the column-parallel weights (``linear_qkv``: ``ng / tp`` whole
 groups; ``linear_fc1``: ``[gate_rank; up_rank]``; the embedding and output layer: ``vocab / tp`` rows) and of
 columns of the row-parallel ones (``linear_proj``, ``linear_fc2``); norms (QK-norms too: every head has the same
 one), row-parallel biases and a value head are replicated.  :func:`hf_to_megatron` and :func:`megatron_to_hf`
-work on state dicts (one dict per TP rank); :mod:`packfwd.models.hf` applies them to modules.
+work on state dicts (one dict per TP rank); :mod:`packfwd.models.convert.hf` applies them to modules.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .args import ModelArgs
-from .family import mlp_kind
-from .hf_mla import mla_from_hf, mla_to_hf
-from .latent import mla_tp_widths
+from ..args import ModelArgs
+from ..families.family import mlp_kind
+from ..mixers.mla_weights import mla_from_hf, mla_to_hf
+from ..mixers.latent import mla_tp_widths
 
 __all__ = ["hf_to_megatron", "megatron_to_hf"]
 
@@ -75,7 +75,7 @@ def hf_to_megatron(
     ``score.bias``) as its output layer.  Returns new tensors (slices are copied).
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> from packfwd.models.hf import args_from_hf_config
+    >>> from packfwd.models.convert.hf import args_from_hf_config
     >>> hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     ...                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
     >>> args = args_from_hf_config(hf.config)
@@ -143,7 +143,7 @@ def megatron_to_hf(
 
     >>> import torch
     >>> from transformers import Qwen2Config, Qwen2ForCausalLM
-    >>> from packfwd.models.hf import args_from_hf_config
+    >>> from packfwd.models.convert.hf import args_from_hf_config
     >>> hf = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
     ...                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
     >>> args = args_from_hf_config(hf.config)

@@ -8,7 +8,7 @@ TransformerEngine::
     mlp                    MoELayer
       router               PackedRouter (Megatron's TopKRouter; weight [E, hidden])
       experts              GroupedExperts (Megatron's SequentialMLP, one grouped GEMM per linear on the GPU:
-                           packfwd.models.experts): local_experts.{e}: MLP, linear_fc1 = [gate; up], linear_fc2
+                           packfwd.models.mlp.experts): local_experts.{e}: MLP, linear_fc1 = [gate; up], linear_fc2
       shared_experts       SharedExpertMLP (Moe.shared_ffn_hidden_size > 0; every token, pads too: harmless;
                            Moe.shared_expert_gate: its output times sigmoid(gate_weight . x), Qwen2-MoE)
 
@@ -16,7 +16,7 @@ Routing (:func:`moe_config_fields`): softmax top-k (Qwen3-MoE, Mixtral), or Deep
 routing-only expert bias (``router.expert_bias``, float32, a buffer in the state dict), group-limited top-k and a
 routed scaling factor, all Megatron-Core's own arithmetic.
 
-What :class:`~packfwd.models.router.PackedRouter` changes in Megatron-Core's ``TopKRouter``:
+What :class:`~packfwd.models.mlp.router.PackedRouter` changes in Megatron-Core's ``TopKRouter``:
 
 * the gate is a plain linear on the input's device, in ``config.moe_router_dtype`` (else the input's dtype):
   Megatron's moves its weight to CUDA on every call and takes TransformerEngine's GEMM;
@@ -28,18 +28,18 @@ What :class:`~packfwd.models.router.PackedRouter` changes in Megatron-Core's ``T
   down, ``make_forward`` gives it from the batch's plan): Megatron masks those tokens out of its auxiliary losses
   only; here they are routed to no expert at all (their routing-map row is empty, their probabilities 0), so they
   count nowhere: not in the experts' load, not in any statistic, not in the load-balancing loss
-  (:func:`packfwd.models.routing.load_balancing_loss`);
+  (:func:`packfwd.models.mlp.routing.load_balancing_loss`);
 * inside :func:`routing_stats`, every routing appends its layer's
-  :class:`~packfwd.models.routing.RoutingStats` (real tokens only);
+  :class:`~packfwd.models.mlp.routing.RoutingStats` (real tokens only);
 * the expert bias and its token counts are made beside the weight (Megatron-Core makes them on CUDA); the counts
   Megatron-Core's ``finalize_model_grads`` updates the bias from are of real tokens only, and eager (Megatron
   compiles that helper).
 
 Megatron-Core's own auxiliary losses stay off (``moe_router_load_balancing_type="none"``): a packfwd model adds no
 hidden gradient.  Ask the forward for the loss (``make_forward(..., moe_aux_loss=True)``) and add it, scaled, to
-yours; sigmoid routing has none (:func:`packfwd.models.aux_loss.check_aux_loss_model`).  The MLP kind of
-:class:`packfwd.models.family.Moe` is :class:`MoeKind` (``family.mlp_kind`` finds it).
-Megatron-Core is imported inside the functions (and by :mod:`packfwd.models.router`, which they import).
+yours; sigmoid routing has none (:func:`packfwd.models.mlp.aux_loss.check_aux_loss_model`).  The MLP kind of
+:class:`packfwd.models.families.family.Moe` is :class:`MoeKind` (``family.mlp_kind`` finds it).
+Megatron-Core is imported inside the functions (and by :mod:`packfwd.models.mlp.router`, which they import).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ __all__ = ["MoeKind", "check_every_ep_rank_runs", "is_moe", "moe_config_fields",
 
 
 def moe_config_fields(moe, num_layers: int) -> dict:
-    """Megatron-Core ``TransformerConfig`` fields of the MoE MLP ``moe`` (a :class:`packfwd.models.family.Moe`) in
+    """Megatron-Core ``TransformerConfig`` fields of the MoE MLP ``moe`` (a :class:`packfwd.models.families.family.Moe`) in
     a model of ``num_layers`` layers: top-k, dropless, Megatron's auxiliary losses off.
 
     Softmax scores (Qwen3-MoE, Mixtral): ``moe.normalize_top_k`` renormalises the k kept probabilities (Megatron:
@@ -69,7 +69,7 @@ def moe_config_fields(moe, num_layers: int) -> dict:
     (dense, ``moe.dense_layers``).  The token dispatcher is ``"allgather"``, which runs on the CPU and on CUDA
     (Megatron's ``"alltoall"`` needs CUDA streams).
 
-    >>> from packfwd.models.family import Moe
+    >>> from packfwd.models.families.family import Moe
     >>> fields = moe_config_fields(Moe(num_experts=4, top_k=2, ffn_hidden_size=16, dense_layers=[0]), 2)
     >>> fields["moe_layer_freq"], fields["moe_router_pre_softmax"], fields["moe_ffn_hidden_size"]
     ([0, 1], False, 16)
@@ -102,7 +102,7 @@ def moe_config_fields(moe, num_layers: int) -> dict:
 
 
 def _check_buildable(moe) -> None:
-    """ValueError / NotImplementedError for a :class:`~packfwd.models.family.Moe` Megatron-Core cannot build as
+    """ValueError / NotImplementedError for a :class:`~packfwd.models.families.family.Moe` Megatron-Core cannot build as
     described (no silent other routing)."""
     if moe.score_function == "sigmoid" and moe.normalize_top_k != (moe.top_k > 1):
         raise ValueError(f"Moe(score_function='sigmoid', top_k={moe.top_k}, normalize_top_k={moe.normalize_top_k}): "
@@ -117,8 +117,8 @@ def _check_buildable(moe) -> None:
 
 
 class MoeKind:
-    """The MLP kind of :class:`packfwd.models.family.Moe` (:class:`packfwd.models.family.MlpKind`): config
-    fields, layer spec and HF weights of an MoE layer (this module and :mod:`packfwd.models.hf_moe`)."""
+    """The MLP kind of :class:`packfwd.models.families.family.Moe` (:class:`packfwd.models.families.family.MlpKind`): config
+    fields, layer spec and HF weights of an MoE layer (this module and :mod:`packfwd.models.mlp.moe_weights`)."""
 
     def config_fields(self, args) -> dict:
         return moe_config_fields(args.moe, args.num_layers)
@@ -127,25 +127,25 @@ class MoeKind:
         return moe_spec()
 
     def hf_to_megatron(self, args, hf_state_dict, hf_layer: str, mg_layer: str, *, tp_size: int, tp_rank: int):
-        from .hf_moe import moe_from_hf
+        from .moe_weights import moe_from_hf
 
         return moe_from_hf(hf_state_dict, hf_layer + "mlp.", mg_layer + "mlp.", range(args.moe.num_experts),
                            tp_size=tp_size, tp_rank=tp_rank, **_parts(args.moe))
 
     def megatron_to_hf(self, args, shards, mg_layer: str, hf_layer: str):
-        from .hf_moe import moe_to_hf
+        from .moe_weights import moe_to_hf
 
         return moe_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts, **_parts(args.moe))
 
 
 def _parts(moe) -> dict:
-    """The optional parts of an MoE layer's weights (:mod:`packfwd.models.hf_moe`)."""
+    """The optional parts of an MoE layer's weights (:mod:`packfwd.models.mlp.moe_weights`)."""
     return dict(shared=moe.shared_ffn_hidden_size > 0, expert_bias=moe.expert_bias, shared_gate=moe.shared_expert_gate)
 
 
 def moe_spec(grouped: bool | None = None):
     """The ``ModuleSpec`` of an MoE MLP: Megatron-Core's ``MoELayer`` with
-    :class:`~packfwd.models.router.PackedRouter` and :class:`~packfwd.models.experts.GroupedExperts` (Megatron's
+    :class:`~packfwd.models.mlp.router.PackedRouter` and :class:`~packfwd.models.mlp.experts.GroupedExperts` (Megatron's
     ``SequentialMLP`` of tensor-parallel linears, grouped GEMMs on the GPU; ``grouped`` is its param) as experts
     (Megatron's local spec; no TransformerEngine).
 
@@ -162,7 +162,7 @@ def moe_spec(grouped: bool | None = None):
     from .experts import GroupedExperts
     from .router import PackedRouter
 
-    from packfwd.ops.swiglu import SwiGLU  # built only in a fused model (packfwd.models.spec's docstring)
+    from packfwd.ops.swiglu import SwiGLU  # built only in a fused model (packfwd.models.runtime.spec's docstring)
 
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear, activation_func=SwiGLU)
     return ModuleSpec(
@@ -177,7 +177,7 @@ def moe_spec(grouped: bool | None = None):
 
 
 def routers(model: torch.nn.Module) -> list:
-    """The :class:`~packfwd.models.router.PackedRouter` s of ``model`` (any wrapper), in layer order.
+    """The :class:`~packfwd.models.mlp.router.PackedRouter` s of ``model`` (any wrapper), in layer order.
 
     >>> routers(torch.nn.Linear(2, 2))
     []

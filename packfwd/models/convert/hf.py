@@ -1,9 +1,9 @@
 """HF transformers models <-> packfwd's Megatron-Core models: configs, and weights loaded into modules.
 
-The families converted are the entries of :data:`packfwd.models.family.FAMILIES` (Llama, Qwen2, ...).
+The families converted are the entries of :data:`packfwd.models.families.family.FAMILIES` (Llama, Qwen2, ...).
 :func:`args_from_hf_config` reads a transformers config through its family's entry; :func:`from_hf` builds a
 model (TP-sharded, any pipeline stage) with a transformers model's weights and :func:`to_hf_state_dict` reads them
-back, through the pure state-dict conversions of :mod:`packfwd.models.hf_weights` (which also describes the
+back, through the pure state-dict conversions of :mod:`packfwd.models.convert.hf_weights` (which also describes the
 weight layout).
 """
 
@@ -14,9 +14,9 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from .args import ModelArgs
-from .family import family_of_hf_config
-from .hf_moe import expert_shard, expert_tp_shard, merge_expert_shards
+from ..args import ModelArgs
+from ..families.family import family_of_hf_config
+from ..mlp.moe_weights import expert_shard, expert_tp_shard, merge_expert_shards
 from .hf_weights import hf_to_megatron, megatron_to_hf
 
 __all__ = ["args_from_hf_config", "from_hf", "load_weights", "to_hf_state_dict"]
@@ -24,7 +24,7 @@ __all__ = ["args_from_hf_config", "from_hf", "load_weights", "to_hf_state_dict"]
 
 def args_from_hf_config(hf_config, *, value_head: bool = False) -> ModelArgs:
     """:class:`ModelArgs` of a transformers config of one of packfwd's families (``LlamaConfig``,
-    ``Qwen2Config``, ...: :data:`packfwd.models.family.FAMILIES`, read by the family's entry);
+    ``Qwen2Config``, ...: :data:`packfwd.models.families.family.FAMILIES`, read by the family's entry);
     ``value_head``: a width-1 head.
 
     >>> from transformers import Qwen2Config
@@ -88,14 +88,14 @@ def from_hf(
     fused: bool = True,
 ):
     """packfwd's Megatron-Core model (or pipeline stage) with the weights of a transformers causal LM of one of
-    packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.family.FAMILIES`),
+    packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.families.family.FAMILIES`),
     or its ``...ForTokenClassification`` with one label, as a value model.
 
     Works in a fresh Python process: when ``torch.distributed`` is not initialised it creates a single-process
     gloo world and Megatron-Core's model-parallel state (sizes 1) itself; under a real launcher it uses the
     existing ``megatron.core.parallel_state`` and loads this process's TP shard.  ``tp_size``/``tp_rank``, when
     given, must match that state; so must ``ep_size``/``ep_rank`` (expert parallelism: this rank holds experts
-    ``[r * E / ep, (r + 1) * E / ep)`` of each MoE layer, :func:`packfwd.models.hf_moe.expert_shard`; see
+    ``[r * E / ep, (r + 1) * E / ep)`` of each MoE layer, :func:`packfwd.models.mlp.moe_weights.expert_shard`; see
     :func:`packfwd.models.build_model`), and ``expert_tp_size`` (the experts' TP size, None: TP's; 1: each rank's
     experts whole, the dense weights TP-sharded).
 
@@ -116,8 +116,8 @@ def from_hf(
 
     from packfwd.layers import layer_partition
 
-    from .gpt import build_model
-    from .runtime import ensure_model_parallel
+    from ..runtime.gpt import build_model
+    from ..runtime.parallel_state import ensure_model_parallel
 
     _check_whole_model(hf_model)
     has_score = hasattr(hf_model, "score")
@@ -178,7 +178,7 @@ def _check_whole_model(hf_model) -> None:
     if family_of_hf_config(hf_model.config).mrope:
         raise ValueError(
             f"{type(hf_model).__name__} is a vision-language model: build it with packfwd.vision.from_hf(hf) (vision "
-            "tower + language model), or its language model alone with packfwd.models.hf_vl.language_model_from_hf(hf)"
+            "tower + language model), or its language model alone with packfwd.models.convert.hf_vl.language_model_from_hf(hf)"
         )
 
 
@@ -197,7 +197,7 @@ def to_hf_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """
     from megatron.core import parallel_state
 
-    from .gpt import model_args, unwrap
+    from ..runtime.gpt import model_args, unwrap
 
     gpt = unwrap(model)
     args = model_args(gpt)

@@ -1,7 +1,7 @@
 """packfwd's MoE router: Megatron-Core's ``TopKRouter`` that routes no layout pad and can record its routing.
 
-See :mod:`packfwd.models.moe` for what it changes and why.  This module imports Megatron-Core;
-:func:`packfwd.models.moe.moe_spec` imports it only when a model is built.
+See :mod:`packfwd.models.mlp.moe` for what it changes and why.  This module imports Megatron-Core;
+:func:`packfwd.models.mlp.moe.moe_spec` imports it only when a model is built.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = ["PackedRouter", "gate_dtype"]
 
 
 class PackedRouter(TopKRouter):
-    """Megatron-Core's ``TopKRouter`` whose padding slots are routed to no expert (:mod:`packfwd.models.moe`).
+    """Megatron-Core's ``TopKRouter`` whose padding slots are routed to no expert (:mod:`packfwd.models.mlp.moe`).
 
     >>> from packfwd.models.runtime import ensure_model_parallel
     >>> from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,7 +34,7 @@ class PackedRouter(TopKRouter):
     ([2, 0, 2], True)
     """
 
-    record: list | None = None  # set by packfwd.models.moe.routing_stats while it is open
+    record: list | None = None  # set by packfwd.models.mlp.moe.routing_stats while it is open
 
     def __init__(self, config, *args, **kwargs):
         """Megatron-Core's constructor; with ``config.moe_router_enable_expert_bias`` the ``expert_bias`` buffer

@@ -8,7 +8,7 @@ the last ``w`` by the width (``t + h + w = d/2``); the angle table is laid out i
 rotated with ``rotate_half``, as transformers' Qwen2-VL and Megatron-Core's ``MultimodalRotaryEmbedding`` do.
 A text token has three equal coordinates, so ``[b, s]`` positions (or none) give plain RoPE.
 
-Two parts, chosen at construction by :class:`packfwd.models.model.PackedGPTModel` (:func:`rotary_modules`):
+Two parts, chosen at construction by :class:`packfwd.models.runtime.model.PackedGPTModel` (:func:`rotary_modules`):
 
 * :class:`MropeRotaryEmbedding` stands where Megatron-Core's constructor puts its ``MultimodalRotaryEmbedding``
   and is called as ``GPTModel`` calls that one: ``rotary(position_ids [3, b, s], mrope_section, cp_group)`` ->
@@ -33,7 +33,7 @@ from torch import Tensor
 from packfwd._validate import check_positions
 from packfwd.layout.rules import local_positions
 
-from .args import check_mrope_section
+from ..args import check_mrope_section
 from .rope import PackedRope, PackedRotaryEmbedding
 
 __all__ = ["MropeRope", "MropeRotaryEmbedding", "mrope_angles", "mrope_positions", "rotary_modules"]
@@ -91,11 +91,11 @@ def mrope_angles(rotary: MropeRotaryEmbedding, positions: Tensor) -> Tensor:
 
 
 class MropeRope(PackedRope):
-    """RoPE of a THD batch for :class:`~packfwd.models.attention.CoreAttention` in an mrope model: ``rope(q, k,
+    """RoPE of a THD batch for :class:`~packfwd.models.mixers.attention.CoreAttention` in an mrope model: ``rope(q, k,
     cu_seqlens_padded, cp_size, cp_rank, positions=None) -> (q, k)``.  ``positions``: ``[3, t]`` (each local
     token's coordinates), or ``[t]`` / None (text: three equal coordinates; None: each token's position in its
     own padded sequence, zigzag-aware under CP).  Megatron's rotation arithmetic
-    (:func:`packfwd.models.rope.apply_rope`).
+    (:func:`packfwd.models.mixers.rope.apply_rope`).
 
     >>> rotary = MropeRotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,
     ...                               mrope_section=(1, 2, 1))

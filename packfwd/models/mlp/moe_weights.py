@@ -184,7 +184,7 @@ def merge_expert_shards(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Ten
 
 
 def deepseek_moe_fields(cfg) -> dict | None:
-    """The :class:`~packfwd.models.family.Moe` fields of a transformers config with DeepSeek-V3's MoE fields
+    """The :class:`~packfwd.models.families.family.Moe` fields of a transformers config with DeepSeek-V3's MoE fields
     (``DeepseekV3Config``; ``Glm4MoeConfig`` names them the same); None: every MLP dense.  Sigmoid scores plus the
     routing-only ``e_score_correction_bias``; top-k among the best ``topk_group`` of ``n_group`` groups; times
     ``routed_scaling_factor``; ``n_shared_experts`` shared experts of width ``moe_intermediate_size`` each; the

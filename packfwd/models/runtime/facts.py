@@ -1,7 +1,7 @@
 """What a forward must know about the model it runs, read once per call and checked against the forward's own
 parallel arguments (:func:`model_facts`, :func:`check_cp`), and the model's output for a batch with no real token,
 made without running it (:func:`empty_output`).  ``make_forward``'s guards and the model's own padded-rows path
-(:mod:`packfwd.models.masked`) both use them.  Imports no Megatron-Core at import time.
+(:mod:`packfwd.models.runtime.masked`) both use them.  Imports no Megatron-Core at import time.
 """
 
 from __future__ import annotations

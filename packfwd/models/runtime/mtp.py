@@ -78,7 +78,7 @@ class PackedMtpLayer(MultiTokenPredictionLayer):
 def mtp_block_spec(num_layers: int, *, args=None, attention_backend: str | None = None, rope=None) -> ModuleSpec:
     """The ``ModuleSpec`` of an MTP block of ``num_layers`` depths: :class:`PackedMtpLayer` s whose norms are
     packfwd's RMSNorm, ``eh_proj`` Megatron's ``ColumnParallelLinear``, and inner layer packfwd's decoder layer
-    (:func:`packfwd.models.spec.layer_spec` of ``args``, the model's: its core attention and THD RoPE).
+    (:func:`packfwd.models.runtime.spec.layer_spec` of ``args``, the model's: its core attention and THD RoPE).
 
     >>> spec = mtp_block_spec(2, attention_backend="reference")
     >>> [s.module.__name__ for s in spec.submodules.layer_specs]

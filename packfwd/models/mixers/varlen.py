@@ -31,7 +31,7 @@ reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2
 ``sum(len_i**2)`` for a varlen kernel); a warning says so once per dtype (run the model in bfloat16 to get
 ``torch_varlen`` or ``flash_attn``).
 
-:class:`packfwd.models.attention.CoreAttention` runs packfwd's models' attention through :func:`varlen_attention`.
+:class:`packfwd.models.mixers.attention.CoreAttention` runs packfwd's models' attention through :func:`varlen_attention`.
 This file imports neither Megatron-Core nor the optional kernels until they are used (a ``CoreAttention`` looks
 them up when built, so that a compiled forward only reads what they found).  (A little over 300 lines: the
 kernels' signatures and the head-dim padding they need for multi-head latent attention belong with the backends.)
@@ -47,7 +47,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ..layout.rules import round_up
+from packfwd.layout.rules import round_up
 
 __all__ = ["BACKENDS", "available_backends", "varlen_attention", "varlen_attention_reference"]
 

@@ -3,23 +3,23 @@
 ``PackedGPTModel(config, args, layers=..., device=...)`` is what :func:`packfwd.models.build_model` returns.
 Beyond what Megatron-Core's ``GPTModel`` constructor builds, it chooses, once, at construction:
 
-* the decoder: :func:`packfwd.models.spec.block_spec` of ``args`` (its family's entry: QK-norm, the MLP kind of
+* the decoder: :func:`packfwd.models.runtime.spec.block_spec` of ``args`` (its family's entry: QK-norm, the MLP kind of
   each layer), whose core attention
-  (:class:`~packfwd.models.attention.CoreAttention`) gets the attention backend and the model's THD RoPE
-  (:class:`~packfwd.models.rope.PackedRope`) as spec params;
-* the rotary module: :class:`~packfwd.models.rope.PackedRotaryEmbedding`, the one ``PackedRope`` reads its
+  (:class:`~packfwd.models.mixers.attention.CoreAttention`) gets the attention backend and the model's THD RoPE
+  (:class:`~packfwd.models.mixers.rope.PackedRope`) as spec params;
+* the rotary module: :class:`~packfwd.models.mixers.rope.PackedRotaryEmbedding`, the one ``PackedRope`` reads its
   angles from (it stands where Megatron-Core's constructor puts a plain ``RotaryEmbedding``); with
   ``args.mla`` (multi-head latent attention) one over the rotated channels, plain or YaRN, that each layer's
-  :class:`~packfwd.models.mla.MlaRope` reads (BSHD angles of caller positions reach it as ``rotary_pos_emb``); with
+  :class:`~packfwd.models.mixers.mla.MlaRope` reads (BSHD angles of caller positions reach it as ``rotary_pos_emb``); with
   ``args.mrope_section``, multimodal RoPE (``position_embedding_type="mrope"``, positions ``[3, b, s]`` /
-  ``[3, 1, t]``): :class:`~packfwd.models.mrope.MropeRotaryEmbedding` and ``MropeRope`` (:mod:`packfwd.models.mrope`);
-* a value model's output layer: :class:`~packfwd.models.gpt.ValueHead` (width 1), where Megatron-Core's
+  ``[3, 1, t]``): :class:`~packfwd.models.mixers.mrope.MropeRotaryEmbedding` and ``MropeRope`` (:mod:`packfwd.models.mixers.mrope`);
+* a value model's output layer: :class:`~packfwd.models.runtime.gpt.ValueHead` (width 1), where Megatron-Core's
   constructor puts the vocab-wide ``ColumnParallelLinear``.  That one is built first and dropped, so random
   initialisation draws the same numbers as Megatron-Core's model would;
 * a model built for the CPU with sequence parallelism runs its forward inside
-  :func:`packfwd.models.cpu.host_collectives` (:mod:`packfwd.models.cpu`, point 5);
+  :func:`packfwd.models.runtime.cpu.host_collectives` (:mod:`packfwd.models.runtime.cpu`, point 5);
 * with ``args.mtp_num_layers``, on the last stage: Megatron-Core's MTP block from packfwd's MTP spec, whose
-  layers take each depth's ids from the caller (``forward(..., mtp_input_ids=)``; :mod:`packfwd.models.mtp`).
+  layers take each depth's ids from the caller (``forward(..., mtp_input_ids=)``; :mod:`packfwd.models.runtime.mtp`).
 
 The state dict is Megatron-Core's ``GPTModel``'s: neither the rotary module nor ``PackedRope`` holds parameters or
 buffers.  This module imports Megatron-Core; ``packfwd.models`` imports it only when a model is built.
@@ -39,13 +39,13 @@ from packfwd.layout.rules import local_positions
 
 from .cpu import host_collectives, is_host
 from . import mtp
-from .args import ModelArgs
+from ..args import ModelArgs
 from .value import ValueHead
 from .masked import forward_masked_rows
-from .mla import mla_rotary_modules
-from .mrope import mrope_positions, rotary_modules
+from ..mixers.mla import mla_rotary_modules
+from ..mixers.mrope import mrope_positions, rotary_modules
 from .positions import assert_per_sequence, thd_positions
-from .rope import rotary_angles
+from ..mixers.rope import rotary_angles
 from .spec import block_spec
 
 __all__ = ["PackedGPTModel"]
@@ -55,12 +55,12 @@ class PackedGPTModel(GPTModel):
     """Megatron-Core's ``GPTModel`` for ``args``, holding the layers ``layers`` (0-based, global; one pipeline
     stage or the whole model), on ``device`` (see the module docstring).
 
-    ``config``: :func:`packfwd.models.gpt.transformer_config` of ``args`` for ``device``.  ``attention_backend``:
-    see :mod:`packfwd.models.varlen`.  ``packed_rope=False`` keeps Megatron-Core's own THD RoPE (host syncs; it
+    ``config``: :func:`packfwd.models.runtime.gpt.transformer_config` of ``args`` for ``device``.  ``attention_backend``:
+    see :mod:`packfwd.models.mixers.varlen`.  ``packed_rope=False`` keeps Megatron-Core's own THD RoPE (host syncs; it
     takes only each token's own position in its sequence, other THD ``position_ids`` raise; for
     comparison).  ``pre_process``, ``post_process``, ``pg_collection``, ``vp_stage``: Megatron-Core's.
 
-    >>> from packfwd.models.gpt import transformer_config
+    >>> from packfwd.models.runtime.gpt import transformer_config
     >>> from packfwd.models.runtime import ensure_model_parallel
     >>> ensure_model_parallel()
     >>> args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=2,
@@ -138,11 +138,11 @@ class PackedGPTModel(GPTModel):
           tensor of another shape is accepted only as verl's default positions (``model_forward_gen`` passes
           them; Megatron-Core's GPTModel never reads them under THD), checked without a host sync, and then not
           read (the numbers of each token's position in its own sequence); anything else raises
-          (:mod:`packfwd.models.positions` has the rule and what it cannot catch).
+          (:mod:`packfwd.models.runtime.positions` has the rule and what it cannot catch).
         * BSHD: ``position_ids [b, s]`` give every token's RoPE angle (None: ``0..s-1`` on every row);
           ``attention_mask [b, s]`` (True or 1 at real tokens, any padding pattern: left, right, holes) makes
           each row's real tokens attend causally to the real tokens before them, computed packed (see
-          :func:`packfwd.models.masked.forward_masked_rows`); padded positions give zeros.
+          :func:`packfwd.models.runtime.masked.forward_masked_rows`); padded positions give zeros.
         * ``mtp_input_ids [D, *input_ids.shape]`` (a model with ``mtp_num_layers=D``): the ids each MTP depth
           embeds, ``[k - 1]`` holding the token ``k`` places later in the same sequence (0 where none;
           ``packfwd.layout.labels.shift_in_sequence``, packed like the ids).  The last stage then returns
@@ -261,7 +261,7 @@ class PackedGPTModel(GPTModel):
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         """Megatron-Core's postprocessing; on a stage with MTP layers, unless Megatron-Core's own MTP loss is
-        asked for (``labels=`` with 2-D ids), :func:`packfwd.models.mtp.postprocess`: the main logits alone,
+        asked for (``labels=`` with 2-D ids), :func:`packfwd.models.runtime.mtp.postprocess`: the main logits alone,
         or with stacked MTP ids ``(logits, each depth's hidden states)``.  Under ``forward(return_hidden=True)``:
         the hidden states."""
         if getattr(self, "_skip_output_layer", False):

@@ -19,7 +19,7 @@ model), and it rotates THD batches with Megatron's per-sequence RoPE (host syncs
 ones from ``0..s-1``.  Here the rotated channels are turned by :class:`MlaRope` from each token's own position:
 THD from the params' ``position_ids`` or each token's place in its padded sequence (zigzag-aware under context
 parallelism), BSHD from the model's per-token angles (``rotary_pos_emb [s, b, 1, dr]``, from ``position_ids``) or
-``0..s-1``; with ``rope_interleave`` the channels are de-interleaved first (:mod:`packfwd.models.latent`).  Under
+``0..s-1``; with ``rope_interleave`` the channels are de-interleaved first (:mod:`packfwd.models.mixers.latent`).  Under
 TP the heads are split, the down projections' outputs gathered (and, under sequence parallelism, cut back to
 each rank's tokens before the up projections, which gather them again), as Megatron-Core's MLA does.
 
@@ -46,7 +46,7 @@ class MlaRope:
     """The RoPE of an MLA model's rotated channels: ``rope.angles(positions) -> [*, dr]`` float32 and
     ``rope(q_rot [N, H, dr], k_rot [N, 1, dr], angles [N, dr]) -> (q_rot, k_rot)``: cos and sin of the angles
     times ``mla.cos_sin_factor()`` (in float32, then the tensors' dtype), de-interleaved first with
-    ``mla.rope_interleave``, rotated by Megatron's half-split arithmetic (:class:`~packfwd.models.rope.PackedRope`,
+    ``mla.rope_interleave``, rotated by Megatron's half-split arithmetic (:class:`~packfwd.models.mixers.rope.PackedRope`,
     fused on CUDA where built fused).  A plain object: the modules holding it add nothing to the state dict.
 
     >>> mla = Mla(kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=4, v_head_dim=2)

@@ -1,8 +1,8 @@
 """The layer spec of packfwd's models, derived from their :class:`~packfwd.models.args.ModelArgs` (its family's
-entry, :mod:`packfwd.models.family`): Megatron-Core's own ``TransformerLayer`` and ``SelfAttention`` with
-Megatron's tensor-parallel linears, and packfwd's :class:`~packfwd.models.attention.CoreAttention` as the one
+entry, :mod:`packfwd.models.families.family`): Megatron-Core's own ``TransformerLayer`` and ``SelfAttention`` with
+Megatron's tensor-parallel linears, and packfwd's :class:`~packfwd.models.mixers.attention.CoreAttention` as the one
 swapped-in submodule; its spec params carry the attention backend and the model's THD RoPE
-(:class:`~packfwd.models.rope.PackedRope`).
+(:class:`~packfwd.models.mixers.rope.PackedRope`).
 
 Per layer (names as in the state dict)::
 
@@ -14,14 +14,14 @@ Per layer (names as in the state dict)::
       core_attention       packfwd CoreAttention (THD via PackedSeqParams, or BSHD); params: backend, rope
       linear_proj          RowParallelLinear
     self_attention         with multi-head latent attention (args.mla, DeepSeek-V3) instead: packfwd's
-                           PackedMLASelfAttention with Megatron-Core's MLA submodules (packfwd.models.mla)
+                           PackedMLASelfAttention with Megatron-Core's MLA submodules (packfwd.models.mixers.mla)
     pre_mlp_layernorm      RMSNorm
     mlp                    MLP, gated (SwiGLU): linear_fc1 = [gate; up] ColumnParallelLinear, linear_fc2 Row...;
                            a layer with a Mixture of Experts (args.moe): the spec of its registered MLP kind
 
 Fused (``args.fused``, the default): the MLP's activation is :class:`packfwd.ops.swiglu.SwiGLU` (named in the spec
 always; Megatron-Core builds it only under ``config.use_te_activation_func``, which ``transformer_config`` sets from
-``args.fused``), the THD RoPE the model hands the core attention is fused (:mod:`packfwd.models.rope`), and
+``args.fused``), the THD RoPE the model hands the core attention is fused (:mod:`packfwd.models.mixers.rope`), and
 QK-norm (Qwen3) is :class:`FusedRMSNorm`.  Same parameters, same state dict; on the CPU the same numbers bit for
 bit (each falls back to the plain module's torch ops).  ``fused=False``: Megatron-Core's plain modules.  The layer
 norms stay :class:`RMSNorm` either way: over the hidden size torch's own ``rms_norm`` is one fused CUDA kernel at
@@ -65,7 +65,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and self.weight is not None:
-            from ..ops import rmsnorm
+            from packfwd.ops import rmsnorm
 
             if rmsnorm.supported(x, self.weight):
                 eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
@@ -106,9 +106,9 @@ def layer_spec(args=None, layer: int = 0, *, attention_backend: str | None = Non
     """The ``ModuleSpec`` of global decoder layer ``layer`` (0-based) of a model of ``args`` (see the module
     docstring; None: a Llama layer, no QK-norm and a dense MLP).
 
-    ``attention_backend`` and ``rope`` are the params of :class:`~packfwd.models.attention.CoreAttention`: its
+    ``attention_backend`` and ``rope`` are the params of :class:`~packfwd.models.mixers.attention.CoreAttention`: its
     varlen backend (None: automatic) and the RoPE it applies to THD batches (a
-    :class:`~packfwd.models.rope.PackedRope` shared by all layers; None: q and k arrive rotated).
+    :class:`~packfwd.models.mixers.rope.PackedRope` shared by all layers; None: q and k arrive rotated).
 
     >>> spec = layer_spec(attention_backend="reference")
     >>> core = spec.submodules.self_attention.submodules.core_attention
@@ -146,7 +146,7 @@ def _gqa_spec(qk_norm, attention_backend, rope):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .attention import CoreAttention
+    from ..mixers.attention import CoreAttention
 
     return ModuleSpec(
         module=SelfAttention,
@@ -164,10 +164,10 @@ def _gqa_spec(qk_norm, attention_backend, rope):
 def mla_attention_spec(args, *, attention_backend: str | None = None, rope=None):
     """The ``ModuleSpec`` of an MLA layer's self-attention for ``args`` (``args.mla`` set): Megatron-Core's local
     MLA submodules (column-parallel down projections, RMSNorm latent norms), packfwd's core attention without RoPE;
-    ``rope`` the model's :class:`~packfwd.models.mla.MlaRope` (None: the module builds one from the config).
+    ``rope`` the model's :class:`~packfwd.models.mixers.mla.MlaRope` (None: the module builds one from the config).
 
     >>> from packfwd.models.args import ModelArgs
-    >>> from packfwd.models.latent import Mla
+    >>> from packfwd.models.mixers.latent import Mla
     >>> args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=2,
     ...                  family="deepseek_v3", mla=Mla(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
     ...                  v_head_dim=6))
@@ -180,8 +180,8 @@ def mla_attention_spec(args, *, attention_backend: str | None = None, rope=None)
     from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from .attention import CoreAttention
-    from .mla import PackedMLASelfAttention
+    from ..mixers.attention import CoreAttention
+    from ..mixers.mla import PackedMLASelfAttention
 
     return ModuleSpec(
         module=PackedMLASelfAttention,
@@ -199,7 +199,7 @@ def mla_attention_spec(args, *, attention_backend: str | None = None, rope=None)
 def mlp_spec(args=None, layer: int = 0):
     """The ``ModuleSpec`` of global layer ``layer``'s MLP: gated SwiGLU where ``args.dense_mlp(layer)`` (or
     ``args`` is None), else what the MLP kind registered for ``args.moe`` builds
-    (:func:`packfwd.models.family.mlp_kind`).  The activation module (:class:`packfwd.ops.swiglu.SwiGLU`) is
+    (:func:`packfwd.models.families.family.mlp_kind`).  The activation module (:class:`packfwd.ops.swiglu.SwiGLU`) is
     built only in a fused model (module docstring).
 
     >>> mlp_spec().submodules.linear_fc1.__name__, mlp_spec().submodules.activation_func.__name__
@@ -209,8 +209,8 @@ def mlp_spec(args=None, layer: int = 0):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from ..ops.swiglu import SwiGLU
-    from .family import mlp_kind
+    from packfwd.ops.swiglu import SwiGLU
+    from ..families.family import mlp_kind
 
     if args is None or args.dense_mlp(layer):
         return ModuleSpec(module=MLP, submodules=MLPSubmodules(

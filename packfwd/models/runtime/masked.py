@@ -5,7 +5,7 @@ per packed sequence).  :func:`forward_masked_rows` bridges the two with the layo
 uses: the rows' real tokens go to the THD layout (``packfwd.layout.plan_thd`` / ``to_thd``), the model runs on
 them with its ``PackedSeqParams``, and the outputs come back with ``from_thd`` (zeros at padding).  The checks
 are the ones the rest of packfwd uses: the plan validates the mask and ids, the model validates the positions,
-and a batch without a real token gets :func:`packfwd.models.facts.empty_output`.  This is not a third forward:
+and a batch without a real token gets :func:`packfwd.models.runtime.facts.empty_output`.  This is not a third forward:
 ``make_forward`` is the padded batch's forward with processors, CP and pipelines; this is the model's own
 answer to Megatron-Core's calling convention (verl's BSHD forwards call it).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from packfwd.layout import from_thd, pack_positions, plan_thd, position_ids, to_thd
 
 from .facts import empty_output, model_facts
-from .moe import router_kwargs
+from ..mlp.moe import router_kwargs
 
 __all__ = ["forward_masked_rows"]
 

@@ -21,7 +21,7 @@ base ** (2i / dr))``) and extrapolated ones by a linear ramp between the correct
 the softmax scale ``(dn + dr) ** -0.5`` times ``mscale(factor, mscale_all_dim) ** 2`` when ``mscale_all_dim`` is
 set (:meth:`Mla.softmax_scale`): transformers 5's formulas, in float32 for the frequencies as it computes them.
 
-The module is :mod:`packfwd.models.mla`, the weight mapping :mod:`packfwd.models.hf_mla`.  No Megatron-Core here.
+The module is :mod:`packfwd.models.mixers.mla`, the weight mapping :mod:`packfwd.models.mixers.mla_weights`.  No Megatron-Core here.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Mla:
         if not isinstance(self.rope_interleave, bool):
             raise ValueError(f"Mla.rope_interleave={self.rope_interleave!r}: pass True or False")
         if self.yarn is not None and not isinstance(self.yarn, Yarn):
-            raise TypeError(f"Mla.yarn must be a packfwd.models.latent.Yarn or None, got {type(self.yarn)}")
+            raise TypeError(f"Mla.yarn must be a packfwd.models.mixers.latent.Yarn or None, got {type(self.yarn)}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -229,7 +229,7 @@ def mla_from_hf_config(cfg) -> Mla:
 
 def mla_config_fields(mla: Mla, theta: float) -> dict:
     """Megatron-Core ``MLATransformerConfig`` fields of ``mla`` (RoPE theta ``theta``).  packfwd's module computes
-    the RoPE and the softmax scale itself (:mod:`packfwd.models.mla`); the YaRN fields describe it to readers of
+    the RoPE and the softmax scale itself (:mod:`packfwd.models.mixers.mla`); the YaRN fields describe it to readers of
     the config (Megatron-Core's own softmax scale from them is the same, ``mscale_all_dim`` 0 where unset).
 
     >>> mla_config_fields(Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6), 1e4)["rope_type"]
