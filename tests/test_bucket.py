@@ -1,8 +1,10 @@
 """Fixed-bucket THD plans against a per-sequence loop built from the documented layout: the batch's sequences
 padded to the alignment, then spare sequences of ``max_seqlen`` (the last one partial, the unused ones empty)
 holding the slack up to ``bucket.tokens``; each padded sequence cut into the CP zigzag.  Also: every tensor's shape
-depends on the bucket only, and ``copy_plan_`` turns one batch's plan into another's."""
+depends on the bucket only, and ``copy_plan_`` turns one batch's plan into another's, field by field, without
+writing into the caller's mask; an ordinary plan's results are fixed when it is made (the mask may change after)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packfwd import from_thd, position_ids, to_thd
+from packfwd import from_bshd, from_thd, pad, plan_bshd, plan_thd, plan_unpad, position_ids, to_bshd, to_thd, unpad
 from packfwd.layout.bucket import Bucket, _clone, copy_plan_, plan_thd_bucket
 
 from .oracles import ref_masked, ref_positions, ref_sequences
@@ -146,3 +148,74 @@ def test_copy_plan_rejects_plans_of_another_bucket():
         copy_plan_(a, b)
     with pytest.raises(ValueError, match="tokens"):
         Bucket(tokens=0, max_seqlen=8)
+
+
+def _tensor_fields(plan, where="plan"):
+    """Every tensor of a plan by its dotted name (the source's included)."""
+    out = {}
+    for f in dataclasses.fields(plan):
+        v = getattr(plan, f.name)
+        if isinstance(v, torch.Tensor):
+            out[f"{where}.{f.name}"] = v
+        elif dataclasses.is_dataclass(v):
+            out.update(_tensor_fields(v, f"{where}.{f.name}"))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64])
+def test_copy_plan_never_writes_into_the_callers_mask(dtype):
+    # A bucket plan used as the captured plan (copy_plan_'s doctest does so) must own every tensor copy_plan_
+    # writes into: before, a bool mask was held by reference and copy_plan_ overwrote it with the next batch's.
+    bucket = Bucket(tokens=16, max_seqlen=8)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=dtype)
+    before = mask.clone()
+    captured = plan_thd_bucket(mask, bucket)
+    new_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=dtype)
+    new = plan_thd_bucket(new_mask, bucket)
+    assert copy_plan_(captured, new) is captured
+    assert torch.equal(mask, before)  # the caller's input is unchanged
+    got, want = _tensor_fields(captured), _tensor_fields(new)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    for f in dataclasses.fields(new):  # ints: equal, but the documented exception source.total (the data's count)
+        if not isinstance(getattr(new, f.name), torch.Tensor) and not dataclasses.is_dataclass(getattr(new, f.name)):
+            assert getattr(captured, f.name) == getattr(new, f.name), f.name
+    assert captured.source.total == 5 and new.source.total == 6
+    assert torch.equal(to_thd(torch.arange(8).view(2, 4), captured)[0], to_thd(torch.arange(8).view(2, 4), new)[0])
+
+
+def test_no_bucket_plan_shares_memory_with_its_inputs():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    info = plan_thd_bucket(mask, Bucket(tokens=16, max_seqlen=8), seqlens=[3, 2])
+    for name, t in _tensor_fields(info).items():
+        assert t.untyped_storage().data_ptr() != mask.untyped_storage().data_ptr(), name
+
+
+def test_copy_plan_takes_only_bucket_plans():
+    # an ordinary plan holds the caller's bool mask (and a nested tensor's offsets) by reference: never a target
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(TypeError, match="plan_thd_bucket"):
+        copy_plan_(plan_thd(mask), plan_thd(mask))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32])
+@pytest.mark.parametrize("layout", ["thd", "unpad", "bshd"])
+def test_an_ordinary_plan_is_fixed_at_planning_when_the_mask_changes_after(layout, dtype):
+    # The promise (packfwd.layout.source.TokenSource.mask): a plan's transforms never read the mask after planning,
+    # so mutating it afterwards changes nothing they compute (source.mask itself may be the caller's tensor).
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 0], [1, 0, 0, 0]], dtype=dtype)
+    x = torch.arange(1, 13).view(3, 4)
+    make, pack, unpack = {
+        "thd": (lambda m: plan_thd(m, tp_size=2), to_thd, from_thd),
+        "unpad": (plan_unpad, unpad, pad),
+        "bshd": (plan_bshd, to_bshd, from_bshd),
+    }[layout]
+    info, fresh = make(mask), make(mask.clone())
+    mask.copy_(mask == 0)  # every entry flipped
+    y = pack(x, info)[0]
+    assert torch.equal(y, pack(x, fresh)[0])
+    assert torch.equal(unpack(y, info), unpack(y, fresh))
+    for name, t in _tensor_fields(fresh).items():
+        if name != "plan.source.mask":
+            assert torch.equal(_tensor_fields(info)[name], t), name

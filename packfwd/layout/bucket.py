@@ -16,7 +16,10 @@ Spare tokens are padding: ``from_thd`` drops them and their gradients are zero. 
 
 To replay: plan each new batch with ``plan_thd_bucket`` (one sync, or none with ``seqlens``), copy it into the
 plan the graph was captured with (``copy_plan_``) and copy the input into the captured input; ``capture`` wraps
-the three steps.
+the three steps.  ``copy_plan_`` writes into its target's tensors, so a bucket plan shares no memory with its mask:
+where ``plan_thd`` (like ``plan_unpad`` and ``plan_bshd``) keeps a bool mask by reference (``source.mask``; no
+transform reads it after planning, so changing the mask later leaves such a plan's results as they were), a bucket
+plan keeps a copy, and refreshing a captured plan never changes a caller's mask.
 """
 
 from __future__ import annotations
@@ -102,10 +105,31 @@ def plan_thd_bucket(
             f"bucket.max_seqlen={bucket.max_seqlen} must be a multiple of the sequence alignment {align}; "
             f"round it up to {-(-bucket.max_seqlen // align) * align}"
         )
-    return plan_thd_layout(
+    info = plan_thd_layout(
         attention_mask, tp_size=tp, cp_size=cp, cp_rank=cp_rank, seq_align=seq_align, max_seqlen=bucket.max_seqlen,
         seqlens=seqlens, x=None, padding=functools.partial(_bucket_padding, bucket=bucket),
     )
+    return _owning(info, attention_mask)
+
+
+def _owning(plan, given: Tensor):
+    """``plan`` with its own copy of every tensor that shares memory with the caller's ``given`` tensor.
+
+    ``copy_plan_`` writes into a bucket plan's tensors, and planning keeps a bool mask by reference
+    (``TokenSource.mask``): without the copy, refreshing a captured plan would overwrite the caller's mask.
+    One device copy of ``[b, s]`` bools, no sync; an integer mask is converted to a new bool one already."""
+    changes = {}
+    for f in dataclasses.fields(plan):
+        v = getattr(plan, f.name)
+        if isinstance(v, Tensor) and _same_memory(v, given):
+            changes[f.name] = v.clone()
+        elif isinstance(v, TokenSource):
+            changes[f.name] = _owning(v, given)
+    return dataclasses.replace(plan, **changes)
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _bucket_padding(lengths: np.ndarray, align: int, *, bucket: Bucket) -> tuple[np.ndarray, np.ndarray]:
@@ -134,7 +158,8 @@ def copy_plan_(dst: ThdInfo, src: ThdInfo) -> ThdInfo:
 
     Both must be bucket plans of the same bucket, canvas and parallel layout.  After the copy, a CUDA graph
     captured with ``dst`` computes with ``src``'s batch.  (``dst``'s Python ints that describe the data, such as
-    ``dst.source.total``, keep their old values: use ``src`` for those.)
+    ``dst.source.total``, keep their old values: use ``src`` for those.)  Only ``dst``'s own tensors are written:
+    a bucket plan shares no memory with the mask it was planned from, so the caller's mask is never changed.
 
     >>> import torch
     >>> from packfwd import to_thd
@@ -146,6 +171,11 @@ def copy_plan_(dst: ThdInfo, src: ThdInfo) -> ThdInfo:
     """
     if not isinstance(dst, ThdInfo) or not isinstance(src, ThdInfo):
         raise TypeError("copy_plan_ copies one ThdInfo into another; pass two plans from plan_thd_bucket")
+    if dst.cu_seqlens.shape[0] == dst.batch_size + 1:  # a bucket plan has at least one spare sequence
+        raise TypeError(
+            "copy_plan_ writes into dst's tensors, and a plan_thd plan holds the caller's mask (or a nested tensor's "
+            "offsets) by reference; make dst with plan_thd_bucket, which owns every tensor it holds"
+        )
     _copy_fields(dst, src, "plan")
     return dst
 

@@ -34,7 +34,7 @@ class TokenSource:
 
     lengths: Tensor  # [b] int64, real tokens per row
     cu_seqlens: Tensor  # [b+1] int32
-    mask: Tensor | None  # [b, s] bool on the data's device (None for nested input: every canvas row is real)
+    mask: Tensor | None  # [b, s] bool; a bool mask is the caller's own, read by planning only (None if nested)
     row_ids: Tensor | None  # [t] int64, the row of each canvas row (nested input only)
     batch_size: int
     seq_len: int  # s (for nested input: the longest row)
