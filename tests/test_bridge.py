@@ -7,13 +7,14 @@ and every parameter must equal ``from_hf``'s bit for bit; mbridge's ``export_wei
 the checkpoint back, names and bits.  Under TP=2 over gloo each rank's shard loaded by mbridge (it scatters
 from TP rank 0) equals ``from_hf``'s shard, and the export (it all-gathers) is the checkpoint again.
 
-The adapter (:func:`packfwd_bridge`, ~25 lines) mostly renames: packfwd builds Megatron-Core's non-TE layers, so
-its norms are ``input_layernorm`` / ``pre_mlp_layernorm`` (mbridge knows TE's fused
-``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``) and its experts are ``SequentialMLP``'s
-``local_experts.{e}.linear_fc1.weight`` (mbridge knows TEGroupedMLP's ``linear_fc1.weight{e}``).  It also fills
-``head_dim`` when transformers 5 leaves it None (Mixtral), gives each bridge its own ``_DIRECT_MAPPING`` and
-sets the bridge's ``dtype`` to the model's.  mbridge's own model, config and layer spec are not used: packfwd
-builds the model (so no ``rope_theta`` shim is needed: only mbridge's model provider reads it).
+The adapter is public, :func:`packfwd.verl.packfwd_bridge` (``packfwd/verl/bridge.py``), and mostly renames:
+packfwd builds Megatron-Core's non-TE layers, so its norms are ``input_layernorm`` / ``pre_mlp_layernorm`` (mbridge
+knows TE's fused ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``) and its experts are
+``SequentialMLP``'s ``local_experts.{e}.linear_fc1.weight`` (mbridge knows TEGroupedMLP's ``linear_fc1.weight{e}``).
+It also fills ``head_dim`` when transformers 5 leaves it None (Mixtral), gives each bridge its own
+``_DIRECT_MAPPING`` and sets the bridge's ``dtype`` to the model's.  mbridge's own model, config and layer spec are
+not used: packfwd builds the model (so no ``rope_theta`` shim is needed: only mbridge's model provider reads it).
+``test_the_documented_use`` is the module docstring's example, step by step.
 
 The last tests pin where mbridge 0.15.1 is missing or wrong (the evidence for keeping packfwd's hand-written
 mapping as the default, README "Conversion: hand-written or a bridge"); one failing after an mbridge upgrade
@@ -23,7 +24,9 @@ means that README paragraph needs another look.  Skipped when mbridge is not imp
 from __future__ import annotations
 
 import copy
-import re
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -33,6 +36,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralF
 
 from packfwd.models import build_model, from_hf
 from packfwd.models.convert.hf import args_from_hf_config
+from packfwd.verl import packfwd_bridge
 
 try:
     from mbridge.core.bridge import _MODEL_REGISTRY
@@ -55,42 +59,6 @@ CASES = {  # name: (model class, config)
     "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(**TINY, **MOE, intermediate_size=48, moe_intermediate_size=16,
                                                       num_experts=4, shared_expert_intermediate_size=24)),
 }
-
-
-def canonical(name: str) -> str:
-    """packfwd's (non-TE, SequentialMLP) Megatron-Core name -> the TE / TEGroupedMLP name mbridge maps."""
-    name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-    return re.sub(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight", r".mlp.experts.\2.weight\1", name)
-
-
-class _PackfwdNames:
-    """Mixed in before an mbridge model bridge: it sees packfwd's parameter names as the ones it knows."""
-
-    def _adjust_mapping_for_shared_weights(self):  # mbridge mutates the class's dict (see the test below)
-        self._DIRECT_MAPPING = {**type(self)._DIRECT_MAPPING, "output_layer.weight": "lm_head.weight"}
-        super()._adjust_mapping_for_shared_weights()
-
-    def _weight_name_mapping_mcore_to_hf(self, name):
-        name = canonical(name)
-        if not self.config.num_moe_experts:  # a dense model's MLP norm is TE-fused into linear_fc1
-            name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
-        return super()._weight_name_mapping_mcore_to_hf(name)
-
-    def _weight_to_hf_format(self, name, weight):
-        return super()._weight_to_hf_format(canonical(name), weight)
-
-    def _weight_to_mcore_format(self, name, weights):
-        return super()._weight_to_mcore_format(canonical(name), weights)
-
-
-def packfwd_bridge(hf_config, dtype=torch.float64):
-    """mbridge's bridge of ``hf_config``'s model type, reading and writing packfwd's parameter names.  ``dtype``
-    must be the model's: mbridge casts every HF weight to it on load (its default is bfloat16)."""
-    cls = _MODEL_REGISTRY[hf_config.model_type]
-    if getattr(hf_config, "head_dim", None) is None:  # transformers 5's MixtralConfig: head_dim=None
-        hf_config = copy.copy(hf_config)
-        hf_config.head_dim = hf_config.hidden_size // hf_config.num_attention_heads
-    return type(f"Packfwd{cls.__name__}", (_PackfwdNames, cls), {})(hf_config, dtype=dtype)
 
 
 def randomised(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -127,7 +95,7 @@ def load_and_export(hf, directory, **parallel) -> tuple[dict, dict, dict]:
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
-    bridge = packfwd_bridge(hf.config)
+    bridge = packfwd_bridge(hf.config, torch.float64)
     bridge.load_weights([model], str(directory))
     got = {n: p.detach() for n, p in model.named_parameters()}
     return want, got, dict(bridge.export_weights([model]))
@@ -177,6 +145,47 @@ def test_tp2_over_gloo_each_rank_loads_its_shard_and_exports_the_checkpoint(tmp_
             assert differences(ckpts[name], exported) == [], name
 
 
+def test_the_documented_use(tmp_path):
+    """``packfwd/verl/bridge.py``'s example: a bfloat16 packfwd model of a HF config loads the checkpoint (as
+    ``from_hf`` converts it) and exports it back, names and bits."""
+    hf = randomised(Qwen3ForCausalLM(copy.deepcopy(CASES["qwen3"][1]))).to(torch.bfloat16)
+    ckpt = checkpoint(hf, tmp_path)
+    hf_config, checkpoint_dir = hf.config, str(tmp_path)
+    model = build_model(args_from_hf_config(hf_config), params_dtype=torch.bfloat16, init=False)
+
+    bridge = packfwd_bridge(hf_config, torch.bfloat16)   # the model's parameter dtype
+    bridge.load_weights([model], checkpoint_dir)         # the HF safetensors into the model's parameters
+    hf_weights = dict(bridge.export_weights([model]))    # and back, by HF name
+
+    want = {n: p.detach() for n, p in from_hf(hf, params_dtype=torch.bfloat16).named_parameters()}
+    assert differences(want, {n: p.detach() for n, p in model.named_parameters()}) == []
+    assert differences(ckpt, hf_weights) == []
+
+
+def test_a_bridge_of_another_dtype_rounds_the_weights(tmp_path):
+    """Why ``dtype`` has no default: mbridge casts every HF weight to the bridge's dtype on load, so a float64 model
+    loaded by a bfloat16 bridge (mbridge's default) holds rounded weights (the negative control of the test above)."""
+    hf = hf_model("qwen3")
+    checkpoint(hf, tmp_path)
+    model = build_model(args_from_hf_config(hf.config), params_dtype=torch.float64, init=False)
+    packfwd_bridge(hf.config, torch.bfloat16).load_weights([model], str(tmp_path))
+    want = {n: p.detach() for n, p in from_hf(hf).named_parameters()}
+    assert differences(want, {n: p.detach() for n, p in model.named_parameters()})  # every matrix rounded
+    with pytest.raises(TypeError, match="torch.dtype"):
+        packfwd_bridge(hf.config, "bfloat16")
+
+
+def test_a_model_type_mbridge_lacks_is_named():
+    with pytest.raises(ValueError, match="no bridge for model_type='qwen2_vl'"):
+        packfwd_bridge(types.SimpleNamespace(model_type="qwen2_vl"), torch.float32)
+
+
+def test_importing_packfwd_verl_imports_neither_mbridge_verl_nor_megatron():
+    code = ("import sys, packfwd.verl; bad = sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'mbridge', 'verl', 'megatron'}); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 # ------------------------------------------------------------------- where mbridge 0.15.1 is missing or wrong
 
 
@@ -196,7 +205,7 @@ def test_a_tied_bridge_rewires_every_later_untied_qwen_bridge(monkeypatch):
     _MODEL_REGISTRY["qwen3"](CASES["qwen3-tied"][1], dtype=torch.float64)
     untied = _MODEL_REGISTRY["qwen2"](CASES["qwen2"][1], dtype=torch.float64)
     assert untied._DIRECT_MAPPING["output_layer.weight"] == "model.embed_tokens.weight"
-    assert packfwd_bridge(CASES["qwen2"][1])._DIRECT_MAPPING["output_layer.weight"] == "lm_head.weight"
+    assert packfwd_bridge(CASES["qwen2"][1], torch.float64)._DIRECT_MAPPING["output_layer.weight"] == "lm_head.weight"
 
 
 def test_tied_llama_last_pipeline_stage_asks_for_a_missing_lm_head(tmp_path):
@@ -206,7 +215,7 @@ def test_tied_llama_last_pipeline_stage_asks_for_a_missing_lm_head(tmp_path):
     checkpoint(hf, tmp_path)
     last = from_hf(hf, pp_rank=1, pp_size=2)
     with pytest.raises(ValueError, match="lm_head.weight"):
-        packfwd_bridge(hf.config).load_weights([last], str(tmp_path))
+        packfwd_bridge(hf.config, torch.float64).load_weights([last], str(tmp_path))
 
 
 def test_qwen3_moe_dense_layers_are_not_mapped(tmp_path):
@@ -216,7 +225,7 @@ def test_qwen3_moe_dense_layers_are_not_mapped(tmp_path):
     hf = randomised(Qwen3MoeForCausalLM(config))
     checkpoint(hf, tmp_path)
     with pytest.raises(NotImplementedError, match="decoder.layers.1.mlp.linear_fc1.weight"):
-        packfwd_bridge(hf.config).load_weights([from_hf(hf)], str(tmp_path))
+        packfwd_bridge(hf.config, torch.float64).load_weights([from_hf(hf)], str(tmp_path))
 
 
 def test_llama_biases_on_every_linear_are_not_mapped(tmp_path):
@@ -224,7 +233,7 @@ def test_llama_biases_on_every_linear_are_not_mapped(tmp_path):
     hf = randomised(LlamaForCausalLM(LlamaConfig(**TINY, intermediate_size=48, attention_bias=True, mlp_bias=True)))
     checkpoint(hf, tmp_path)
     with pytest.raises(NotImplementedError, match="linear_proj.bias"):
-        packfwd_bridge(hf.config).load_weights([from_hf(hf)], str(tmp_path))
+        packfwd_bridge(hf.config, torch.float64).load_weights([from_hf(hf)], str(tmp_path))
 
 
 def test_a_value_head_is_not_mapped(tmp_path):
@@ -232,7 +241,7 @@ def test_a_value_head_is_not_mapped(tmp_path):
     hf = randomised(Qwen2ForTokenClassification(Qwen2Config(**TINY, intermediate_size=48, num_labels=1)))
     checkpoint(hf, tmp_path)
     with pytest.raises(IndexError):
-        packfwd_bridge(hf.config).load_weights([from_hf(hf)], str(tmp_path))
+        packfwd_bridge(hf.config, torch.float64).load_weights([from_hf(hf)], str(tmp_path))
 
 
 def test_mbridge_configs_route_differently_from_transformers():
@@ -244,10 +253,10 @@ def test_mbridge_configs_route_differently_from_transformers():
     config = copy.deepcopy(CASES["qwen3_moe"][1])
     config.norm_topk_prob, config.mlp_only_layers = False, [1]
     for hf_config in (CASES["mixtral"][1], config):
-        theirs = packfwd_bridge(hf_config).config
+        theirs = packfwd_bridge(hf_config, torch.float64).config
         ours = transformer_config(args_from_hf_config(hf_config), init=False)
         assert theirs.moe_router_pre_softmax != ours.moe_router_pre_softmax, hf_config.model_type
-    assert packfwd_bridge(config).config.moe_layer_freq == 1 and ours.moe_layer_freq == [1, 0]
+    assert packfwd_bridge(config, torch.float64).config.moe_layer_freq == 1 and ours.moe_layer_freq == [1, 0]
 
 
 def test_from_hf_weights_carry_megatron_tp_attributes():
@@ -286,7 +295,7 @@ def test_glm4_moe_loads_like_from_hf_and_exports_only_on_cuda(tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
-    bridge = packfwd_bridge(hf.config)
+    bridge = packfwd_bridge(hf.config, torch.float64)
     bridge.load_weights([model], str(tmp_path))
     got = state(model)
     assert any("expert_bias" in n for n in got) and differences(want, got) == []

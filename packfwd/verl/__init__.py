@@ -14,10 +14,14 @@ batch, one host sync to plan).  Where the results differ from verl's (labels at 
 timing and positions given to a vision model, a few arguments verl crashes on): the README's section "Coming from
 verl" ("Where ``packfwd.verl`` differs from verl").
 
-Importing this package imports neither verl nor Megatron-Core.
+``packfwd_bridge(hf_config, dtype)`` (:mod:`packfwd.verl.bridge`): verl's HF <-> Megatron-Core bridge mbridge,
+loading and exporting the weights of a model packfwd builds.
+
+Importing this package imports neither verl, mbridge nor Megatron-Core.
 """
 
+from .bridge import packfwd_bridge as packfwd_bridge
 from .nested import gptmodel_forward_model_engine as gptmodel_forward_model_engine
 from .padded import model_forward_gen as model_forward_gen
 
-__all__ = ["gptmodel_forward_model_engine", "model_forward_gen"]
+__all__ = ["gptmodel_forward_model_engine", "model_forward_gen", "packfwd_bridge"]
