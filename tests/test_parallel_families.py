@@ -121,8 +121,9 @@ def dense_grads():
     return grads(model)
 
 
+@pytest.mark.usefixtures("hf_norm_in_input_dtype")
 @pytest.mark.parametrize("data_format", ["thd", "bshd"])
-def test_qwen3_tp2_with_sequence_parallelism(two_ranks, dense_grads, data_format, hf_norm_in_input_dtype):
+def test_qwen3_tp2_with_sequence_parallelism(two_ranks, dense_grads, data_format):
     dense, _, ranks = two_ranks
     got = [r[f"tp2_sp_{data_format}"] for r in ranks]
     ids, mask = ragged_batch()
@@ -140,7 +141,8 @@ def test_qwen3_tp2_with_sequence_parallelism(two_ranks, dense_grads, data_format
         torch.testing.assert_close(merged[name], grad, atol=1e-10, rtol=1e-10, msg=name)
 
 
-def test_qwen3_cp2(two_ranks, dense_grads, hf_norm_in_input_dtype):
+@pytest.mark.usefixtures("hf_norm_in_input_dtype")
+def test_qwen3_cp2(two_ranks, dense_grads):
     dense, _, ranks = two_ranks
     ids, mask = ragged_batch()
     for r in ranks:
@@ -194,8 +196,9 @@ def run_stages(stages, forward, ids, mask):
     return hidden, handed, forward(stages[1], ids, mask)
 
 
+@pytest.mark.usefixtures("hf_norm_in_input_dtype")
 @pytest.mark.parametrize("data_format", ["thd", "bshd"])
-def test_qwen3_pp2(data_format, dense_grads, hf_norm_in_input_dtype):
+def test_qwen3_pp2(data_format, dense_grads):
     hf = hf_model("qwen3")
     stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
     assert [len(s.decoder.layers) for s in stages] == [1, 1]
