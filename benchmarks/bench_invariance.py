@@ -1,4 +1,4 @@
-"""Benchmark: batch invariance and a deterministic backward, measured (docs/INVARIANCE.md states the guarantees).
+"""Benchmark: batch invariance and a deterministic backward, measured (docs/guarantees.md states the guarantees).
 
 (a) The invariance table.  8 target sequences (16-2048 tokens) of a 1B Llama shape (bf16, random weights: a
 transformers ``LlamaForCausalLM`` and packfwd's model converted from it) and 56 others; each target's log-probs

@@ -2,7 +2,7 @@
 
 Shapes: ``b`` batch, ``s`` padded length, ``t`` packed tokens, ``h`` heads, ``d`` head dim, ``v`` vocab.
 
-The names here (``__all__``) are the README's API table: the layouts and their plans, RoPE positions and labels
+The names here (``__all__``) are docs/api.md's first table: the layouts and their plans, RoPE positions and labels
 through them, pipeline layer placement and ``make_forward``.  The rest lives in the subpackages, each with its own
 ``__all__``: ``layout`` (also multi-token prediction labels and the alignment rules), ``models``, ``micro``,
 ``parallel``, ``vision``, ``verl``, ``logits``, ``viz`` (pictures) and ``testing`` (the multi-process launcher).

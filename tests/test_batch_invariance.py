@@ -1,5 +1,5 @@
 """Batch invariance and a deterministic backward, on the CPU (the GPU versions: tests/gpu/test_batch_invariance_cuda.py
-and tests/gpu/test_deterministic_cuda.py; what is promised where: docs/INVARIANCE.md).
+and tests/gpu/test_deterministic_cuda.py; what is promised where: docs/guarantees.md).
 
 Strategy.  A target sequence's forward outputs (log-probs, entropy, logits; the fused head's) are computed in
 compositions drawn by Hypothesis: alone (b=1), with neighbours before / after / around it, the batch reversed,
@@ -409,7 +409,7 @@ def layouts():
 def test_tp2_and_cp2_move_outputs_by_a_few_ulps_over_gloo(layouts, dtype, kind):
     """TP=2 (with and without SP) and CP=2 against one process: logits, log-probs and entropy within
     ``ULP_BOUND`` units of eps * max |value| (printed: the max |diff|, in ulps, and whether bitwise).  Not
-    bitwise by construction (see the tests below and docs/INVARIANCE.md): TP's row-parallel layers sum two
+    bitwise by construction (see the tests below and docs/guarantees.md): TP's row-parallel layers sum two
     half-K products, CP's ranks run attention and GEMMs on other shapes."""
     want, _, ranks = layouts
     key = {"tp2_sp": (dtype, "tp", True), "tp2": (dtype, "tp", False), "cp2": (dtype, "cp")}[kind]

@@ -17,8 +17,8 @@ not used: packfwd builds the model (so no ``rope_theta`` shim is needed: only mb
 ``test_the_documented_use`` is the module docstring's example, step by step.
 
 The last tests pin where mbridge 0.15.1 is missing or wrong (the evidence for keeping packfwd's hand-written
-mapping as the default, README "Conversion: hand-written or a bridge"); one failing after an mbridge upgrade
-means that README paragraph needs another look.  Skipped when mbridge is not importable (``make`` installs it).
+mapping as the default, docs/models.md "Conversion, hand-written or a bridge"); one failing after an mbridge
+upgrade means that paragraph needs another look.  Skipped when mbridge is not importable (``make`` installs it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Batch invariance and a deterministic backward: the torch / cuBLAS state they need and the checks
 ``make_forward(..., batch_invariant=True, deterministic=True)`` runs before each call.
 
-What each option promises (docs/INVARIANCE.md has the full statement, the test that keeps each point, and what
+What each option promises (docs/guarantees.md has the full statement, the test that keeps each point, and what
 is still to be measured on a GPU):
 
 * ``batch_invariant=True`` (CUDA, ``data_format="thd"``, ``tp_size=1``): a sequence's forward outputs (logits,

@@ -11,8 +11,8 @@ layout token for token, the logits processor called with verl's shapes.  The pac
 ``make_forward``'s layout adapters in verl's flavour (:mod:`packfwd.verl.layouts`: verl's alignment from
 :func:`packfwd.layout.rules.verl_alignment`, its ``PackedSeqParams``), so planned gathers (no Python loop over the
 batch, one host sync to plan).  Where the results differ from verl's (labels at each sequence's last token, video
-timing and positions given to a vision model, a few arguments verl crashes on): the README's section "Coming from
-verl" ("Where ``packfwd.verl`` differs from verl").
+timing and positions given to a vision model, a few arguments verl crashes on): docs/verl.md, "Where
+``packfwd.verl`` differs from verl".
 
 ``packfwd_bridge(hf_config, dtype)`` (:mod:`packfwd.verl.bridge`): verl's HF <-> Megatron-Core bridge mbridge,
 loading and exporting the weights of a model packfwd builds.

@@ -42,7 +42,7 @@ MODELS = {
     "h2048": ModelArgs(vocab_size=32000, hidden_size=2048, ffn_hidden_size=7168, num_layers=2,
                        num_attention_heads=16, num_query_groups=8),
     # Mixture of Experts (dropless, grouped-GEMM experts on CUDA bf16): each expert's GEMM M is the number of tokens
-    # routed to it, which changes with the batch (docs/INVARIANCE.md); not yet run on a GPU when written
+    # routed to it, which changes with the batch (docs/guarantees.md); not yet run on a GPU when written
     "moe": ModelArgs(vocab_size=32000, hidden_size=512, ffn_hidden_size=1536, num_layers=2, num_attention_heads=8,
                      num_query_groups=4, family="qwen3_moe",
                      moe=Moe(num_experts=16, top_k=4, ffn_hidden_size=256)),
