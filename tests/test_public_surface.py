@@ -180,3 +180,30 @@ def test_the_readme_family_table_is_families():
     families = importlib.import_module(where.group(1)).FAMILIES
     rows = re.findall(r"^\| `(\w+)` \|", section, flags=re.M)
     assert rows == list(families), f"the README's family table lists {rows}; FAMILIES holds {list(families)}"
+
+
+def test_code_and_tests_point_at_pages_that_exist():
+    """A docstring or comment that sends the reader to ``docs/<page>.md`` (or a notebook cell that does) names a page
+    that is there: the pages move, the pointers must follow."""
+    stale = []
+    for path in [*(ROOT / "packfwd").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+                 *(ROOT / "notebooks").glob("*.ipynb"), ROOT / "Makefile", ROOT / "pyproject.toml"]:
+        for page in set(re.findall(r"docs/[\w-]+\.md", path.read_text())):
+            if not (ROOT / page).exists():
+                stale.append(f"{path.relative_to(ROOT)}: {page}")
+    assert not stale, "pointers to pages that do not exist:\n" + "\n".join(sorted(stale))
+
+
+def test_the_results_table_names_files_that_exist():
+    """Every row of RESULTS' current-numbers table comes from a file kept under benchmarks/results/."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    table = text[text.index("\n## Current numbers\n"): text.index("\n## What the numbers answer\n")]
+    legend = dict(re.findall(r"`(\w+)`\s+(?:is\s+)?`benchmarks/results/([\w-]+)/`", table))
+    legend.update(re.findall(r"`(\w+)`\s+`([\w-]+)/`", table))
+    rows = [r for r in re.findall(r"^\|(.+)\|\s*$", table, flags=re.M) if not set(r) <= {"-", "|", " "}][1:]
+    assert len(rows) >= 10
+    for row in rows:
+        name = row.split("|")[-1].strip().strip("`")
+        prefix, _, rest = name.partition("/")
+        path = ROOT / "benchmarks" / "results" / (f"{legend[prefix]}/{rest}" if rest else name)
+        assert path.exists(), f"RESULTS' table names {name} ({path}), which is not there"
