@@ -300,5 +300,6 @@ def test_glm4_moe_loads_like_from_hf_and_exports_only_on_cuda(tmp_path):
     got = state(model)
     assert any("expert_bias" in n for n in got) and differences(want, got) == []
     if not torch.cuda.is_available():
-        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        # a CPU build of torch says "not compiled with CUDA", a CUDA build on a machine without a GPU "no NVIDIA driver"
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA|NVIDIA driver"):
             dict(bridge.export_weights([model]))
