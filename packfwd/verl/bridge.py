@@ -18,8 +18,8 @@ the experts are ``SequentialMLP``'s ``local_experts.{e}.linear_fc1.weight`` (TEG
 Under tensor parallelism call both on every rank of the TP group: mbridge reads on TP rank 0 and scatters, and
 the export all-gathers.  ``tests/test_bridge.py`` follows this for every family both convert (a load equals
 ``from_hf``'s parameters bit for bit, an export gives the checkpoint back) and pins where mbridge 0.15.1 is missing
-or wrong (value heads, Llama's ``mlp_bias``, Qwen3-MoE's dense layers, a tied Llama's last pipeline stage): the
-README's "Conversion: hand-written or a bridge".
+or wrong (value heads, Llama's ``mlp_bias``, Qwen3-MoE's dense layers, a tied Llama's last pipeline stage):
+docs/models.md, "Conversion, hand-written or a bridge".
 
 Importing this module imports neither mbridge nor Megatron-Core: :func:`packfwd_bridge` imports mbridge when
 called (``pip install --no-deps "mbridge==0.15.1" "einops>=0.6"``, as the Makefile does).
