@@ -58,6 +58,7 @@ FLOORS = [
     {"layout"},  # the transforms, the alignment and CP rules
     {"logits", "layers"},  # log-probs and entropy; pipeline layer placement
     {"parallel"},  # CP attention and gather, the pipeline schedule, cross-rank agreement
+    {"engine"},  # the one forward engine: plan, pack, call, heads and extensions, unpack; its layout adapters
     {"models"},  # PackedGPTModel, its parts, HF conversion
     {"forward"},  # make_forward
     {"__init__"},  # the package face

@@ -207,7 +207,7 @@ def _cp_sources_worker(rank: int, world: int):
     ``check_cp`` accepts the model's group and refuses the other, whose gather would mix other ranks' outputs."""
     from types import SimpleNamespace
 
-    from packfwd.models.runtime.facts import check_cp
+    from packfwd.engine.facts import check_cp
 
     groups = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 1), (2, 3), (0, 2), (1, 3))}
     mine = groups[(0, 1) if rank < 2 else (2, 3)]

@@ -178,7 +178,7 @@ def test_cp_plan_keeps_megatrons_rope_table_unambiguous():
     """Megatron-Core reads a THD RoPE table of max_seqlen * cp rows that equals the packed total as per-token
     offsets; two sequences of equal padded length under cp=2 would hit that, so the forward reports a larger
     max_seqlen."""
-    from packfwd.forward.layouts import Thd as _Thd
+    from packfwd.engine import Thd as _Thd
 
     ids = torch.ones(2, 8, dtype=torch.long)
     mask = torch.ones(2, 8, dtype=torch.bool)
@@ -225,8 +225,8 @@ def test_a_plan_made_ahead_gives_the_same_numbers_and_is_checked(model):
 
 
 def test_plan_is_refused_where_it_is_not_built_and_cudnn_under_batch_invariance(model):
-    """The vision forward (its model reads the padded mask) and the MTP forward refuse ``plan=`` rather than
-    ignore it; ``batch_invariant=True`` refuses a model whose attention is cuDNN's (its kernel follows the batch)."""
+    """The vision forward (its model reads the padded mask) refuses ``plan=`` rather than ignore it;
+    ``batch_invariant=True`` refuses a model whose attention is cuDNN's (its kernel follows the batch)."""
     from packfwd.forward.deterministic import check_attention
     from .test_hf_interop import hf_model as hf
 
@@ -234,8 +234,8 @@ def test_plan_is_refused_where_it_is_not_built_and_cudnn_under_batch_invariance(
     plan = make_forward("thd").plan(ids, mask)
     with pytest.raises(TypeError, match="not built for make_forward\\(vision=True\\)"):
         make_forward("thd", vision=True).plan(ids, mask)
-    with pytest.raises(TypeError, match="not built for the multi-token-prediction forward"):
-        make_forward("thd", mtp=True)(model, ids, plan=plan)
+    with pytest.raises(TypeError, match="not built for make_forward\\(vision=True\\)"):
+        make_forward("thd", vision=True)(model, ids, plan=plan)
     check_attention(model)  # the automatic backend: fine
     with pytest.raises(ValueError, match="attention_backend='cudnn'"):
         check_attention(from_hf(hf("qwen2-gqa-bias"), attention_backend="cudnn"))

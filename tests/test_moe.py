@@ -244,8 +244,32 @@ def test_aux_loss_with_a_processor_and_the_refusals():
                                                                    mlp_only_layers=[0, 1, 2]))))
     with pytest.raises(ValueError, match="without MoE layers"):
         make_forward("thd", moe_aux_loss=True)(dense, ids, mask)
-    with pytest.raises(ValueError, match="mtp=True or vision=True"):
-        make_forward("thd", mtp=True, moe_aux_loss=True)
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_aux_loss_composes_with_mtp(data_format):
+    """``moe_aux_loss=True`` with ``mtp=True`` (two extensions of one engine): the loss pools the decoder's MoE
+    layers as transformers does (an MTP block's MoE layer, which transformers never runs, is not pooled), so it
+    equals transformers' and the MTP-less model's; the MTP outputs equal the MTP forward's without the loss."""
+    import dataclasses
+
+    from packfwd.models import build_model
+
+    hf = hf_model("mixtral")
+    plain = from_hf(hf)
+    model = build_model(dataclasses.replace(model_args(plain), mtp_num_layers=1), init=False,
+                        params_dtype=plain.config.params_dtype)
+    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith("mtp.") for k in missing)
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        want = hf_aux_loss(hf, ids, mask).double()
+        both = make_forward(data_format, mtp=True, moe_aux_loss=True)(model, ids, mask)
+        mtp_only = make_forward(data_format, mtp=True)(model, ids, mask)
+    assert sorted(both) == ["logits", "moe_aux_loss", "mtp_log_probs", "mtp_loss"]
+    torch.testing.assert_close(both["moe_aux_loss"], want, atol=1e-6, rtol=1e-6)
+    for name in mtp_only:
+        assert torch.equal(both[name], mtp_only[name]), name
 
 
 def test_an_empty_batch_has_zero_aux_loss():

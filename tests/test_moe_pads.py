@@ -13,18 +13,19 @@ forward's THD call carried no mask.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from packfwd.forward import make_forward
 from packfwd.layout import plan_thd, to_thd
-from packfwd.layout.params import CpPlace
 from packfwd.models import from_hf
-from packfwd.models.runtime.model import layout_pads
 from packfwd.models.runtime import ensure_model_parallel
 from packfwd.verl import gptmodel_forward_model_engine as engine
 from packfwd.verl.layouts import VerlThd
-from packfwd.verl.padded import _model_call
+from packfwd.engine import Batch, Engine
+from packfwd.verl.padded import _verl_call
 
 from .test_moe import expert_load, hf_model, ragged_batch
 
@@ -62,7 +63,7 @@ def test_verl_engine_ors_router_padding_mask_with_the_plan(mixtral):
     load = expert_load(mixtral, lambda m, *_: engine(m, batch, {}, pad_to_length_bucket=64, router_padding_mask=pads),
                        None, None)
     assert int(load.sum()) == ROUTED * (int(mask.sum()) - 5)
-    with pytest.raises(ValueError, match="router_padding_mask has shape"):
+    with pytest.raises(ValueError, match="router mask .*router_padding_mask.* has shape"):
         engine(mixtral, batch, {}, pad_to_length_bucket=64, router_padding_mask=pads[:, :21])
 
 
@@ -71,8 +72,9 @@ def test_verl_padded_thd_call_keeps_pads_from_routers(mixtral, tp, kw):
     """``model_forward_gen``'s THD call (verl's TP alignment, a length bucket) carries the plan's pads."""
     ids, mask = ragged_batch()
     layout = VerlThd(tp, 1, 0, None, **kw)
-    info, packed = layout.pack(ids, mask)
-    call = _model_call(mixtral, layout, info, packed, ids, mask, None, True, False, True)
+    call = Engine(layout, call=functools.partial(_verl_call, thd=True, vision=False, packed_ids=True),
+                  tp_size=tp, check_cp=False).prepare(mixtral, Batch(ids, mask)).call
+    info = layout.plan(ids, mask)
     assert torch.equal(call["padding_mask"], info.padding_mask())
     assert int(info.padding_mask().sum()) > 0
     load = expert_load(mixtral, lambda m, *_: m(**call), None, None)
@@ -96,19 +98,6 @@ def test_direct_call_with_packfwds_params_routes_no_pad(mixtral):
         got = direct(mixtral)[0][~info.padding_mask()[0]]
         want = make_forward("thd", seq_align=8)(mixtral, ids, mask)[mask]
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
-
-
-@pytest.mark.parametrize("cp", [1, 2, 3])
-@pytest.mark.parametrize("align", [None, 4])
-def test_derived_pads_equal_the_plans_on_every_cp_rank(cp, align):
-    """The mask the model derives from packfwd's params is the plan's ``padding_mask()``, zigzag chunks included
-    (an empty row, a length-1 row, the last sequence's extra slots)."""
-    _, mask = ragged_batch()
-    mask = torch.cat([mask[:2], torch.zeros(1, 9, dtype=torch.bool), mask[2:]])
-    for rank in range(cp):
-        info = plan_thd(mask, cp_size=cp, cp_rank=rank, seq_align=align and align * cp, tp_size=2)
-        got = layout_pads(info.packed_seq_params(), info.local_tokens, CpPlace(cp, rank))
-        assert torch.equal(got, info.padding_mask())
 
 
 def test_glm_expert_bias_counts_skip_verl_bucket_pads():

@@ -294,6 +294,14 @@ def test_qwen3_moe_pp2_aux_loss_pools_both_stages(data_format, layout):
         forward(stages[1], ids, mask, moe_routing=sums.float())
     with pytest.raises(TypeError, match="moe_routing= .* is taken by a make_forward\\(..., moe_aux_loss=True\\)"):
         make_forward(data_format, **layout)(stages[1], ids, mask, moe_routing=sums)
+    fewer = mask.clone()
+    fewer[0] = False  # another micro-batch: its sums count fewer real tokens than this batch routes per layer
+    assert fewer.any() and fewer.sum() < mask.sum()
+    with torch.no_grad():
+        other = forward(stages[0], ids, fewer)[1]
+        stages[1].set_input_tensor(handed.detach())
+        with pytest.raises(ValueError, match="moe_routing= counts routed tokens .* another micro-batch"):
+            forward(stages[1], ids, mask, moe_routing=other)
 
 
 def _aux_loss(out):

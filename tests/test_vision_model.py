@@ -35,7 +35,7 @@ from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, 
 
 import packfwd as pf
 import packfwd.verl as pv
-from packfwd.forward.layouts import Thd
+from packfwd.engine import Thd
 from packfwd.testing import run_local
 from packfwd.vision import from_hf
 

@@ -140,9 +140,26 @@ def run(fn, modules, keep=None):
         m.zero_grad(set_to_none=True)
     out = fn()
     loss_of(out, keep).backward()
+    _sum_sequence_parallel_grads(modules)
     grads = {f"{i}.{n}": p.grad.clone() for i, m in enumerate(modules) for n, p in m.named_parameters()
              if p.grad is not None}
     return [t.detach() for t in flat(out)], grads
+
+
+def _sum_sequence_parallel_grads(modules) -> None:
+    """What Megatron-Core's ``finalize_model_grads`` does before a step: the gradients of parameters replicated over
+    TP under sequence parallelism (norms) summed over the TP group, each rank having seen only its token slice (the
+    slices differ between layouts: THD splits the packed tokens, BSHD each row's columns)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    for m in modules:
+        for p in m.parameters():
+            if p.grad is not None and getattr(p, "sequence_parallel", False):
+                torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
 def max_diff(ref, ours, tol, skip=None) -> float:
@@ -204,8 +221,13 @@ def same_call(ref: dict, ours: dict, ignore=()):
         r, o = ref[k], ours[k]
         if k == "packed_seq_params":  # verl's fields, equal; packfwd's params add their CP place (layout/params.py)
             r, o = dataclasses.asdict(r), dataclasses.asdict(o)
-            assert r.keys() <= o.keys() <= r.keys() | {"cp", "position_ids"} and all(
+            assert r.keys() <= o.keys() <= r.keys() | {"cp", "position_ids", "layout_pads"} and all(
                 torch.equal(r[f], o[f]) if isinstance(r[f], torch.Tensor) else r[f] == o[f] for f in r), k
+        elif k == "attention_mask" and o is None and isinstance(r, torch.Tensor) and not r.is_nested:
+            # BSHD without CP: packfwd passes no mask where every row's real tokens come first, so causal attention
+            # over the row is verl's masked attention at every real token (and a stage hands on [w, b, h])
+            real = r.bool()
+            assert torch.equal(real, torch.arange(real.shape[1]) < real.sum(1, keepdim=True)), k
         elif isinstance(r, torch.Tensor) and r.is_nested:
             assert torch.equal(r.values(), o.values()) and torch.equal(r.offsets(), o.offsets()), k
         elif isinstance(r, torch.Tensor):

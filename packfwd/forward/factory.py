@@ -1,6 +1,10 @@
 """The forward factory: a padded (or jagged) batch in, the padded model's outputs out, computed packed.
 
-``make_forward(data_format)`` returns a pure function ``forward(model, input_ids, attention_mask, ...)``:
+``make_forward(data_format)`` returns a pure function ``forward(model, input_ids, attention_mask, ...)``: argument
+translation around packfwd's one forward engine (:class:`packfwd.engine.Engine`: plan, pack every per-token input,
+call, heads and extensions, unpack), built once from the options; MTP (:mod:`packfwd.forward.mtp`) and the MoE aux
+loss (:mod:`packfwd.forward.moe`) are extensions of it, the vision hook (:mod:`packfwd.forward.vision`) its call
+strategy, the fused head (:mod:`packfwd.forward.head`) its head, and they combine.
 
 * ``"thd"``: ``to_thd -> model(packed_seq_params=...) -> from_thd``.  The batch becomes one packed row
   ``[1, t]``; attention runs per sequence on ``cu_seqlens_padded``; nothing is computed for padding.
@@ -39,16 +43,14 @@ from typing import Callable, Mapping, Sequence
 from torch import Tensor
 
 from .._validate import check_positive_int, check_rank
+from ..engine import Batch, Bshd, Engine, Thd, text_call
 from ..layout import rules
-from ..models.mlp.aux_loss import check_stage_routing, model_aux_loss, stage_routing_sums
-from ..models.mlp.moe import check_every_ep_rank_runs, router_kwargs, routing_stats
-from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
-                     model_facts)
+from .args import check_call_args
 from .deterministic import check_layout as check_guarantees
-from .deterministic import invariant_seq_align
-from .deterministic import guarded
+from .deterministic import guarded, invariant_seq_align
 from .head import fused_head
-from .layouts import Bshd, Thd
+from .moe import MoeAuxLoss
+from .mtp import Mtp
 from .vision import vision_call
 
 __all__ = ["ForwardLayout", "make_forward"]
@@ -91,8 +93,7 @@ class ForwardLayout:
         if self.data_format == "bshd":
             return len(lengths) * rules.round_up(max(lengths, default=0), self.tp_size)
         padded = sum(rules.round_up(n, self.seq_align) for n in lengths)
-        extra = rules.last_extra(padded, seq_align=self.seq_align, tp_size=self.tp_size, cp_size=self.cp_size)
-        return (padded + extra) // self.cp_size
+        return rules.footprint(padded, seq_align=self.seq_align, tp_size=self.tp_size, cp_size=self.cp_size)
 
 
 # a vision model takes the padded batch and its attention_mask (its positions come from them): plan= has neither
@@ -137,7 +138,8 @@ def make_forward(
     bucket plan replays for any batch that fits it, after ``packfwd.layout.bucket.copy_plan_(captured, new)``.  A
     plan of another layout (``tp_size``, ``cp_size``, ``cp_rank``, ``seq_align``) or another batch shape raises.
 
-    ``mtp=True``: for a model with multi-token prediction layers; the forward also takes ``mtp_loss_mask [b, s]``
+    ``mtp=True``: for a model with multi-token prediction layers (with any other option but ``head="fused"``, whose
+    model call returns the final hidden states only); the forward also takes ``mtp_loss_mask [b, s]``
     (the main loss mask, default every token) and adds ``"mtp_log_probs" [b, s, D]`` and ``"mtp_loss" [D]`` to
     its outputs (a dict; without a processor the logits are ``"logits"``): see :mod:`packfwd.forward.mtp`.
 
@@ -203,84 +205,35 @@ def make_forward(
     spec = ForwardLayout(data_format, tp_size, cp_size, cp_rank,
                          rules.check_seq_align(seq_align, cp_size, tp_size) if data_format == "thd" else None)
     fused = fused_head(head, logits_processor)
-    if fused is not None and mtp:
-        raise ValueError("head='fused' does not compute MTP outputs yet; use head='logits' with mtp=True")
-    if vision and mtp:  # the MTP forward packs ids before the model; a vision model embeds first (the hook)
-        raise ValueError("mtp=True with vision=True is not built: the MTP forward has no packing hook for a model "
-                         "that embeds first; use one of them")
-    if moe_aux_loss and (mtp or vision):
-        raise ValueError("moe_aux_loss=True with mtp=True or vision=True is not built; use it with neither")
-    if mtp:  # multi-token prediction: every depth's ids, labels and loss mask packed with the batch (mtp.py)
-        from .mtp import make_mtp_forward
-
-        forward = make_mtp_forward(layout, logits_processor=logits_processor, tp_size=tp_size,
-                                   cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, check_group=check_group)
-        forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)
-        forward.layout = spec
-        return forward
+    if fused is not None and mtp:  # the fused head's model call returns the final hidden states alone
+        raise ValueError("head='fused' with mtp=True: the fused head asks the model for its final hidden states "
+                         "(return_hidden=True), which skips the output layer that every MTP depth's logits come "
+                         "from; use head='logits' with mtp=True")
+    extensions = (MoeAuxLoss(),) * moe_aux_loss + (Mtp(),) * mtp
+    engine = Engine(layout, processor=logits_processor, head=fused, extensions=extensions,
+                    call=vision_call if vision else text_call, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank,
+                    cp_group=cp_group, check_group=check_group)
+    bare = logits_processor is None and not extensions  # the logits alone, not a dict
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
-                seqlens=None, plan=None, moe_routing=None, **processor_args):
+                seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
-        given = plan
-
-        def prepare():
-            facts = model_facts(model, tp_size, cp_size)
-            check_cp(model, cp_size, cp_rank, cp_group)
-            processor = bind_processor(logits_processor, facts)
-            if fused is not None:
-                fused.check_model(model, facts)
-            check_ids(input_ids, attention_mask, model)
-            check_stage_routing(model, moe_routing, moe_aux_loss)
-            if given is None:
-                plan, ids = layout.pack(input_ids, attention_mask, seqlens)
-            elif vision:
-                raise TypeError(_NO_VISION_PLAN)
-            else:
-                plan, ids = given, layout.pack_planned(given, input_ids, attention_mask, seqlens)
-            if vision:  # the model embeds first and packs with the `packing` hook (vision.py)
-                call = vision_call(model, layout, plan, ids, input_ids, attention_mask, position_ids)
-            else:
-                call = dict(input_ids=ids, position_ids=layout.positions(plan, ids, position_ids, input_ids),
-                            attention_mask=None, **layout.model_kwargs(plan), **router_kwargs(model, plan))
-            args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}
-            return dict(facts=facts, processor=processor, plan=plan, call=call, args=args)
-
-        got = checked_call(check_group, layout, prepare)
-        facts, processor, plan, call, args = (got[k] for k in ("facts", "processor", "plan", "call", "args"))
-        head_kwargs = fused.model_kwargs if fused is not None else {}
-        check_every_ep_rank_runs(model, plan.source.total == 0)
-
-        def run():
-            if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
-                return empty_output(model, facts, layout.empty_shape(plan, facts.post_process)), {}
-            return model(**call, **head_kwargs, **dict(multi_modal_inputs or {})), head_kwargs
-
-        # no `with` around the model call unless the routing statistics need one: torch.compile breaks the graph
-        # inside the model (Megatron-Core), and dynamo cannot resume a graph break inside a context manager
-        if moe_aux_loss:
-            with routing_stats(model) as stats:
-                out, head_kwargs = run()
-        else:
-            (out, head_kwargs), stats = run(), []
-        if not facts.post_process:  # a middle pipeline stage: hidden states (and routing sums) for the next one
-            return (out, stage_routing_sums(model, stats, moe_routing)) if moe_aux_loss else out
-        results = outputs(model, out, facts, processor, plan, args, head_kwargs)
-        if not moe_aux_loss:
-            return results
-        results = results if isinstance(results, dict) else {"logits": results}
-        return {**results, "moe_aux_loss": model_aux_loss(model, stats, device=out.device, carried=moe_routing)}
-
-    def outputs(model, out, facts, processor, plan, args, head_kwargs):  # the last stage's, unpacked
-        if head_kwargs:  # the fused head: out holds the last stage's hidden states [s, b, h]
-            results, t = fused.run(processor, model, facts, out, args)
-            return {k: layout.unpack(v, plan) for k, v in check_results(results, t).items()}
-        logits = layout.tokens(out, plan)  # [t, v]
-        if processor is None:
-            full = layout.unpack(logits, plan)
-            return full.squeeze(-1) if facts.value_model else full
-        results = processor(logits, **args)
-        return {k: layout.unpack(v, plan) for k, v in check_results(results, logits.shape[0]).items()}
+        if plan is not None and vision:
+            raise TypeError(_NO_VISION_PLAN)
+        if moe_routing is not None and not moe_aux_loss:
+            raise TypeError("moe_routing= (the routing sums an earlier pipeline stage hands on) is taken by a "
+                            "make_forward(..., moe_aux_loss=True) forward only; build it so, or drop moe_routing")
+        if mtp_loss_mask is not None and not mtp:
+            raise TypeError("mtp_loss_mask is an argument of the multi-token-prediction forward, which this forward "
+                            "is not; build it with make_forward(..., mtp=True) (for a model with MTP layers), or "
+                            "drop mtp_loss_mask")
+        batch = Batch(input_ids, attention_mask, position_ids, seqlens=seqlens, plan=plan, inputs=processor_args,
+                      model_inputs=dict(multi_modal_inputs or {}),
+                      options=dict(moe_routing=moe_routing, mtp_loss_mask=mtp_loss_mask))
+        result = engine(model, batch)
+        if result.outputs is None:  # a stage before the last: hidden states (and routing sums) for the next one
+            return result.hand_on
+        return result.outputs["logits"] if bare else result.outputs
 
     def plan(input_ids, attention_mask=None, *, seqlens=None, bucket=None):
         """This forward's plan of a batch, made ahead of the call: ``forward(model, input_ids, plan=plan)``
@@ -294,5 +247,6 @@ def make_forward(
     forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)
     forward.layout = spec  # what a micro-batch plan must assume (run_micro_batches checks it)
     forward.moe_aux_loss = moe_aux_loss  # its middle stages return (hidden, routing sums): packfwd's schedule only
+    forward.engine = engine
     forward.plan = plan
     return forward

@@ -1,5 +1,5 @@
-"""``make_forward(..., mtp=True)``: the forward of a model with multi-token prediction (MTP) layers, computing
-every depth's log-probs and loss beside the main outputs.
+"""``make_forward(..., mtp=True)``: the engine extension of a model with multi-token prediction (MTP) layers,
+computing every depth's log-probs and loss beside the main outputs.
 
 Everything the MTP layers need is computed in the caller's layout, before any packing, and packed like the ids
 with the same plan (THD, BSHD, jagged, any CP split); nothing is rolled over the packed buffer:
@@ -27,18 +27,17 @@ import inspect
 import torch
 from torch import Tensor
 
-from ..layout.labels import mtp_labels, mtp_loss_mask, shift_in_sequence
+from ..engine import Extension
+from ..layout.labels import mtp_targets
 from ..logits import log_probs
-from .guards import (bind_processor, check_call_args, check_cp, check_ids, check_results, checked_call, empty_output,
-                     model_facts)
 
-__all__ = ["make_mtp_forward", "mtp_depth"]
+__all__ = ["Mtp", "MtpIds", "mtp_depth"]
 
 
 def mtp_depth(model) -> int:
     """The number of MTP depths of ``model`` (possibly wrapped); an error when it has none or cannot take
     packfwd's per-depth ids."""
-    from ..models.runtime.gpt import unwrap  # imports no Megatron-Core
+    from .._validate import unwrap
 
     gpt = unwrap(model)
     depth = getattr(getattr(gpt, "config", None), "mtp_num_layers", None) or 0
@@ -51,69 +50,48 @@ def mtp_depth(model) -> int:
     return depth
 
 
-def mtp_targets(input_ids: Tensor, attention_mask, loss_mask, depth: int) -> dict[str, Tensor]:
-    """What every MTP depth needs, in the caller's layout, ``[b, s, D]`` each (jagged like ``input_ids``):
-    ``ids`` (embedded), ``labels`` (predicted) and ``mask`` (the loss mask; ``loss_mask=None``: every token)."""
-    if loss_mask is None and input_ids.is_nested:
-        values = torch.ones_like(input_ids.values(), dtype=torch.bool)
-        loss_mask = torch.nested.nested_tensor_from_jagged(values, input_ids.offsets())
-    return {"ids": shift_in_sequence(input_ids, attention_mask, list(range(1, depth + 1)), 0),
-            "labels": mtp_labels(input_ids, attention_mask, depth),
-            "mask": mtp_loss_mask(loss_mask, attention_mask, depth)}
+class MtpIds(Extension):
+    """The part every MTP forward shares: each depth's ids, labels and masks (:func:`packfwd.layout.mtp_targets`,
+    from the batch's ids and ``targets(batch)``'s main-head labels and mask) packed with the batch's plan, the
+    model given ``mtp_input_ids [D, *ids]``; on the last stage the model returns ``(logits, mtp_logits)``, and
+    :meth:`depths` hands the head the main logits.  Subclasses say what the depths' logits become."""
+
+    def targets(self, batch) -> dict:
+        """The main head's ``labels`` / ``loss_mask`` for :func:`mtp_targets` (none: the next tokens, every one)."""
+        return {}
+
+    def inputs(self, step) -> dict:
+        depth = mtp_depth(step.model)
+        got = mtp_targets(step.batch.input_ids, step.attention_mask, depth, **self.targets(step.batch))
+        step.state[self] = got
+        return {f"mtp_{k}": v for k, v in got.items()}
+
+    def model_kwargs(self, step) -> dict:
+        ids = step.packed["mtp_ids"]  # [t', D] (t' = packed tokens in the model's token order)
+        return {"mtp_input_ids": ids.T.reshape(ids.shape[1], *step.ids.shape)}  # [D, 1, t] or [D, b, s_c]
+
+    def depths(self, out, step) -> tuple[Tensor, Tensor]:
+        """``(logits, mtp_logits [D, ...])``; an empty batch's zero logits stand for every depth."""
+        if step.empty:
+            return out, out[None].expand(step.packed["mtp_ids"].shape[1], *out.shape)
+        return out
 
 
-def make_mtp_forward(layout, *, logits_processor, tp_size: int, cp_size: int, cp_rank: int,
-                     cp_group, check_group):
-    """``make_forward``'s forward in MTP mode (see the module docstring); ``layout`` is its THD or BSHD adapter."""
+class Mtp(MtpIds):
+    """``make_forward(mtp=True)``: ``"mtp_log_probs" [b, s, D]`` and ``"mtp_loss" [D]`` (module docstring); the
+    main head's loss mask is the call's ``mtp_loss_mask`` (None: every token)."""
 
-    def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
-                seqlens=None, mtp_loss_mask=None, **processor_args):
-        check_call_args(processor_args, logits_processor, multi_modal_inputs, vision=False)
+    def targets(self, batch) -> dict:
+        return {"loss_mask": batch.options.get("mtp_loss_mask")}
 
-        def prepare():
-            facts = model_facts(model, tp_size, cp_size)
-            check_cp(model, cp_size, cp_rank, cp_group)
-            processor = bind_processor(logits_processor, facts)
-            depth = mtp_depth(model)
-            check_ids(input_ids, attention_mask, model)
-            plan, ids = layout.pack(input_ids, attention_mask, seqlens)
-            positions = layout.positions(plan, ids, position_ids, input_ids)
-            args = {k: layout.pack_arg(v, plan, input_ids) for k, v in processor_args.items()}
-            targets = mtp_targets(input_ids, attention_mask, mtp_loss_mask, depth)
-            packed = {k: layout.pack_arg(v, plan, input_ids) for k, v in targets.items()}  # [t, D] each
-            return dict(facts=facts, processor=processor, depth=depth, plan=plan, ids=ids, positions=positions,
-                        args=args, targets=targets, packed=packed)
-
-        got = checked_call(check_group, layout, prepare)
-        facts, processor, depth, plan = got["facts"], got["processor"], got["depth"], got["plan"]
-        ids, positions, args, targets, packed = (got[k] for k in ("ids", "positions", "args", "targets", "packed"))
-        if plan.source.total == 0:  # nothing to run: Megatron's attention cannot take an empty batch
-            out = empty_output(model, facts, layout.empty_shape(plan, facts.post_process))
-            if not facts.post_process:
-                return out
-            out = (out, out[None].expand(depth, *out.shape))
-        else:
-            depth_ids = packed["ids"].T.reshape(depth, *ids.shape)  # [t', D] -> [D, *ids]: [D, 1, t] or [D, b, s_c]
-            out = model(input_ids=ids, position_ids=positions, attention_mask=None, mtp_input_ids=depth_ids,
-                        **layout.model_kwargs(plan), **dict(multi_modal_inputs or {}))
-            if not facts.post_process:
-                return out  # a middle pipeline stage: hidden states for the next one
-        logits, mtp_logits = out
-        logits = layout.tokens(logits, plan)  # [t, v]
-        if processor is None:
-            results = {"logits": layout.unpack(logits, plan)}
-        else:
-            results = {k: layout.unpack(v, plan) for k, v in check_results(processor(logits, **args),
-                                                                           logits.shape[0]).items()}
+    def finish(self, out, step):
+        logits, mtp_logits = self.depths(out, step)
+        facts, labels = step.facts, step.packed["mtp_labels"]  # [t, D]
         group = facts.tp_group if facts.tp_size > 1 else None
-        lp = torch.stack([log_probs(layout.tokens(mtp_logits[k], plan), packed["labels"][:, k], tp_group=group)
-                          for k in range(depth)], dim=-1)  # [t, D]
-        full = layout.unpack(lp, plan)  # [b, s, D]
-        results["mtp_log_probs"] = full
-        results["mtp_loss"] = _mean_loss(full, targets["mask"])
-        return results
-
-    return forward
+        lp = torch.stack([log_probs(step.tokens(mtp_logits[k]), labels[:, k], tp_group=group)
+                          for k in range(labels.shape[1])], dim=-1)  # [t, D]
+        full = step.unpack(lp)  # [b, s, D]
+        return logits, {"mtp_log_probs": full, "mtp_loss": _mean_loss(full, step.state[self]["mask"])}
 
 
 def _mean_loss(log_prob: Tensor, mask: Tensor) -> Tensor:

@@ -43,9 +43,9 @@ from torch import Tensor
 
 from ..layout.bshd import BshdInfo
 from ..layout.thd import ThdInfo
-from .guards import check_positions
+from ..engine.checks import check_positions
 
-__all__ = ["VisionPacking", "decoder_input", "packed_positions", "takes_packing", "vision_call"]
+__all__ = ["VisionPacking", "decoder_input", "packed_positions", "takes_packing", "vision_call", "vision_kwargs"]
 
 HOOK = "packing"
 
@@ -120,9 +120,16 @@ def takes_packing(model: torch.nn.Module) -> bool:
         return False
 
 
-def vision_call(model, layout, plan, ids: Tensor, input_ids: Tensor, attention_mask, position_ids) -> dict:
+def vision_call(step) -> dict:
+    """The engine's call strategy of ``make_forward(vision=True)``: :func:`vision_kwargs` of the step."""
+    batch = step.batch
+    return vision_kwargs(step.model, step.layout, step.plan, step.ids, batch.input_ids, batch.attention_mask,
+                         batch.position_ids)
+
+
+def vision_kwargs(model, layout, plan, ids: Tensor, input_ids: Tensor, attention_mask, position_ids) -> dict:
     """The keyword arguments (module docstring's table, multimodal inputs aside) of ``model`` under ``layout``
-    (``make_forward``'s ``Thd`` / ``Bshd`` adapter) with ``plan``; ``ids``: the packed ids."""
+    (the engine's ``Thd`` / ``Bshd`` adapter) with ``plan``; ``ids``: the packed ids."""
     if not takes_packing(model):
         from ..models.runtime.gpt import unwrap
 

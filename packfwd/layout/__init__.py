@@ -9,7 +9,7 @@
 * ``sp``     the token dimension padded to a multiple of the tensor-parallel size: ``sp_pad``, ``sp_unpad``
 * ``bucket`` THD plans of fixed shape (CUDA graphs)
 * ``labels`` next-token (and multi-token prediction) labels that stay right under any packing:
-  ``next_token_labels``, ``mtp_labels``, ``mtp_loss_mask``, ``shift_in_sequence``
+  ``next_token_labels``, ``mtp_labels``, ``mtp_loss_mask``, ``mtp_targets``, ``shift_in_sequence``
 * ``positions`` RoPE positions (``[b, s]``, multimodal ``[k, b, s]`` / ``[b, s, k]``) through any plan above:
   ``pack_positions``, ``unpack_positions``; ``LayoutPlan``, the methods every plan has (``pack_tokens``,
   ``unpack_tokens``, ``token_dims``), so callers never ask which layout a plan is
@@ -23,6 +23,7 @@ from .bshd import plan_bshd as plan_bshd
 from .bshd import to_bshd as to_bshd
 from .labels import mtp_labels as mtp_labels
 from .labels import mtp_loss_mask as mtp_loss_mask
+from .labels import mtp_targets as mtp_targets
 from .labels import next_token_labels as next_token_labels
 from .labels import shift_in_sequence as shift_in_sequence
 from .positions import LayoutPlan as LayoutPlan
@@ -47,7 +48,7 @@ __all__ = [
     "ThdInfo", "plan_thd", "to_thd", "from_thd", "position_ids",
     "BshdInfo", "plan_bshd", "to_bshd", "from_bshd",
     "sp_pad", "sp_unpad",
-    "next_token_labels", "mtp_labels", "mtp_loss_mask", "shift_in_sequence",
+    "next_token_labels", "mtp_labels", "mtp_loss_mask", "mtp_targets", "shift_in_sequence",
     "LayoutPlan", "pack_positions", "unpack_positions",
     "default_seq_align", "padded_lengths",
 ]

@@ -102,6 +102,34 @@ def mtp_loss_mask(loss_mask: Tensor | None, attention_mask: Tensor | None, num_d
     return shifted & exists
 
 
+def mtp_targets(input_ids: Tensor, attention_mask: Tensor | None, num_depths: int, labels: Tensor | None = None,
+                loss_mask: Tensor | None = None) -> dict[str, Tensor]:
+    """Everything the multi-token-prediction depths of a batch need, in the caller's layout, to be packed like the
+    ids: ``"ids"`` ``[b, s, D]`` (depth ``k`` embeds the token ``k`` places later in the same sequence, 0 where
+    none), ``"labels"`` ``[b, s, D]`` (it predicts the main head's label ``k`` places later: with ``labels=None``
+    :func:`mtp_labels`), ``"mask"`` ``[b, s, D]`` (:func:`mtp_loss_mask` of ``loss_mask``) and ``"main_mask"``
+    ``[b, s]`` (the main head's mask: ``loss_mask``, or every token with a next one).  ``labels`` and
+    ``loss_mask``: the main head's, aligned with :func:`next_token_labels` (a caller whose labels are the tokens
+    themselves shifts them first: ``shift_in_sequence(x, attention_mask, 1)``).  Jagged in, jagged out.
+
+    >>> import torch
+    >>> ids = torch.tensor([[0, 5, 6, 7], [8, 9, 0, 0]])
+    >>> got = mtp_targets(ids, ids != 0, 1)
+    >>> got["ids"][..., 0].tolist(), got["labels"][..., 0].tolist(), got["mask"][..., 0].int().tolist()
+    ([[0, 6, 7, 0], [9, 0, 0, 0]], [[-100, 7, -100, -100], [-100, -100, -100, -100]], [[0, 1, 0, 0], [0, 0, 0, 0]])
+    """
+    depths = list(range(1, _check_depths(num_depths) + 1))
+    if loss_mask is None:
+        main = shift_in_sequence(_as_bool(input_ids, ones=True), attention_mask, 1, False)  # has a next token
+    else:
+        main = _as_bool(check_tensor("loss_mask", loss_mask))
+    return {"ids": shift_in_sequence(input_ids, attention_mask, depths, 0),
+            "labels": (mtp_labels(input_ids, attention_mask, len(depths)) if labels is None
+                       else shift_in_sequence(labels, attention_mask, depths, -100)),
+            "mask": mtp_loss_mask(main, attention_mask, len(depths)),
+            "main_mask": main}
+
+
 def _check_shift(shift) -> int:
     if isinstance(shift, bool) or not isinstance(shift, int) or shift < 0:
         raise ValueError(f"shift must be a non-negative Python int, got {shift!r}")

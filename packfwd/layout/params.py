@@ -6,7 +6,8 @@ that rank (``ThdInfo.packed_seq_params()``) and carried to the attention in the 
 attention never re-derives it: packfwd's model checks it once per forward against the CP group its attention
 communicates over, and its core attention reads it.  Params made elsewhere (verl's own) carry none (``cp=None``);
 the model then takes the place from the group and carries it on.  ``position_ids`` (``[t]``, multimodal ``[3,
-t]``): the caller's positions, added by the model for its core attention's RoPE.
+t]``): the caller's positions, added by the model for its core attention's RoPE.  ``layout_pads`` (``[1, t]``
+bool): the plan's ``padding_mask()``, which an MoE model's routers skip when its caller passes no ``padding_mask``.
 
 The params class subclasses Megatron-Core's (not frozen: Megatron-Core's is not, and verl's MTP path sets an
 attribute on it); Megatron-Core is imported when the first params are built, not at import.
@@ -53,6 +54,7 @@ def thd_params(info):
         max_seqlen_q=info.max_seqlen,
         max_seqlen_kv=info.max_seqlen,
         cp=CpPlace(info.cp_size, info.cp_rank),
+        layout_pads=info.padding_mask(),
     )
 
 
@@ -83,12 +85,13 @@ def _as_packfwd(params, **changes):
 
 @functools.lru_cache(maxsize=None)
 def params_class() -> type:
-    """Megatron-Core's ``PackedSeqParams`` with ``cp`` (:class:`CpPlace`) and ``position_ids``."""
+    """Megatron-Core's ``PackedSeqParams`` with ``cp`` (:class:`CpPlace`), ``position_ids`` and ``layout_pads``."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     return dataclasses.make_dataclass(
         "PackfwdSeqParams",
-        [("cp", CpPlace, dataclasses.field(default=None)), ("position_ids", Tensor, dataclasses.field(default=None))],
+        [("cp", CpPlace, dataclasses.field(default=None)), ("position_ids", Tensor, dataclasses.field(default=None)),
+         ("layout_pads", Tensor, dataclasses.field(default=None))],
         bases=(PackedSeqParams,),
         namespace={"__module__": __name__},
     )

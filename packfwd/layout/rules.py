@@ -33,6 +33,8 @@ from .._validate import check_positive_int
 
 __all__ = [
     "chunk_size",
+    "footprint",
+    "verl_bshd_width",
     "local_positions",
     "default_seq_align",
     "check_padded_total",
@@ -120,6 +122,36 @@ def last_extra(padded_total: int, *, seq_align: int, tp_size: int, cp_size: int)
     4
     """
     return -int(padded_total) % math.lcm(seq_align, tp_size * cp_size)
+
+
+def footprint(padded_total: int, *, seq_align: int, tp_size: int, cp_size: int) -> int:
+    """Tokens per CP rank of a THD batch whose sequences' padded lengths sum to ``padded_total``: the last
+    sequence extended (:func:`last_extra`), split over ``cp_size``.
+
+    >>> footprint(12, seq_align=4, tp_size=4, cp_size=2)      # 12 -> 16 tokens, 8 per CP rank
+    8
+    """
+    return (int(padded_total) + last_extra(padded_total, seq_align=seq_align, tp_size=tp_size,
+                                           cp_size=cp_size)) // cp_size
+
+
+def verl_bshd_width(longest: int, batch_size: int, *, tp_size: int, cp_size: int, fp8_padding: bool = False,
+                    forced: int | None = None) -> int:
+    """The row width of verl 0.9.1's nested BSHD forward: ``forced`` (verl's ``forced_max_seqlen``, at least the
+    ``longest`` row) rounded up to the alignment (:func:`verl_alignment`), then with ``fp8_padding`` to a multiple
+    that makes ``batch_size * width`` divide by ``128 * tp * cp``.
+
+    >>> verl_bshd_width(5, 3, tp_size=2, cp_size=1), verl_bshd_width(5, 3, tp_size=2, cp_size=1, fp8_padding=True)
+    (6, 256)
+    """
+    align = verl_alignment(tp_size, cp_size).seq_align
+    width = round_up(longest, align)
+    if forced is not None:
+        width = max(width, round_up(forced, align))
+    if fp8_padding:
+        total = 128 * tp_size * cp_size
+        width = round_up(width, math.lcm(total // math.gcd(batch_size, total), align))
+    return width
 
 
 INT32_MAX = 2**31 - 1

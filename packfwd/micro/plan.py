@@ -220,12 +220,6 @@ def _period(*, seq_align: int, tp_size: int, cp_size: int) -> int:
     return rules.last_extra(1, seq_align=seq_align, tp_size=tp_size, cp_size=cp_size) + 1
 
 
-def _footprint(padded_total: int, *, seq_align: int, tp_size: int, cp_size: int) -> int:
-    """Tokens per CP rank of a micro-batch whose sequences' padded lengths sum to ``padded_total``."""
-    extra = rules.last_extra(padded_total, seq_align=seq_align, tp_size=tp_size, cp_size=cp_size)
-    return (padded_total + extra) // cp_size
-
-
 def _capacity(max_tokens: int, *, seq_align: int, tp_size: int, cp_size: int) -> int:
     """The largest sum of padded lengths whose footprint is ``<= max_tokens``: the footprint rounds the sum up to
     the rule's period, so the cap is the largest multiple of the period in ``max_tokens * cp``."""
@@ -246,7 +240,7 @@ def _check_each_fits(lengths, padded, group_size, cap, max_tokens, layout) -> in
         if not len(over):
             continue
         k = int(over[np.argmax(totals[over])])
-        need = _footprint(int(totals[k]), **layout)
+        need = rules.footprint(int(totals[k]), **layout)
         what = (f"sequence {k} (length {int(lengths[k])}) cannot fit in any micro-batch: alone it" if g == 1 else
                 f"group {k} (sequences {k * g}..{k * g + g - 1}, lengths {lengths[k * g : k * g + g].tolist()}) "
                 "cannot fit in any micro-batch: packed together it")

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..forward.factory import ForwardLayout
-from ..models.mlp.moe import check_every_ep_rank_runs
+from ..engine.facts import check_every_ep_rank_runs
 from . import pipeline
 from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
 from .plan import MicroBatchPlan

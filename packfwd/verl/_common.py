@@ -1,6 +1,5 @@
-"""What both verl forwards share: Megatron's parallel state read once, the model's facts
-(:func:`packfwd.forward.guards.model_facts`), the multimodal inputs, and the model call between a layout adapter's
-packing and unpacking (:mod:`packfwd.verl.layouts`).
+"""What both verl forwards share before they hand the batch to packfwd's engine: Megatron's parallel state read
+once, the model's facts under it, the FP8 padding rule and the multimodal inputs.
 
 Megatron-Core is imported inside the functions only.
 """
@@ -57,15 +56,8 @@ def read_parallel(local_cp_size: int | None = None) -> Parallel:
     return Parallel(tp, cp, mpu.get_context_parallel_rank(), mpu.get_context_parallel_group(), cp)
 
 
-def model_facts(model: torch.nn.Module, par: Parallel):
-    """``packfwd.forward.guards.model_facts`` of ``model`` under Megatron's parallel state."""
-    from packfwd.forward.guards import model_facts as read
-
-    try:
-        return read(model, par.tp, par.model_cp)
-    except ValueError as exc:
-        raise ValueError(f"megatron.core.parallel_state (tp={par.tp}, cp={par.model_cp}) and the model's config "
-                         f"disagree: initialise it with the sizes the model was built for ({exc})") from exc
+# what a caller whose model disagrees with Megatron's parallel state must do (verl passes no sizes)
+PARALLEL_FIX = "initialise megatron.core.parallel_state with the sizes the model was built for"
 
 
 def fp8_padding(facts) -> bool:
@@ -102,31 +94,3 @@ def _takes(model, name: str) -> bool:
         return name in inspect.signature(unwrap(model).forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def packers(layout, info, input_ids):
-    """``(pack, unpack)`` of one forward with a layout adapter and its plan, in verl's shapes: ``pack`` a per-token
-    argument ``[b, s, *]`` (or jagged) into the model's output layout (THD ``[1, t, *]``, BSHD ``[b, w, *]``);
-    ``unpack`` the model's (or a processor's) output in that layout back to the caller's, CP ranks gathered."""
-
-    def pack(v: Tensor) -> Tensor:
-        return layout.output_rows(layout.pack_arg(v, info, input_ids), info)
-
-    def unpack(y: Tensor) -> Tensor:
-        return layout.unpack(layout.tokens(y, info), info)
-
-    return pack, unpack
-
-
-def run_and_unpack(model, kwargs: dict, facts, unpack, processor, processor_args, finish=None):
-    """The model on the packed call; on the last stage its output (through ``finish`` first, when given: the MTP
-    loss, ``packfwd.verl.mtp``) or the processor's, called with ``processor_args()``, unpacked; a middle pipeline
-    stage's hidden states as they are."""
-    output = model(**kwargs)
-    if not facts.post_process:
-        return output
-    if finish is not None:
-        output = finish(output)
-    if processor is None:
-        return unpack(output)
-    return {k: unpack(v) for k, v in processor(output, **processor_args()).items()}

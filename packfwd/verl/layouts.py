@@ -14,17 +14,15 @@ out differently is here; planning, packing, the CP gather and unpacking are the 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import Tensor
 
-from packfwd.forward.layouts import Bshd, Thd
-from packfwd.layout.bshd import from_bshd
-from packfwd.layout.rules import round_up, verl_alignment, zigzag_owner, zigzag_position
-from packfwd.layout.thd import plan_thd
+from packfwd.engine import Bshd, Thd
+from packfwd.layout import from_bshd, plan_thd
+from packfwd.layout.rules import verl_alignment, verl_bshd_width, zigzag_owner, zigzag_position
 
-__all__ = ["VerlBshd", "VerlThd", "router_padding"]
+__all__ = ["VerlBshd", "VerlThd", "widen"]
 
 
 class VerlThd(Thd):
@@ -56,33 +54,10 @@ class VerlThd(Thd):
             extra.update(local_cp_size=self.local_cp_size, cp_group=self.cp_group)
         if "cp_partition_mode" in {f.name for f in dataclasses.fields(PackedSeqParams)}:
             extra["cp_partition_mode"] = "zigzag"  # newer Megatron-Cores name the CP split; verl names it too
-        params = dataclasses.replace(info.packed_seq_params(), cu_seqlens_q=cu, cu_seqlens_kv=cu, **extra)
+        # verl's fields; the plan's pads go to an MoE model as padding_mask (the engine), as verl's caller would pass them
+        params = dataclasses.replace(info.packed_seq_params(), cu_seqlens_q=cu, cu_seqlens_kv=cu, layout_pads=None,
+                                     **extra)
         return {"packed_seq_params": params}
-
-
-def router_padding(model, info, router_padding_mask: Tensor | None = None) -> dict:
-    """The model's ``padding_mask`` keyword of a :class:`VerlThd` batch: the plan's layout pads (alignment, CP,
-    FP8, length bucket) for an MoE model (verl's ``cu_seqlens_q`` are the padded offsets, so the model cannot tell
-    them), OR-ed with verl's ``router_padding_mask`` ``[1, t_local]`` (True at slots to keep from the routers)
-    when given; ``{}`` for a dense model without one (verl's own call).
-
-    >>> import torch
-    >>> info, _ = VerlThd(2, 1, 0, None).pack(torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.bool))
-    >>> router_padding(torch.nn.Linear(2, 2), info), router_padding(torch.nn.Linear(2, 2), info, torch.ones(1, 4) > 0)
-    ({}, {'padding_mask': tensor([[True, True, True, True]])})
-    """
-    from packfwd.models.mlp.moe import router_kwargs
-
-    planned = router_kwargs(model, info)
-    if router_padding_mask is None:
-        return planned
-    if planned and tuple(router_padding_mask.shape) != tuple(planned["padding_mask"].shape):
-        raise ValueError(f"router_padding_mask has shape {tuple(router_padding_mask.shape)} but this rank's packed "
-                         f"batch has {tuple(planned['padding_mask'].shape)} slots; pass a bool [1, t] mask of the "
-                         "packed tokens, True at the slots to keep from the routers")
-    if not planned:
-        return {"padding_mask": router_padding_mask}
-    return {"padding_mask": router_padding_mask.to(torch.bool) | planned["padding_mask"]}
 
 
 class VerlBshd(Bshd):
@@ -107,15 +82,9 @@ class VerlBshd(Bshd):
         self.fp8_padding, self.forced_width = fp8_padding, forced_width
 
     def row_width(self, info, fp8_padding: bool) -> int:
-        """verl's width: ``forced_max_seqlen`` (at least the longest) rounded up to the alignment, then with
-        ``fp8_padding`` to a multiple that makes ``b * width`` divide by ``128 * tp * cp``."""
-        width = info.width
-        if self.forced_width is not None:
-            width = max(width, round_up(self.forced_width, self.align))
-        if fp8_padding:
-            total = 128 * self.tp * self.cp
-            width = round_up(width, math.lcm(total // math.gcd(info.source.batch_size, total), self.align))
-        return width
+        """verl's width (:func:`packfwd.layout.rules.verl_bshd_width`)."""
+        return verl_bshd_width(info.width, info.source.batch_size, tp_size=self.tp, cp_size=self.cp,
+                               fp8_padding=fp8_padding, forced=self.forced_width)
 
     def width(self, info) -> int:
         return self.row_width(info, self.fp8_padding)
@@ -140,6 +109,10 @@ class VerlBshd(Bshd):
     def attention_mask(self, info) -> Tensor:
         """``[b, width / cp]`` bool, True at real tokens: verl's BSHD padding mask of this rank."""
         return self.split(info.attention_mask, info)
+
+    def padding_mask(self, info) -> Tensor:
+        """``[b, width / cp]`` bool, True at this rank's padding slots (kept from an MoE model's routers)."""
+        return ~self.attention_mask(info)
 
     def positions(self, info, ids, position_ids, input_ids):
         if position_ids is not None:

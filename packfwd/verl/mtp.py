@@ -25,12 +25,11 @@ import contextlib
 import torch
 from torch import Tensor
 
-from packfwd.forward.mtp import mtp_depth
-from packfwd.layout.labels import shift_in_sequence
-from packfwd.logits import log_probs
 from packfwd.models.runtime.gpt import unwrap
+from packfwd.forward.mtp import MtpIds, mtp_depth
+from packfwd.logits import log_probs
 
-__all__ = ["attach_mtp_loss", "check_mtp_model", "engine_loss_mask", "mtp_call", "mtp_targets"]
+__all__ = ["VerlMtp", "attach_mtp_loss", "check_mtp_model", "engine_loss_mask"]
 
 
 def check_mtp_model(model, mtp_config=None) -> int:
@@ -50,38 +49,33 @@ def check_mtp_model(model, mtp_config=None) -> int:
     return depth
 
 
-def mtp_targets(input_ids: Tensor, attention_mask, label: Tensor, label_mask: Tensor, depth: int,
-                offset: int = 0) -> dict[str, Tensor]:
-    """Per depth ``k``: the ids ``k`` places later (embedded), and ``label``/``label_mask`` read ``k + offset``
-    places later in the same sequence (``offset=0``: they are already the next token's, as in
-    ``model_forward``; ``offset=1``: they are the tokens' own, as in the engine's forward)."""
-    depths = list(range(1, depth + 1))
-    labels = shift_in_sequence(label, attention_mask, [k + offset for k in depths], -100)
-    mask = shift_in_sequence(_as_bool(label_mask), attention_mask, [k + offset for k in depths], False)
-    main = shift_in_sequence(_as_bool(label_mask), attention_mask, offset, False)
-    return {"ids": shift_in_sequence(input_ids, attention_mask, depths, 0), "labels": labels, "mask": mask,
-            "main_mask": main}
+class VerlMtp(MtpIds):
+    """The engine extension of verl's MTP training: every depth's ids, labels and mask packed with the plan
+    (:class:`packfwd.forward.mtp.MtpIds`, from ``batch.options``' ``mtp_labels`` / ``mtp_loss_mask``: the main
+    head's, aligned with the next token), and on the last stage the loss hung on the logits' backward
+    (:func:`attach_mtp_loss`); the head then reads the logits as verl's would.  ``normalization_factor``: verl's
+    ``mtp_loss_normalization_factor`` (THD engine forward only)."""
 
+    def __init__(self, normalization_factor: float | None = None):
+        self.normalization_factor = normalization_factor
 
-def mtp_call(model, targets: dict, pack, normalization_factor: float | None = None):
-    """``(model keyword arguments, finish)`` for one MTP forward: ``targets`` packed with ``pack`` (``[b, s, D]
-    -> [*lead, D]``: ``[1, t, D]`` THD, ``[b, w, D]`` BSHD) give the model its ``mtp_input_ids [D, *lead]``;
-    ``finish((logits, mtp_logits))`` returns the logits with the MTP loss hung on them."""
-    packed = {k: pack(v) for k, v in targets.items()}
-    kwargs = {"mtp_input_ids": packed["ids"].movedim(-1, 0), "mtp_detach_head": legacy_verl()}
-    gpt = unwrap(model)
-    group = getattr(getattr(gpt, "output_layer", None), "tp_group", None)
-    if group is not None and torch.distributed.get_world_size(group) == 1:
-        group = None
+    def targets(self, batch) -> dict:
+        return {"labels": batch.options["mtp_labels"], "loss_mask": batch.options["mtp_loss_mask"]}
 
-    def finish(out):
-        logits, mtp_logits = out
-        depth, v = mtp_logits.shape[0], mtp_logits.shape[-1]
-        return attach_mtp_loss(model, logits, mtp_logits.reshape(depth, -1, v), packed["labels"].reshape(-1, depth),
-                               packed["mask"].reshape(-1, depth), packed["main_mask"].reshape(-1), group,
-                               normalization_factor)
+    def model_kwargs(self, step) -> dict:
+        return {**super().model_kwargs(step), "mtp_detach_head": legacy_verl()}
 
-    return kwargs, finish
+    def finish(self, out, step):
+        logits, mtp_logits = self.depths(out, step)
+        gpt = unwrap(step.model)
+        group = getattr(getattr(gpt, "output_layer", None), "tp_group", None)
+        if group is not None and torch.distributed.get_world_size(group) == 1:
+            group = None
+        packed, depth = step.packed, mtp_logits.shape[0]
+        hung = attach_mtp_loss(step.model, logits, mtp_logits.reshape(depth, -1, mtp_logits.shape[-1]),
+                               packed["mtp_labels"], packed["mtp_mask"], packed["mtp_main_mask"], group,
+                               self.normalization_factor)
+        return hung, {}
 
 
 def engine_loss_mask(input_ids: Tensor, loss_mask: Tensor, response_attention_mask) -> Tensor:

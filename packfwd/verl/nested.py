@@ -16,22 +16,26 @@ token's next token *in its own sequence* (0 at each sequence's last token), ``"l
 ``"response_attention_mask"`` are not passed on (verl pops them; packfwd leaves the caller's dict alone).
 Differences from verl: the README's "Coming from verl".
 
-The layouts are ``make_forward``'s adapters in verl's flavour (:mod:`packfwd.verl.layouts`): ``VerlThd``,
-``VerlBshd``.
+The forward is packfwd's engine (:class:`packfwd.engine.Engine`) with verl's layouts (:mod:`packfwd.verl.layouts`:
+``VerlThd``, ``VerlBshd``), verl's calling conventions (:func:`_thd_call`, :func:`_bshd_call`; the processor called in
+the model's output layout) and, for MTP training, :class:`packfwd.verl.mtp.VerlMtp`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
+from packfwd.engine import Batch, Engine, model_facts
+from packfwd.layout import shift_in_sequence
 from packfwd.layout.rules import round_up, verl_alignment
 
-from ._common import Parallel, fp8_padding, model_facts, multimodal_kwargs, packers, read_parallel, run_and_unpack
-from .layouts import VerlBshd, VerlThd, router_padding, widen
-from .mtp import check_mtp_model, engine_loss_mask, mtp_call, mtp_targets
+from ._common import PARALLEL_FIX, fp8_padding, multimodal_kwargs, read_parallel
+from .layouts import VerlBshd, VerlThd, widen
+from .mtp import VerlMtp, check_mtp_model, engine_loss_mask
 
 __all__ = ["gptmodel_forward_model_engine"]
 
@@ -70,7 +74,7 @@ def gptmodel_forward_model_engine(
     sequence, hung on the backward as verl's model does (``packfwd.verl.mtp``).
 
     >>> import torch
-    >>> from packfwd.models.runtime import ensure_model_parallel
+    >>> from packfwd.models import ensure_model_parallel
     >>> from packfwd.testing import OneHotModel as Toy   # one-hot "logits" of the ids, under any packing
     >>> ensure_model_parallel()               # verl's workers initialise Megatron's parallel state
     >>> ids = torch.nested.nested_tensor([torch.tensor([3, 4]), torch.tensor([2, 1, 4])], layout=torch.jagged)
@@ -96,68 +100,54 @@ def gptmodel_forward_model_engine(
     if data_format == "thd" and cp_layout == "contiguous" and par.cp > 1:
         raise NotImplementedError("cp_layout='contiguous' with context parallelism is not built in packfwd; "
                                   "use cp_layout='zigzag'")
-    facts = model_facts(model, par)
+    facts = model_facts(model, par.tp, par.model_cp, PARALLEL_FIX)
     mtp = bool(mtp_enable_train) and facts.post_process
-    targets = _mtp_targets(model, input_ids, logits_processor_args or {}) if mtp else None
+    args = logits_processor_args or {}
+    options = _mtp_options(model, input_ids, args) if mtp else {}
     extra = multimodal_kwargs(model, multi_modal_inputs, input_ids.device)
+    if router_padding_mask is not None and data_format == "thd":
+        extra["padding_mask"] = router_padding_mask  # OR-ed with the layout's pads for an MoE model (the engine)
+    packed_ids = facts.pre_process or mtp
     if data_format == "thd":
         layout = VerlThd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts),
                          length_bucket=pad_to_length_bucket, local_cp_size=local_cp_size)
-        info, call = _thd(layout, input_ids, par, facts, vision_model, pad_token_id, mtp_loss_normalization_factor,
-                          mtp)
-        if vision_model:  # verl's vision input: the model packs after embedding; verl's mask as verl passes it
-            extra.update({} if router_padding_mask is None else {"padding_mask": router_padding_mask})
-        else:  # the plan's layout pads (an MoE model) OR verl's mask: no pad reaches a router
-            extra.update(router_padding(model, info, router_padding_mask))
+        call = functools.partial(_thd_call, par=par, vision=vision_model, pad_token_id=pad_token_id,
+                                 mtp_norm=mtp_loss_normalization_factor, packed_ids=packed_ids)
     else:
         layout = VerlBshd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts),
                           forced_width=forced_max_seqlen)
-        info, call = _bshd(layout, input_ids, facts, vision_model, pad_token_id, mtp)
-    pack, unpack = packers(layout, info, input_ids)
-    finish = None
-    if mtp:  # verl reads the normalization factor from the THD PackedSeqParams only
-        factor = mtp_loss_normalization_factor if data_format == "thd" else None
-        mtp_kwargs, finish = mtp_call(model, targets, pack, factor)
-        call.update(mtp_kwargs)
-    result = run_and_unpack(model, {**call, **extra}, facts, unpack, logits_processor, lambda: {
-        k: _pack_arg(k, v, pack) for k, v in (logits_processor_args or {}).items() if k not in _NOT_PASSED}, finish)
-    if not facts.post_process:
-        return result  # a middle pipeline stage: hidden states for the next one
-    if value_model and isinstance(result, Tensor):
-        result = result.squeeze(-1)
-    return result
+        call = functools.partial(_bshd_call, vision=vision_model, pad_token_id=pad_token_id, packed_ids=packed_ids)
+    # verl reads the MTP normalization factor from the THD PackedSeqParams only
+    factor = mtp_loss_normalization_factor if data_format == "thd" else None
+    engine = Engine(layout, processor=logits_processor, extensions=(VerlMtp(factor),) * mtp, rows=True, call=call,
+                    tp_size=par.tp, cp_size=par.model_cp, cp_rank=par.cp_rank, cp_group=par.cp_group,
+                    check_cp=False, bind_tp=False, facts_fix=PARALLEL_FIX)
+    inputs = {k: _processor_arg(k, v) for k, v in args.items() if k not in _NOT_PASSED} if logits_processor else {}
+    result = engine(model, Batch(input_ids, inputs=inputs, model_inputs=extra, options=options))
+    if result.outputs is None:
+        return result.hand_on  # a middle pipeline stage: hidden states for the next one
+    if logits_processor is not None:
+        return result.outputs
+    logits = result.outputs["logits"]
+    return logits.squeeze(-1) if value_model and not facts.value_model else logits
 
 
-def _pack_arg(name: str, value, pack):
+def _processor_arg(name: str, value):
+    """A processor argument in the caller's layout for the engine to pack: jagged like the ids; ``"label"`` becomes
+    each token's next token in its own sequence (0 at each sequence's last token)."""
     if not isinstance(value, Tensor) or value.dim() == 0:
         return value
     if not value.is_nested:
         raise ValueError(f"logits_processor_args[{name!r}] has shape {tuple(value.shape)}; give per-token values as a "
                          "jagged nested tensor like input_ids")
-    return pack(next_in_sequence(value) if name == "label" else value)
+    return shift_in_sequence(value, None, 1, 0) if name == "label" else value
 
 
-def next_in_sequence(label: Tensor) -> Tensor:
-    """``[b, j]`` jagged: each token's next token in its own sequence, 0 at each sequence's last token.
-
-    >>> import torch
-    >>> ids = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], layout=torch.jagged)
-    >>> next_in_sequence(ids).values().tolist()
-    [2, 3, 0, 5, 0]
-    """
-    values, offsets = label.values(), label.offsets()
-    token = torch.arange(1, values.shape[0] + 1, device=values.device)
-    is_last = torch.isin(token, offsets[1:].to(values.device))
-    shifted = torch.roll(values, -1, 0)
-    nxt = torch.where(is_last.view(-1, *[1] * (values.dim() - 1)), torch.zeros_like(shifted), shifted)
-    return torch.nested.nested_tensor_from_jagged(nxt, offsets)
-
-
-def _mtp_targets(model, input_ids, args):
-    """verl's engine MTP inputs: ``label`` (the tokens themselves, jagged or padded ``[b, s]`` cut to each
-    length) and the loss mask built from ``loss_mask``/``response_attention_mask``; each depth's read within its
-    own sequence (``packfwd.verl.mtp``)."""
-    depth = check_mtp_model(model)
+def _mtp_options(model, input_ids, args) -> dict:
+    """verl's engine MTP inputs as the main head's labels and mask (:class:`packfwd.verl.mtp.VerlMtp`): ``label``
+    (the tokens themselves, jagged or padded ``[b, s]`` cut to each length) and the loss mask built from
+    ``loss_mask``/``response_attention_mask``, each read one token later in its own sequence."""
+    check_mtp_model(model)
     if "label" not in args or "loss_mask" not in args:
         raise ValueError("MTP training (mtp_enable_train) reads logits_processor_args['label'] and ['loss_mask'], "
                          "as verl does; pass both")
@@ -170,39 +160,44 @@ def _mtp_targets(model, input_ids, args):
         keep = torch.arange(label.shape[1], device=label.device) < lengths.to(label.device)[:, None]
         label = torch.nested.nested_tensor_from_jagged(label[keep], input_ids.offsets())
     mask = engine_loss_mask(input_ids, args["loss_mask"], args.get("response_attention_mask"))
-    return mtp_targets(input_ids, None, label, mask, depth, offset=1)
+    return {"mtp_labels": shift_in_sequence(label, None, 1, -100),
+            "mtp_loss_mask": shift_in_sequence(mask.to(torch.bool) if not mask.is_nested else
+                                               torch.nested.nested_tensor_from_jagged(mask.values().bool(),
+                                                                                      mask.offsets()), None, 1, False)}
 
 
-def _thd(layout: VerlThd, input_ids, par: Parallel, facts, vision, pad_token_id, mtp_norm, mtp=False):
-    """The plan and the model's arguments of one THD forward (verl's engine layout; positions: None, as verl's)."""
-    info, ids = layout.pack(input_ids, None)
-    params = layout.model_kwargs(info)["packed_seq_params"]
+def _thd_call(step, *, par, vision, pad_token_id, mtp_norm, packed_ids) -> dict:
+    """The model's arguments of one THD forward (verl's engine layout; positions: None, as verl's)."""
+    input_ids, plan = step.batch.input_ids, step.plan
+    params = step.layout.model_kwargs(plan)["packed_seq_params"]
     if mtp_norm is not None:
         params._verl_mtp_loss_normalization_factor = mtp_norm  # where verl puts it (read by its MTP patches)
-    call = dict(input_ids=ids if facts.pre_process or mtp else input_ids, attention_mask=None, position_ids=None,
+    call = dict(input_ids=step.ids if packed_ids else input_ids, attention_mask=None, position_ids=None,
                 packed_seq_params=params)
     if vision:  # verl's vision input: the ids padded to the longest sequence rounded up to align, and the mask
-        width = round_up(info.seq_len, verl_alignment(par.tp, par.cp).seq_align)
+        width = round_up(plan.seq_len, verl_alignment(par.tp, par.cp).seq_align)
         mask = torch.arange(width, device=input_ids.device) < input_ids.offsets().diff()[:, None]
         ids = input_ids.to_padded_tensor(0, output_size=(input_ids.shape[0], width))
         call["input_ids"], call["attention_mask"] = _pad_with(ids, mask, pad_token_id), mask
-    return info, call
+    return call
 
 
-def _bshd(layout: VerlBshd, input_ids, facts, vision, pad_token_id, mtp=False):
-    """The plan and the model's arguments of one BSHD forward (verl's engine layout: this CP rank's zigzag pair of
-    every row, the padding mask and positions split the same way)."""
-    info, ids = layout.pack(input_ids, None)
-    mask = layout.attention_mask(info)  # [b, w_local] bool
-    call = dict(input_ids=ids if facts.pre_process or mtp else input_ids, attention_mask=mask,
-                position_ids=layout.positions(info, ids, None, input_ids))
+def _bshd_call(step, *, vision, pad_token_id, packed_ids) -> dict:
+    """The model's arguments of one BSHD forward (verl's engine layout: this CP rank's zigzag pair of every row,
+    the positions split the same way).  Without CP the rows' pads sit after every real token, so causal
+    attention needs no mask and a stage before the last hands on ``[w, b, h]`` as verl's does; under CP the
+    model gets the rank's padding mask ``[b, w/cp]`` (True at real tokens), as verl's."""
+    input_ids, layout, plan, ids = step.batch.input_ids, step.layout, step.plan, step.ids
+    mask = layout.attention_mask(plan) if layout.cp > 1 else None
+    call = dict(input_ids=ids if packed_ids else input_ids, attention_mask=mask,
+                position_ids=layout.positions(plan, ids, None, input_ids))
     if vision:  # verl's vision input: the whole rows, padded to the forced or longest length rounded up to align
-        width = layout.row_width(info, fp8_padding=False)
-        vision_mask = widen(info.attention_mask, width)
-        padded = widen(input_ids.to_padded_tensor(0, output_size=(input_ids.shape[0], info.width)), width)
+        width = layout.row_width(plan, fp8_padding=False)
+        vision_mask = widen(plan.attention_mask, width)
+        padded = widen(input_ids.to_padded_tensor(0, output_size=(input_ids.shape[0], plan.width)), width)
         call.update(input_ids=_pad_with(padded, vision_mask, pad_token_id), attention_mask=vision_mask,
                     position_ids=None)
-    return info, call
+    return call
 
 
 def _pad_with(ids: Tensor, mask: Tensor, pad_token_id: int | None) -> Tensor:

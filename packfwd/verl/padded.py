@@ -8,30 +8,34 @@ The returned ``model_forward`` has the signature and results of verl 0.9.1's
   (an MoE model also the plan's layout pads as ``padding_mask``, so its routers skip them; verl passes none),
   and every output comes back as ``[b, s, ...]`` with zeros at padding (CP ranks' outputs all-gathered first);
 * ``data_format="bshd"``: each row's real tokens moved left into ``[b, w]`` (``w`` the longest row, rounded up
-  to ``tp`` under sequence parallelism), the model gets that batch, the compacted mask and positions.
+  to ``tp`` under sequence parallelism), the model gets that batch and the compacted positions, causal over each
+  row (the pads sit after every real token: no mask needed; an MoE model's routers get them as ``padding_mask``);
+  a stage before the last hands on ``[w, b, h]``, as verl's does.
 
 With ``logits_processor``, it is called as verl calls it: ``logits_processor(output [1, t, v] (THD) or
 [b, w, v] (BSHD), **args)`` where each tensor of ``logits_processor_args`` (``[b, s, ...]``) is packed the same
 way; each tensor of the dict it returns is unpacked to ``[b, s, ...]``.  A pipeline stage without the output layer
 (``post_process`` False) returns the model's output as is.  Differences from verl: the README's "Coming from verl".
 
-The layouts are ``make_forward``'s adapters in verl's flavour (:mod:`packfwd.verl.layouts`): THD ``VerlThd``, BSHD
-``make_forward``'s own ``Bshd``.
+The forward is packfwd's engine (:class:`packfwd.engine.Engine`) with verl's layouts (:mod:`packfwd.verl.layouts`:
+THD ``VerlThd``, BSHD the engine's own ``Bshd``), verl's calling conventions (:func:`_verl_call`; the processor
+called in the model's output layout) and, for MTP training, :class:`packfwd.verl.mtp.VerlMtp`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from packfwd.forward.layouts import Bshd
-from packfwd.forward.vision import takes_packing, vision_call
+from packfwd.engine import Batch, Bshd, Engine, model_facts
+from packfwd.forward.vision import takes_packing, vision_kwargs
 
-from ._common import fp8_padding, model_facts, multimodal_kwargs, packers, read_parallel, run_and_unpack
-from .layouts import VerlThd, router_padding
-from .mtp import check_mtp_model, mtp_call, mtp_targets
+from ._common import PARALLEL_FIX, fp8_padding, multimodal_kwargs, read_parallel
+from .layouts import VerlThd
+from .mtp import VerlMtp, check_mtp_model
 
 __all__ = ["model_forward_gen"]
 
@@ -53,11 +57,10 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     them).  ``second_per_grid_ts`` goes to a model that takes it, and raises for one that does not (verl drops it).
     ``mtp_config`` with ``enable_train`` set (a packfwd model with MTP layers): the MTP loss of
     ``logits_processor_args``' ``label``/``label_mask``, each depth's labels shifted within its own sequence, hung
-    on the backward as verl's model does (``packfwd.verl.mtp``), in THD and BSHD (verl's BSHD forward passes no
-    labels, so trains no MTP).
+    on the backward as verl's model does (``packfwd.verl.mtp``), in THD and BSHD.
 
     >>> import torch
-    >>> from packfwd.models.runtime import ensure_model_parallel
+    >>> from packfwd.models import ensure_model_parallel
     >>> from packfwd.testing import OneHotModel as Toy   # one-hot "logits" of the ids, under any packing
     >>> ensure_model_parallel()               # verl's workers initialise Megatron's parallel state
     >>> ids = torch.tensor([[0, 3, 4], [2, 1, 0]]); mask = ids != 0
@@ -80,15 +83,16 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
         if data_format not in _FORMATS:
             raise ValueError(f"data_format={data_format!r}; pass one of {_FORMATS}")
         par = read_parallel()
-        facts = model_facts(model, par)
+        facts = model_facts(model, par.tp, par.model_cp, PARALLEL_FIX)
         mtp = bool(mtp_config is not None and getattr(mtp_config, "enable_train", False)) and facts.post_process
+        args = dict(logits_processor_args or {})
+        options = {}
         if mtp:
-            depth = check_mtp_model(model, mtp_config)
-            args = logits_processor_args or {}
+            check_mtp_model(model, mtp_config)
             if "label" not in args or "label_mask" not in args:
                 raise ValueError("MTP training (mtp_config.enable_train) reads logits_processor_args['label'] and "
                                  "['label_mask'] ([b, s], the next token and its mask), as verl does; pass both")
-            targets = mtp_targets(input_ids, attention_mask, args["label"], args["label_mask"], depth)
+            options = {"mtp_labels": args["label"], "mtp_loss_mask": args["label_mask"]}
         if data_format == "thd":
             layout = VerlThd(par.tp, par.cp, par.cp_rank, par.cp_group, fp8_padding=fp8_padding(facts))
         else:
@@ -98,42 +102,40 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
             if facts.fp8 is not None:
                 raise ValueError("data_format='bshd' does not support fp8 (neither does verl's); use data_format='thd'")
             layout = Bshd(par.tp if facts.sequence_parallel else 1)
-        info, ids = layout.pack(input_ids, attention_mask)
-        call = _model_call(model, layout, info, ids, input_ids, attention_mask, position_ids, data_format == "thd",
-                           vision_model, facts.pre_process or mtp)
-        pack, unpack = packers(layout, info, input_ids)
-        finish = None
-        if mtp:
-            mtp_kwargs, finish = mtp_call(model, targets, pack)
-            call.update(mtp_kwargs)
+        engine = Engine(layout, processor=logits_processor, extensions=(VerlMtp(),) * mtp, rows=True,
+                        call=functools.partial(_verl_call, thd=data_format == "thd", vision=vision_model,
+                                               packed_ids=facts.pre_process or mtp),
+                        tp_size=par.tp, cp_size=par.model_cp, cp_rank=par.cp_rank, cp_group=par.cp_group,
+                        check_cp=False, bind_tp=False, facts_fix=PARALLEL_FIX)
         extra = multimodal_kwargs(model, multi_modal_inputs, input_ids.device)
-        result = run_and_unpack(model, {**call, **extra}, facts, unpack, logits_processor, lambda: {
-            k: pack(v) if isinstance(v, Tensor) and v.dim() else v for k, v in (logits_processor_args or {}).items()},
-            finish)
-        if not facts.post_process:
-            return result  # a middle pipeline stage: hidden states for the next one
-        if value_model and isinstance(result, Tensor):
-            result = result[..., 0]
-        return result
+        batch = Batch(input_ids, attention_mask, position_ids, inputs=args if logits_processor else {},
+                      model_inputs=extra, options=options)
+        result = engine(model, batch)
+        if result.outputs is None:
+            return result.hand_on  # a middle pipeline stage: hidden states for the next one
+        if logits_processor is not None:
+            return result.outputs
+        logits = result.outputs["logits"]
+        return logits[..., 0] if value_model and not facts.value_model else logits
 
     return model_forward
 
 
-def _model_call(model, layout, info, ids, input_ids, attention_mask, position_ids, thd: bool, vision: bool,
-                packed_ids: bool) -> dict:
+def _verl_call(step, *, thd: bool, vision: bool, packed_ids: bool) -> dict:
     """The model's arguments (multimodal inputs aside).  Text: the packed ids (the padded ones on a pipeline stage
     without the embedding, unless MTP needs them) and the caller's positions packed like them, or None.  A vision
-    model with packfwd's hook: ``make_forward(vision=True)``'s call (:func:`packfwd.forward.vision.vision_call`);
+    model with packfwd's hook: ``make_forward(vision=True)``'s call (:func:`packfwd.forward.vision.vision_kwargs`);
     any other vision model: verl's (THD: the padded ids and mask; BSHD: the compacted ones; no positions)."""
-    mask = info.attention_mask.to(attention_mask.dtype) if not thd else None  # BSHD: [b, w], real tokens first
-    if vision and takes_packing(model):
-        return vision_call(model, layout, info, ids, input_ids, attention_mask, position_ids)
+    batch, layout, plan, ids = step.batch, step.layout, step.plan, step.ids
+    if vision and takes_packing(step.model):
+        return vision_kwargs(step.model, layout, plan, ids, batch.input_ids, batch.attention_mask, batch.position_ids)
     if vision:
         if thd:
-            return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=None,
-                        **layout.model_kwargs(info))
-        return dict(input_ids=ids, position_ids=None, attention_mask=mask)
-    positions = None if position_ids is None else layout.positions(info, ids, position_ids, input_ids)
-    pads = router_padding(model, info) if thd else {}  # an MoE model's routers never see the layout pads
-    return dict(input_ids=ids if packed_ids else input_ids, position_ids=positions,
-                attention_mask=mask, **layout.model_kwargs(info), **pads)
+            return dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=None,
+                        **layout.model_kwargs(plan))
+        return dict(input_ids=ids, position_ids=None, attention_mask=plan.attention_mask.to(batch.attention_mask.dtype))
+    positions = None
+    if batch.position_ids is not None:
+        positions = layout.positions(plan, ids, batch.position_ids, batch.input_ids)
+    return dict(input_ids=ids if packed_ids else batch.input_ids, position_ids=positions, attention_mask=None,
+                **layout.model_kwargs(plan))

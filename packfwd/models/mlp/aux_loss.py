@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .moe import is_moe
+from packfwd.engine import is_moe
 from .routing import RoutingStats, check_carried, load_balancing_loss, routing_sums
 
 __all__ = ["check_aux_loss_model", "check_stage_routing", "model_aux_loss", "stage_routing_sums"]

@@ -51,8 +51,7 @@ import torch
 
 from .routing import RoutingStats
 
-__all__ = ["MoeKind", "check_every_ep_rank_runs", "is_moe", "moe_config_fields", "moe_spec", "router_kwargs",
-           "routing_stats"]
+__all__ = ["MoeKind", "moe_config_fields", "moe_spec", "routing_stats"]
 
 
 def moe_config_fields(moe, num_layers: int) -> dict:
@@ -208,42 +207,3 @@ def routing_stats(model: torch.nn.Module) -> Iterator[list[RoutingStats]]:
     finally:
         for r in found:
             r.record = None
-
-
-def check_every_ep_rank_runs(model, empty: bool) -> None:
-    """Under expert parallelism every rank's MoE layers exchange tokens with the others, so a rank that skips the
-    model (an empty batch or micro-batch) leaves them waiting, or pairs their exchanges with its next batch's:
-    a ValueError when ``empty`` on an expert-parallel ``model`` (or list of pipeline stages)."""
-    if not empty:
-        return
-    from packfwd._validate import unwrap
-
-    stages = model if isinstance(model, (list, tuple)) else [model]
-    if any((getattr(getattr(unwrap(stage), "config", None), "expert_model_parallel_size", 1) or 1) > 1
-           for stage in stages):
-        raise ValueError(
-            "an empty batch (or micro-batch) on an expert-parallel model: its expert-parallel peers exchange tokens "
-            "in every MoE layer and would wait for this rank; give every expert-parallel rank at least one sequence "
-            "per step (with plan_micro_batches: fewer micro-batches, so none is empty)"
-        )
-
-
-def is_moe(model: torch.nn.Module) -> bool:
-    """Whether ``model`` (any wrapper) has MoE layers (its config's ``num_moe_experts``).
-
-    >>> is_moe(torch.nn.Linear(2, 2))
-    False
-    """
-    from packfwd._validate import unwrap
-
-    return bool(getattr(getattr(unwrap(model), "config", None), "num_moe_experts", None))
-
-
-def router_kwargs(model: torch.nn.Module, plan) -> dict:
-    """The model keywords that keep a batch's layout pads from its routers: ``{"padding_mask": plan.padding_mask()}``
-    for an MoE model (the plan knows its padding slots: ``ThdInfo`` / ``BshdInfo``), ``{}`` for any other.
-
-    >>> router_kwargs(torch.nn.Linear(2, 2), plan=None)
-    {}
-    """
-    return {"padding_mask": plan.padding_mask()} if is_moe(model) else {}

@@ -2,20 +2,16 @@
 
 Megatron-Core's ``GPTModel.forward`` takes an ``attention_mask``; packfwd's core attention takes none (it is causal
 per packed sequence).  :func:`forward_masked_rows` bridges the two with the layout functions everything else
-uses: the rows' real tokens go to the THD layout (``packfwd.layout.plan_thd`` / ``to_thd``), the model runs on
-them with its ``PackedSeqParams``, and the outputs come back with ``from_thd`` (zeros at padding).  The checks
-are the ones the rest of packfwd uses: the plan validates the mask and ids, the model validates the positions,
-and a batch without a real token gets :func:`packfwd.models.runtime.facts.empty_output`.  This is not a third forward:
-``make_forward`` is the padded batch's forward with processors, CP and pipelines; this is the model's own
-answer to Megatron-Core's calling convention (verl's BSHD forwards call it).
+uses: it is packfwd's one forward engine (:class:`packfwd.engine.Engine`) with the THD adapter, no processor, and
+:class:`_CallerInputs` packing the caller's router mask and MTP ids with the same plan: the rows' real tokens go to
+the THD layout, the model runs on them with its ``PackedSeqParams``, and the outputs come back with zeros at
+padding; an MoE model's routers never see a pad, a batch without a real token is not run.  It is the model's
+answer to Megatron-Core's calling convention (verl's own forwards call it).
 """
 
 from __future__ import annotations
 
-from packfwd.layout import from_thd, pack_positions, plan_thd, position_ids, to_thd
-
-from .facts import empty_output, model_facts
-from ..mlp.moe import router_kwargs
+from packfwd.engine import Batch, Engine, Extension, Thd
 
 __all__ = ["forward_masked_rows"]
 
@@ -51,34 +47,48 @@ def forward_masked_rows(model, input_ids, positions, attention_mask, mtp_input_i
         raise ValueError("decoder_input with a BSHD attention_mask: pack the embeddings with the plan "
                          "(packfwd.to_thd, or make_forward(vision=True)'s packing) and pass packed_seq_params")
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    reads_ids = input_ids is not None and model.pre_process
-    info = plan_thd(attention_mask, tp_size=tp, x=input_ids if reads_ids else None)
-    if info.source.total == 0:  # no real token: Megatron-Core's attention cannot run an empty batch
-        shape = tuple(attention_mask.shape) if model.post_process else (0, 1)
-        out = empty_output(model, model_facts(model, tp, 1), shape)
-        return out if mtp_input_ids is None else (out, out.expand(len(mtp_input_ids), *out.shape))
-    ids = to_thd(input_ids, info)[0][None] if reads_ids else None  # a later stage does not read them
-    packed = position_ids(info)[None] if positions is None else pack_positions(positions, info)[..., None, :]
-    kwargs.update(_router_padding(model, info, kwargs.pop("padding_mask", None)))
-    if mtp_input_ids is not None:  # [D, b, s] -> [D, 1, t]
-        kwargs["mtp_input_ids"] = to_thd(mtp_input_ids.permute(1, 2, 0), info)[0].T[:, None]
-    out = model(ids, packed, None, packed_seq_params=info.packed_seq_params(), **kwargs)  # [1, t, *]
-    if not model.post_process:
-        return out
+    engine = Engine(Thd(tp, 1, 0, None, None), extensions=(_CallerInputs(),), tp_size=tp, check_cp=False,
+                    squeeze_value=False)  # the model's own output shape, [b, s, 1] for a value head
+    ids = input_ids if input_ids is not None and model.pre_process else None  # a later stage reads none
+    options = {"padding_mask": kwargs.pop("padding_mask", None), "mtp_input_ids": mtp_input_ids}
+    result = engine(model, Batch(ids, attention_mask, positions, model_inputs=kwargs, options=options))
+    if result.outputs is None:
+        return result.hand_on
     if mtp_input_ids is None:
-        return from_thd(out[0], info)
-    logits, depths = out  # [1, t, v], [D, 1, t, v]
-    return from_thd(logits[0], info), from_thd(depths[:, 0].transpose(0, 1), info).permute(2, 0, 1, 3)
+        return result.outputs["logits"]
+    return result.outputs["logits"], result.outputs["mtp_logits"].permute(2, 0, 1, 3)  # [D, b, s, v]
 
 
-def _router_padding(model, info, padding_mask) -> dict:
-    """``{"padding_mask": [1, t]}``: the plan's pads (an MoE model) and the caller's ``[b, s]`` mask packed."""
-    if padding_mask is not None and tuple(padding_mask.shape) != (info.batch_size, info.seq_len):
-        raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)} but attention_mask has shape "
-                         f"{(info.batch_size, info.seq_len)}; pass a bool [b, s] mask like attention_mask, True at "
-                         "the tokens to keep from the routers")
-    given = {} if padding_mask is None else {"padding_mask": to_thd(padding_mask, info)[0][None]}
-    planned = router_kwargs(model, info)
-    if given and planned:
-        return {"padding_mask": given["padding_mask"] | planned["padding_mask"]}
-    return given or planned
+class _CallerInputs(Extension):
+    """The caller's ``padding_mask [b, s]`` (True at tokens to keep from the routers) and ``mtp_input_ids [D, b,
+    s]``, packed with the batch's plan; the MTP depths' logits unpacked beside the main ones."""
+
+    def inputs(self, step) -> dict:
+        opts, plan = step.batch.options, step.plan
+        out = {}
+        mask = opts.get("padding_mask")
+        if mask is not None:
+            if tuple(mask.shape) != (plan.batch_size, plan.seq_len):
+                raise ValueError(f"padding_mask has shape {tuple(mask.shape)} but attention_mask has shape "
+                                 f"{(plan.batch_size, plan.seq_len)}; pass a bool [b, s] mask like attention_mask, "
+                                 "True at the tokens to keep from the routers")
+            out["padding_mask"] = mask
+        if opts.get("mtp_input_ids") is not None:
+            out["mtp_ids"] = opts["mtp_input_ids"].permute(1, 2, 0)  # [D, b, s] -> [b, s, D]
+        return out
+
+    def model_kwargs(self, step) -> dict:
+        kw = {}
+        if "padding_mask" in step.packed:
+            kw["padding_mask"] = step.packed["padding_mask"][None]  # [1, t]
+        if "mtp_ids" in step.packed:
+            kw["mtp_input_ids"] = step.packed["mtp_ids"].T[:, None]  # [D, 1, t]
+        return kw
+
+    def finish(self, out, step):
+        if "mtp_ids" not in step.packed:
+            return out, {}
+        if step.empty:
+            return out, {"mtp_logits": step.unpack(step.tokens(out)[:, None].expand(-1, step.packed["mtp_ids"].shape[1], -1))}
+        logits, depths = out  # [1, t, v], [D, 1, t, v]
+        return logits, {"mtp_logits": step.unpack(depths[:, 0].transpose(0, 1))}  # [t, D, v] -> [b, s, D, v]

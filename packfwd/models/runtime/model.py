@@ -35,7 +35,6 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from packfwd._validate import check_positions
 from packfwd.layout.params import CpPlace, cp_place, with_cp, with_positions
-from packfwd.layout.rules import local_positions
 
 from .cpu import host_collectives, is_host
 from . import mtp
@@ -150,10 +149,8 @@ class PackedGPTModel(GPTModel):
           returns the main logits alone (its MTP layers skipped).  ``mtp_detach_head=True`` (or the config's
           ``mtp_detach_heads``): the MTP logits see the output layer's weight detached (no MTP gradient to it).
         * MoE (THD): ``padding_mask [1, t]`` (True at slots kept from the routers) is used as given; without one,
-          the layout pads of packfwd's params (``ThdInfo.packed_seq_params()``: each sequence's slots beyond its
-          real length, ``cu_seqlens_q`` vs ``cu_seqlens_q_padded``, in this CP rank's zigzag chunks) are derived on
-          the device, so none is routed.  Params whose ``cu_seqlens_q`` hold padded offsets (verl's) show no pads:
-          their caller passes ``padding_mask``.
+          the plan's pads that packfwd's params carry (``ThdInfo.packed_seq_params().layout_pads``), so none is
+          routed.  Params made elsewhere (verl's) carry none: their caller passes ``padding_mask``.
         * ``return_hidden=True``: the last stage returns its final-normed hidden states ``[s, b, h]`` (this rank's
           tokens under sequence parallelism) for a fused head (``packfwd.forward.head``), output and MTP layers skipped.
         """
@@ -172,8 +169,9 @@ class PackedGPTModel(GPTModel):
             packed_seq_params = with_cp(packed_seq_params, cp)
             tokens = self._packed_tokens(input_ids, kwargs)
             position_ids = thd_positions(position_ids, packed_seq_params, tokens, cp.size, cp.rank)
-            if self.config.num_moe_experts and kwargs.get("padding_mask") is None:
-                kwargs["padding_mask"] = layout_pads(packed_seq_params, tokens, cp)
+            pads = getattr(packed_seq_params, "layout_pads", None)  # the plan's (ThdInfo.packed_seq_params())
+            if self.config.num_moe_experts and kwargs.get("padding_mask") is None and pads is not None:
+                kwargs["padding_mask"] = pads
         if self.position_embedding_type == "mrope":  # [3, b, s]; [b, s] or none: three equal coordinates
             position_ids = mrope_positions(position_ids, input_ids if self.pre_process else None,
                                            fill=not thd and attention_mask is None)
@@ -269,32 +267,3 @@ class PackedGPTModel(GPTModel):
         if getattr(self, "mtp_process", False) and (labels is None or input_ids.dim() == 3):
             return mtp.postprocess(self, hidden_states, input_ids, position_ids=position_ids, **kwargs)
         return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-
-
-def layout_pads(params, tokens: int | None, cp: CpPlace):
-    """``[1, tokens]`` bool, True at this CP rank's layout pads of THD ``params``: the slots of each sequence at or
-    beyond its real length (``cu_seqlens_q``) in its padded one (``cu_seqlens_q_padded``), the local slots being
-    ``cp``'s zigzag chunks (:func:`packfwd.layout.rules.local_positions`).  On the device, no host sync.  None
-    where the params give no padded offsets (nothing to tell); ValueError where ``tokens`` is unknown.
-
-    >>> import torch
-    >>> from packfwd.layout import plan_thd
-    >>> info = plan_thd(torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]), cp_size=2, cp_rank=1, seq_align=4)
-    >>> layout_pads(info.packed_seq_params(), info.local_tokens, CpPlace(2, 1)).tolist(), info.padding_mask().tolist()
-    ([[False, False, True, True]], [[False, False, True, True]])
-    """
-    padded = params.cu_seqlens_q_padded
-    if padded is None:
-        return None
-    if tokens is None:
-        raise ValueError("an MoE model's THD forward needs padding_mask [1, t] (True at layout pads) where the packed "
-                         "token count is not known from input_ids, decoder_input or the stage's input tensor")
-    import torch
-
-    if padded.numel() < 2:
-        return torch.zeros(1, tokens, dtype=torch.bool, device=padded.device)
-    starts = padded.to(torch.long) // cp.size  # each sequence's first row in this rank's tensor
-    row = torch.arange(tokens, device=padded.device)
-    seq = torch.searchsorted(starts[1:], row, right=True).clamp_(max=starts.numel() - 2)
-    lengths = params.cu_seqlens_q.to(device=padded.device, dtype=torch.long).diff()
-    return (local_positions(padded, tokens, cp.size, cp.rank) >= lengths[seq])[None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from packfwd._validate import unwrap
+from packfwd.engine.facts import is_value_model as is_value_model  # what the engine reads: ValueHead.value_head
 
 __all__ = ["ValueHead", "is_value_model"]
 
@@ -22,6 +22,8 @@ class ValueHead(torch.nn.Linear):
     torch.Size([3, 2, 1])
     """
 
+    value_head = True  # what packfwd.engine.facts.is_value_model reads
+
     def __init__(self, hidden_size: int, *, bias: bool, dtype: torch.dtype = torch.float32,
                  sequence_parallel: bool = False, tp_group=None):
         super().__init__(hidden_size, 1, bias=bias, dtype=dtype)
@@ -34,15 +36,3 @@ class ValueHead(torch.nn.Linear):
 
             hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
         return super().forward(hidden), None
-
-
-def is_value_model(model: torch.nn.Module) -> bool:
-    """True if ``model`` (possibly wrapped) ends in a :class:`ValueHead`.
-
-    >>> from packfwd.models import ModelArgs, build_model
-    >>> args = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=1, num_attention_heads=4,
-    ...                  value_head=True)
-    >>> is_value_model(build_model(args, init=False)), is_value_model(torch.nn.Linear(2, 2))
-    (True, False)
-    """
-    return isinstance(getattr(unwrap(model), "output_layer", None), ValueHead)

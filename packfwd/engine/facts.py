@@ -1,7 +1,8 @@
-"""What a forward must know about the model it runs, read once per call and checked against the forward's own
-parallel arguments (:func:`model_facts`, :func:`check_cp`), and the model's output for a batch with no real token,
-made without running it (:func:`empty_output`).  ``make_forward``'s guards and the model's own padded-rows path
-(:mod:`packfwd.models.runtime.masked`) both use them.  Imports no Megatron-Core at import time.
+"""What the engine must know about the model it runs, read once per call and checked against the forward's own
+parallel arguments (:func:`model_facts`, :func:`check_cp`); the model's output for a batch with no real token,
+made without running it (:func:`empty_output`); whether the model is a value model or has MoE layers, and the
+refusal of an empty batch under expert parallelism.  Everything is read from the model's attributes (its
+Megatron-Core config, its output layer): no Megatron-Core import at import time, no import of packfwd.models.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from torch import Tensor
 
 from packfwd._validate import unwrap
 
-from .value import is_value_model
 
-__all__ = ["ModelFacts", "check_cp", "empty_output", "model_facts"]
+__all__ = ["ModelFacts", "check_cp", "check_every_ep_rank_runs", "empty_output", "is_moe", "is_value_model", "model_facts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,18 +33,22 @@ class ModelFacts:
     dtype: torch.dtype | None = None
 
 
-def model_facts(model, tp_size: int, cp_size: int) -> ModelFacts:
-    """Read the model's parallel layout and head; raise when the forward's arguments contradict it."""
+def model_facts(model, tp_size: int, cp_size: int, fix: str | None = None) -> ModelFacts:
+    """Read the model's parallel layout and head; raise when the forward's arguments contradict it.  ``fix``:
+    what the caller should do then, where it is not "pass tp_size= / cp_size=" (verl's forwards read the sizes
+    from Megatron's parallel state)."""
     gpt = unwrap(model)
     config = getattr(gpt, "config", None)
     if config is None:
         return ModelFacts(post_process=getattr(gpt, "post_process", True), pre_process=getattr(gpt, "pre_process", True))
     model_tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     if getattr(config, "sequence_parallel", False) and model_tp != tp_size:
-        raise ValueError(f"the model is sequence parallel over {model_tp} ranks; pass tp_size={model_tp} to make_forward")
+        raise ValueError(f"the model is sequence parallel over {model_tp} ranks, the forward runs tp_size={tp_size}; "
+                         + (fix or f"pass tp_size={model_tp} to make_forward"))
     cp = getattr(config, "context_parallel_size", 1)
     if cp != cp_size:
-        raise ValueError(f"the model's context_parallel_size is {cp}; pass cp_size={cp} (and cp_rank, cp_group)")
+        raise ValueError(f"the model's context_parallel_size is {cp}, the forward runs cp_size={cp_size}; "
+                         + (fix or f"pass cp_size={cp} (and cp_rank, cp_group)"))
     post, value = getattr(gpt, "post_process", True), is_value_model(gpt)
     head = getattr(gpt, "output_layer", None)
     group = getattr(head, "tp_group", None)
@@ -118,3 +122,38 @@ def empty_output(model, facts: ModelFacts, shape) -> Tensor:
     if params and torch.is_grad_enabled():
         out = out + sum(p.reshape(-1)[:1].sum() for p in params).to(out.dtype) * 0
     return out
+
+
+def is_value_model(model: torch.nn.Module) -> bool:
+    """True if ``model`` (possibly wrapped) ends in a value head: an output layer that says so
+    (``value_head = True``, as :class:`packfwd.models.runtime.value.ValueHead` does).
+
+    >>> is_value_model(torch.nn.Linear(2, 2))
+    False
+    """
+    return getattr(getattr(unwrap(model), "output_layer", None), "value_head", False) is True
+
+
+def is_moe(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (any wrapper) has MoE layers (its config's ``num_moe_experts``).
+
+    >>> is_moe(torch.nn.Linear(2, 2))
+    False
+    """
+    return bool(getattr(getattr(unwrap(model), "config", None), "num_moe_experts", None))
+
+
+def check_every_ep_rank_runs(model, empty: bool) -> None:
+    """Under expert parallelism every rank's MoE layers exchange tokens with the others, so a rank that skips the
+    model (an empty batch or micro-batch) leaves them waiting, or pairs their exchanges with its next batch's:
+    a ValueError when ``empty`` on an expert-parallel ``model`` (or list of pipeline stages)."""
+    if not empty:
+        return
+    stages = model if isinstance(model, (list, tuple)) else [model]
+    if any((getattr(getattr(unwrap(stage), "config", None), "expert_model_parallel_size", 1) or 1) > 1
+           for stage in stages):
+        raise ValueError(
+            "an empty batch (or micro-batch) on an expert-parallel model: its expert-parallel peers exchange tokens "
+            "in every MoE layer and would wait for this rank; give every expert-parallel rank at least one sequence "
+            "per step (with plan_micro_batches: fewer micro-batches, so none is empty)"
+        )

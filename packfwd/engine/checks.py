@@ -1,7 +1,6 @@
-"""What ``make_forward`` checks before it runs a model: the processor it may call on a vocabulary slice, the ids
-and positions, the processor's results.  The model's parallel layout and head (``ModelFacts``, ``model_facts``,
-``check_cp``) and the output of a batch with no real token (``empty_output``) live with the models
-(:mod:`packfwd.models.runtime.facts`), whose padded-rows path uses them too; they are re-exported here."""
+"""What the engine checks in its planning step: the processor it may call on a vocabulary slice, the ids and
+positions, the processor's results, and (with a ``check_group``) that every rank of the group planned the same
+batch or raises the same error.  The model's own facts are :mod:`packfwd.engine.facts`."""
 
 from __future__ import annotations
 
@@ -14,10 +13,9 @@ from torch import Tensor
 
 from .._validate import check_positions as _check_positions
 from .._validate import unwrap
-from ..models.runtime.facts import ModelFacts as ModelFacts
-from ..models.runtime.facts import check_cp as check_cp
-from ..models.runtime.facts import empty_output as empty_output
-from ..models.runtime.facts import model_facts as model_facts
+from .facts import ModelFacts
+
+__all__ = ["bind_processor", "check_ids", "check_positions", "check_results", "checked_call", "takes"]
 
 
 def bind_processor(processor, facts: ModelFacts):
@@ -61,30 +59,7 @@ def bind_processor(processor, facts: ModelFacts):
     return processor
 
 
-def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, vision: bool) -> None:
-    """The forward's keyword arguments.  With a tensor ``temperature`` and a processor that takes ``real_tokens``
-    (``packfwd.logits``' do), adds ``real_tokens`` (ones like the temperature) to ``processor_args``, the forward's
-    own keyword dict: packed with the other arguments it is False exactly at the layout's padding slots, where the
-    packed temperature holds the layout's fill, so the processor checks the temperature at real tokens only."""
-    if "mtp_loss_mask" in processor_args and not _takes(logits_processor, "mtp_loss_mask"):
-        raise TypeError(
-            "mtp_loss_mask is an argument of the multi-token-prediction forward, which this forward is not; build "
-            "it with make_forward(..., mtp=True) (for a model with MTP layers), or drop mtp_loss_mask"
-        )
-    if "plan" in processor_args:  # the text forward takes plan= itself: here it would reach the processor unused
-        raise TypeError("plan= is not built for the multi-token-prediction forward; pass attention_mask (and "
-                        "seqlens) instead")
-    if processor_args and logits_processor is None:
-        raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
-    if multi_modal_inputs and not vision:
-        raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
-    temperature = processor_args.get("temperature")
-    if (isinstance(temperature, Tensor) and temperature.dim() > 0 and "real_tokens" not in processor_args
-            and _takes(logits_processor, "real_tokens")):
-        processor_args["real_tokens"] = torch.ones_like(temperature, dtype=torch.bool)
-
-
-def _takes(processor, name: str) -> bool:
+def takes(processor, name: str) -> bool:
     """Whether ``processor`` (through ``functools.partial`` layers) has a parameter ``name`` of its own."""
     while isinstance(processor, functools.partial):
         processor = processor.func

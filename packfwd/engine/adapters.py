@@ -1,5 +1,5 @@
-"""How ``make_forward`` packs a batch, its positions and processor arguments, and unpacks the outputs: one class
-per data format (THD, BSHD), each a thin adapter over the layout's plan (``packfwd.layout``).
+"""How the engine packs a batch, its positions and per-token inputs, and unpacks the outputs: one class per data
+format (THD, BSHD), each a thin adapter over the layout's plan (``packfwd.layout``).
 
 ``packfwd.verl``'s forwards use the same adapters in verl's flavour (:mod:`packfwd.verl.layouts`: verl's alignment
 and ``PackedSeqParams``; the nested forward's fixed-width BSHD with its per-row CP split).
@@ -20,7 +20,9 @@ from ..layout.bshd import from_bshd, to_bshd
 from ..layout.rules import check_seq_align
 from ..layout.thd import ThdInfo, from_thd, plan_thd, position_ids as thd_position_ids, to_thd
 from ..layout.positions import pack_positions
-from .guards import check_positions
+from .checks import check_positions
+
+__all__ = ["Bshd", "Thd"]
 
 
 class Thd:
@@ -86,6 +88,10 @@ class Thd:
     def model_kwargs(self, info):
         return {"packed_seq_params": info.packed_seq_params()}
 
+    def padding_mask(self, info):
+        """``[1, t]`` bool, True at the layout's padding slots of this rank (what an MoE model's routers skip)."""
+        return info.padding_mask()
+
     def empty_shape(self, info, post_process):  # the model's output for t = 0, before its last dim
         return (1, info.local_tokens) if post_process else (info.local_tokens, 1)
 
@@ -140,6 +146,10 @@ class Bshd:
     def model_kwargs(self, info):
         return {}
 
+    def padding_mask(self, info):
+        """``[b, s_c]`` bool, True at the padding slots of the compacted rows."""
+        return info.padding_mask()
+
     def empty_shape(self, info, post_process):
         b = info.source.batch_size
         return (b, info.width) if post_process else (info.width, b)
@@ -174,7 +184,7 @@ def _pack_arg(value, input_ids, pack, source):
     if not isinstance(value, Tensor) or value.dim() == 0:
         return value
     b = source.batch_size
-    if input_ids.is_nested:
+    if input_ids is not None and input_ids.is_nested:
         if value.is_nested:
             return pack(value)
         if value.dim() == 1 and value.shape[0] == b:  # per sequence -> per token, jagged like input_ids
@@ -182,7 +192,7 @@ def _pack_arg(value, input_ids, pack, source):
             seq = torch.searchsorted(source.cu_seqlens[1:].to(value.device), token, right=True)
             return pack(torch.nested.nested_tensor_from_jagged(value[seq], source.nested_offsets.to(value.device)))
     else:
-        s = input_ids.shape[1]
+        s = input_ids.shape[1] if input_ids is not None else source.seq_len
         if value.dim() >= 2 and tuple(value.shape[:2]) == (b, s):
             return pack(value)
         if value.dim() == 1 and value.shape[0] == b:
