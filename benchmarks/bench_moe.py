@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     warmup = cfg.warmup or (1 if cfg.smoke else 2)
     timer = Timer(device)
 
-    from packfwd.models.mlp.experts import GroupedExperts, grouped_kernel, set_grouped_experts
+    from packfwd.models.mlp.experts import grouped_kernel, set_grouped_experts
 
     ceiling = matmul_tflops(device, dtype, timer)
     t0 = time.perf_counter()

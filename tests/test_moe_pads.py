@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from packfwd.forward import make_forward
-from packfwd.layout import plan_thd, to_thd
+from packfwd.layout import to_thd
 from packfwd.models import from_hf
 from packfwd.models.runtime import ensure_model_parallel
 from packfwd.verl import gptmodel_forward_model_engine as engine
