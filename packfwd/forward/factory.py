@@ -49,7 +49,7 @@ from .args import check_call_args
 from .deterministic import check_layout as check_guarantees
 from .deterministic import guarded, invariant_seq_align
 from .head import fused_head
-from .moe import MoeAuxLoss
+from .moe import MoeAuxLoss, RoutingReplay
 from .mtp import Mtp
 from .vision import vision_call
 
@@ -115,6 +115,7 @@ def make_forward(
     mtp: bool = False,
     head: str = "logits",
     moe_aux_loss: bool = False,
+    record_routing: bool = False,
     deterministic: bool = False,
     batch_invariant: bool = False,
 ) -> Callable:
@@ -156,6 +157,12 @@ def make_forward(
     ``moe_routing=``; ``run_micro_batches(..., pp_group=...)`` hands it on, its gradient back with the hidden
     states'.  With it or not, an MoE model's routers never route a
     layout pad (the plan's ``padding_mask()``, passed as the model's ``padding_mask``).
+
+    ``record_routing=True`` (an MoE model): the outputs are a dict with ``"routed_experts" [b, s, L, k]`` int64,
+    each real token's experts at each of the model's ``L`` MoE layers in layer order, ``-1`` at padding.  Any
+    forward takes ``routed_experts=`` of that shape (any integer dtype): router replay, each real token of MoE layer
+    ``l`` goes to those experts with the weights the current router gives them (values at padding ignored); with
+    ``record_routing`` it records what it replayed.  See :class:`packfwd.forward.moe.RoutingReplay`.
 
     ``batch_invariant=True`` (CUDA, THD, ``tp_size=1``): a sequence's outputs are the same bits whatever it is
     packed with; ``deterministic=True``: the parameter gradients of a batch are the same bits run after run.  Each
@@ -209,14 +216,14 @@ def make_forward(
         raise ValueError("head='fused' with mtp=True: the fused head asks the model for its final hidden states "
                          "(return_hidden=True), which skips the output layer that every MTP depth's logits come "
                          "from; use head='logits' with mtp=True")
-    extensions = (MoeAuxLoss(),) * moe_aux_loss + (Mtp(),) * mtp
+    extensions = (RoutingReplay(record_routing),) + (MoeAuxLoss(),) * moe_aux_loss + (Mtp(),) * mtp
     engine = Engine(layout, processor=logits_processor, head=fused, extensions=extensions,
                     call=vision_call if vision else text_call, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank,
                     cp_group=cp_group, check_group=check_group)
-    bare = logits_processor is None and not extensions  # the logits alone, not a dict
+    bare = logits_processor is None and not (moe_aux_loss or mtp or record_routing)  # the logits alone, not a dict
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
-                seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, **processor_args):
+                seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, routed_experts=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
         if plan is not None and vision:
             raise TypeError(_NO_VISION_PLAN)
@@ -229,7 +236,7 @@ def make_forward(
                             "drop mtp_loss_mask")
         batch = Batch(input_ids, attention_mask, position_ids, seqlens=seqlens, plan=plan, inputs=processor_args,
                       model_inputs=dict(multi_modal_inputs or {}),
-                      options=dict(moe_routing=moe_routing, mtp_loss_mask=mtp_loss_mask))
+                      options=dict(moe_routing=moe_routing, mtp_loss_mask=mtp_loss_mask, routed_experts=routed_experts))
         result = engine(model, batch)
         if result.outputs is None:  # a stage before the last: hidden states (and routing sums) for the next one
             return result.hand_on

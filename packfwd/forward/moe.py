@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import Tensor
 
 from .._validate import unwrap
 from ..engine import Extension
@@ -69,3 +70,155 @@ class MoeAuxLoss(Extension):
         else:
             torch._assert_async(ok, message)
         return carried
+
+
+class RoutingReplay(Extension):
+    """``make_forward(record_routing=True)`` and the forward's ``routed_experts=``: recorded routing and router
+    replay (:mod:`packfwd.models.mlp.replay`).  ``routed_experts [b, s, L, k]`` (``L``: this model's (stage's) MoE
+    layers in layer order, ``k`` its top-k; jagged like jagged ids) travels with its tokens through the plan like
+    every per-token input; a real token of MoE layer ``l`` goes to the experts ``[b, t, l, :]``, whatever is at
+    padding is ignored.  ``record``: the outputs get ``"routed_experts"`` of that shape, int64, ``-1`` at padding
+    (the replayed experts when replaying)."""
+
+    def __init__(self, record: bool):
+        self.record = record
+
+    def check(self, model, facts, batch) -> None:
+        given = batch.options.get("routed_experts")
+        if given is None and not self.record:
+            return
+        found = _routers(model)
+        what = "routed_experts=" if given is not None else "record_routing=True"
+        if not found:
+            raise ValueError(f"{what} on a model (or pipeline stage) without MoE layers: there is no routing to "
+                             "replay or record; drop it for this model or stage")
+        if given is not None:
+            _check_routed(given, batch, len(found), unwrap(model).config)
+
+    def inputs(self, step) -> dict:
+        given = step.batch.options.get("routed_experts")
+        return {} if given is None else {"routed_experts": given}
+
+    def context(self, step):
+        from ..models.mlp.replay import routing_hooks
+
+        given = step.packed.get("routed_experts")
+        if given is None and not self.record:
+            return None
+        found = _routers(step.model)
+        targets = [None] * len(found)
+        if given is not None:
+            rows = _router_rows(self._sanitised(given, step), step, found[0])  # [n_local, L, k]
+            targets = [rows[:, i] for i in range(len(found))]
+
+        @contextlib.contextmanager
+        def hooked():
+            with routing_hooks(found, targets, self.record) as hooks:
+                step.state[self] = hooks
+                yield
+
+        return hooked()
+
+    def finish(self, out, step):
+        if not self.record:
+            return out, {}
+        hooks = step.state.get(self)
+        if step.empty or hooks is None:  # no model run: nothing routed
+            layers, k = len(_routers(step.model)), unwrap(step.model).config.moe_router_topk
+            rows = torch.zeros(0, layers, k, dtype=torch.long, device=step.ids.device)
+        else:
+            rows = torch.stack([h.recorded for h in hooks], dim=1)  # [n_local, L, k], the routers' row order
+            rows = _token_rows(rows, step, _routers(step.model)[0])
+        return out, {"routed_experts": step.unpack(rows + 1) - 1}  # -1 at padding
+
+    def hand_on(self, out, step):
+        if self.record:
+            raise ValueError("record_routing=True on a pipeline stage before the last: its record would not reach "
+                             "the caller (a stage hands on its hidden states only); record on a whole model, or "
+                             "replay (routed_experts=) on every stage")
+        return out
+
+    @staticmethod
+    def _sanitised(packed: Tensor, step) -> Tensor:
+        """The packed experts with ``0..k-1`` at the layout's padding slots (any valid experts: the router empties
+        those rows), so that garbage never reaches a gather."""
+        pads = step.layout.padding_mask(step.plan).reshape(-1)  # [t'] in token order
+        k = packed.shape[-1]
+        spare = torch.arange(k, device=packed.device).expand_as(packed)
+        return torch.where(pads.to(packed.device)[:, None, None], spare, packed.long())
+
+
+def _routers(model) -> list:
+    from ..models.mlp.moe import routers
+
+    gpt = unwrap(model)
+    return routers(getattr(gpt, "decoder", gpt))
+
+
+def _order(step) -> tuple[int, int]:
+    """``(b, s)`` of the model's hidden states ``[s, b, h]``: the packed ids' ``[b, s]`` (THD ``[1, t]``)."""
+    if step.ids is None:  # a later stage given no ids: THD
+        return 1, step.plan.local_tokens
+    return tuple(step.ids.shape[:2])
+
+
+def _sp(router) -> tuple[int, int, object]:
+    """``(tp size, tp rank, group)`` of the router's sequence-parallel split (1, 0, None without one)."""
+    if not router.config.sequence_parallel or router.tp_group is None or router.tp_group.size() == 1:
+        return 1, 0, None
+    return router.tp_group.size(), router.tp_group.rank(), router.tp_group
+
+
+def _router_rows(packed: Tensor, step, router) -> Tensor:
+    """``[t', ...]`` in the layout's token order -> the router's rows: ``[s, b]`` order, this TP rank's share."""
+    b, s = _order(step)
+    rows = packed.reshape(b, s, *packed.shape[1:]).transpose(0, 1).reshape(b * s, *packed.shape[1:])
+    tp, rank, _ = _sp(router)
+    n = rows.shape[0] // tp
+    return rows[rank * n:(rank + 1) * n]
+
+
+def _token_rows(rows: Tensor, step, router) -> Tensor:
+    """The inverse of :func:`_router_rows`: every TP rank's share gathered, back to the token order."""
+    tp, _, group = _sp(router)
+    if tp > 1:
+        parts = [torch.empty_like(rows) for _ in range(tp)]
+        torch.distributed.all_gather(parts, rows.contiguous(), group=group)
+        rows = torch.cat(parts)
+    b, s = _order(step)
+    return rows.reshape(s, b, *rows.shape[1:]).transpose(0, 1).reshape(b * s, *rows.shape[1:])
+
+
+def _check_routed(given, batch, layers: int, config) -> None:
+    """``routed_experts``: integer ``[b, s, L, k]`` (jagged ``[b, j, L, k]``) with, at every real token, ``k``
+    distinct experts in ``[0, E)``; eagerly on the CPU, with ``torch._assert_async`` on CUDA."""
+    k, experts = config.moe_router_topk, config.num_moe_experts
+    if not isinstance(given, Tensor) or given.dtype.is_floating_point or given.dtype == torch.bool:
+        got = given.dtype if isinstance(given, Tensor) else type(given).__name__
+        raise TypeError(f"routed_experts must be an integer tensor [b, s, {layers}, {k}] (expert ids), got {got}")
+    ids = batch.input_ids
+    want = (*ids.shape[:2], layers, k) if not ids.is_nested else None
+    shape = tuple(given.shape) if not given.is_nested else (given.shape[0], None, *given.shape[2:])
+    if (want is not None and shape != want) or (want is None and (not given.is_nested or shape[2:] != (layers, k))):
+        raise ValueError(f"routed_experts has shape {shape}; pass [b, s, L, k] = "
+                         f"{list(want) if want else ['b', 'j', layers, k]}: this model's {layers} MoE layers in layer "
+                         f"order, its top-{k} experts per token (jagged like input_ids for jagged ids)")
+    if given.is_nested:
+        real = given.values()
+    else:
+        mask = batch.attention_mask
+        real = given if mask is None else given[mask.to(given.device).bool()]
+    if real.numel() == 0:
+        return
+    in_range = ((real >= 0) & (real < experts)).all()
+    ordered = real.sort(-1).values
+    distinct = (ordered[..., 1:] != ordered[..., :-1]).all()
+    fix = f"pass, at every real token and MoE layer, {k} distinct expert ids in [0, {experts})"
+    if real.device.type != "cpu":
+        torch._assert_async(in_range & distinct, f"routed_experts: an expert id out of range or repeated; {fix}")
+        return
+    if not bool(in_range):
+        raise ValueError(f"routed_experts holds expert ids in [{int(real.min())}, {int(real.max())}] at real tokens, "
+                         f"outside [0, {experts}); {fix}")
+    if not bool(distinct):
+        raise ValueError(f"routed_experts repeats an expert within a token's {k} at a real token; {fix}")

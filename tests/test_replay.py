@@ -1,0 +1,237 @@
+"""Router replay and recorded routing: ``make_forward(record_routing=True)`` and the forward's ``routed_experts=``.
+
+Strategy.  transformers is the oracle, run one sequence at a time.  Recording: each real token's recorded experts
+are transformers' own top-k of that sequence alone (as sets; -1 at padding), in THD, THD aligned, BSHD and jagged.
+Replay: the router weights are then changed (an "update"), which moves some tokens to other experts; the replayed
+forward's logits equal transformers run per sequence with its router forced to the recorded experts (its weights
+computed as the family computes them for its own choice), in THD and BSHD, with garbage at padding.  The aux loss
+under replay equals a hand computation of transformers' formula on the replayed assignments.  Bad input is refused
+naming ``routed_experts``.  Families: Mixtral (softmax, top-k renormalised) and Qwen3-MoE without renormalisation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packfwd.forward import make_forward
+from packfwd.models import from_hf
+
+from .test_moe import hf_model, ragged_batch
+
+LAYOUTS = [("thd", {}), ("thd", {"seq_align": 8}), ("bshd", {})]
+NAMES = ["mixtral", "qwen3_moe-unnormalised-step2"]
+
+
+def hf_moe_blocks(hf):
+    return [layer.mlp for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
+
+
+def hf_topk(hf, ids, mask):
+    """transformers' own top-k per real token, sequence by sequence: ``[b, s, L, k]`` (-1 at padding)."""
+    blocks = hf_moe_blocks(hf)
+    k = hf.config.num_experts_per_tok
+    out = torch.full((*ids.shape, len(blocks), k), -1)
+    for i in range(ids.shape[0]):
+        if not mask[i].any():
+            continue
+        picked = []
+        hooks = [b.gate.register_forward_hook(lambda m, a, o: picked.append(o[2])) for b in blocks]
+        try:
+            with torch.no_grad():
+                hf(ids[i][mask[i]][None])
+        finally:
+            for h in hooks:
+                h.remove()
+        out[i, mask[i]] = torch.stack(picked, 1)
+    return out
+
+
+def hf_forced(hf, ids, mask, routed):
+    """transformers' logits per sequence with every MoE layer's router forced to ``routed``'s experts: the family's
+    weights for them (softmax over all experts gathered, renormalised over the k when the family does)."""
+    blocks = hf_moe_blocks(hf)
+    normalise = getattr(hf.config, "norm_topk_prob", True)  # Mixtral always renormalises
+    out = torch.zeros(*ids.shape, hf.config.vocab_size, dtype=torch.float64)
+    for i in range(ids.shape[0]):
+        if not mask[i].any():
+            continue
+        saved = [b.gate.forward for b in blocks]
+        for layer, b in enumerate(blocks):
+            def forced(hidden, gate=b.gate, idx=routed[i][mask[i]][:, layer]):
+                hidden = hidden.reshape(-1, gate.weight.shape[1])
+                logits = torch.nn.functional.linear(hidden, gate.weight)
+                probs = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+                if normalise:
+                    probs = probs / probs.sum(-1, keepdim=True)
+                return logits, probs.to(logits.dtype), idx
+            b.gate.forward = forced
+        try:
+            with torch.no_grad():
+                out[i, mask[i]] = hf(ids[i][mask[i]][None]).logits[0].double()
+        finally:
+            for b, f in zip(blocks, saved):
+                b.gate.forward = f
+    return out
+
+
+def updated(hf, scale=3.0, seed=1):
+    """The same model after an "update" of its routers (large enough to move tokens to other experts)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in hf_moe_blocks(hf):
+            b.gate.weight.add_(scale * torch.randn(b.gate.weight.shape, generator=g, dtype=b.gate.weight.dtype))
+    return hf
+
+
+def as_sets(r):
+    return r.sort(-1).values
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("data_format, layout", LAYOUTS)
+def test_recorded_routing_is_transformers_topk(name, data_format, layout):
+    hf = hf_model(name)
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        got = make_forward(data_format, record_routing=True, **layout)(model, ids, mask)["routed_experts"]
+    want = hf_topk(hf, ids, mask)
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    assert (got[~mask] == -1).all()
+    assert torch.equal(as_sets(got[mask]), as_sets(want[mask]))
+
+
+def test_recorded_routing_jagged_in_jagged_out():
+    hf = hf_model("mixtral")
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    nested = torch.nested.nested_tensor([ids[i][mask[i]] for i in range(4)], layout=torch.jagged)
+    with torch.no_grad():
+        got = make_forward("thd", record_routing=True)(model, nested)["routed_experts"]
+    assert got.is_nested and torch.equal(got.offsets(), nested.offsets())
+    assert torch.equal(as_sets(got.values()), as_sets(hf_topk(hf, ids, mask)[mask]))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("data_format, layout", LAYOUTS)
+def test_replay_after_an_update_equals_transformers_forced(name, data_format, layout):
+    hf = hf_model(name)
+    ids, mask = ragged_batch()
+    forward = make_forward(data_format, record_routing=True, **layout)
+    with torch.no_grad():
+        recorded = forward(from_hf(hf), ids, mask)["routed_experts"]
+    hf = updated(hf)
+    model = from_hf(hf)
+    with torch.no_grad():
+        free = forward(model, ids, mask)["routed_experts"]
+        assert not torch.equal(as_sets(free[mask]), as_sets(recorded[mask]))  # the update moved some tokens
+        garbage = recorded.masked_fill(~mask[..., None, None], 99)  # padding values are ignored, whatever they are
+        out = forward(model, ids, mask, routed_experts=garbage.to(torch.int32))
+    assert torch.equal(out["routed_experts"], recorded)  # recording while replaying returns the replayed experts
+    want = hf_forced(hf, ids, mask, recorded)
+    torch.testing.assert_close(out["logits"][mask].double(), want[mask], atol=1e-5, rtol=1e-5)
+    assert not out["logits"][~mask].any()
+
+
+def test_replay_gives_the_router_its_gradient():
+    """The router learns through the replayed experts' weights: its gradient is nonzero and equals the gradient
+    through transformers' forced routing."""
+    hf = hf_model("mixtral")
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        recorded = make_forward("thd", record_routing=True)(from_hf(hf), ids, mask)["routed_experts"]
+    hf = updated(hf)
+    model = from_hf(hf)
+    weights = torch.randn(*ids.shape, hf.config.vocab_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    logits = make_forward("thd")(model, ids, mask, routed_experts=recorded)
+    (logits.double() * weights)[mask].sum().backward()
+    hf_forced_loss = 0.0
+    blocks = hf_moe_blocks(hf)
+    for b in blocks:
+        b.gate.weight.grad = None
+    with torch.enable_grad():
+        for i in range(ids.shape[0]):
+            saved = [b.gate.forward for b in blocks]
+            for layer, b in enumerate(blocks):
+                def forced(hidden, gate=b.gate, idx=recorded[i][mask[i]][:, layer]):
+                    hidden = hidden.reshape(-1, gate.weight.shape[1])
+                    lg = torch.nn.functional.linear(hidden, gate.weight)
+                    p = torch.softmax(lg.float(), dim=-1).gather(1, idx)
+                    return lg, (p / p.sum(-1, keepdim=True)).to(lg.dtype), idx
+                b.gate.forward = forced
+            try:
+                out = hf(ids[i][mask[i]][None]).logits[0].double()
+                hf_forced_loss = hf_forced_loss + (out * weights[i][mask[i]]).sum()
+            finally:
+                for b, f in zip(blocks, saved):
+                    b.gate.forward = f
+        hf_forced_loss.backward()
+    routers = [m for m in model.modules() if type(m).__name__ == "PackedRouter"]
+    assert len(routers) == len(blocks)
+    for r, b in zip(routers, blocks):
+        assert r.weight.grad.abs().sum() > 0
+        torch.testing.assert_close(r.weight.grad.double(), b.gate.weight.grad.double(), atol=5e-5, rtol=1e-4)  # float32
+
+
+def test_aux_loss_under_replay_is_the_hand_computation():
+    """``moe_aux_loss`` with ``routed_experts``: transformers' formula (its ``load_balancing_loss_func``) on the
+    replayed assignments against the current probabilities, over the real tokens."""
+    hf = hf_model("mixtral")
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        recorded = make_forward("thd", record_routing=True)(from_hf(hf), ids, mask)["routed_experts"]
+    hf = updated(hf)
+    model = from_hf(hf)
+    with torch.no_grad():
+        got = make_forward("thd", moe_aux_loss=True)(model, ids, mask, routed_experts=recorded)["moe_aux_loss"]
+        logits = []  # every MoE layer's router logits of the real tokens, transformers' forced forward
+        blocks = hf_moe_blocks(hf)
+        hooks = [b.gate.register_forward_hook(lambda m, a, o: logits.append(o[0])) for b in blocks]
+        try:
+            hf_forced(hf, ids, mask, recorded)
+        finally:
+            for h in hooks:
+                h.remove()
+    layers, experts = len(blocks), hf.config.num_local_experts
+    per_layer = [torch.cat([logits[i * layers + l] for i in range(len(logits) // layers)]) for l in range(layers)]
+    probs = torch.cat([torch.softmax(x.double(), -1) for x in per_layer])  # [layers * t, E]
+    chosen = torch.cat([recorded[mask][:, l] for l in range(layers)])  # [layers * t, k]
+    one_hot = torch.nn.functional.one_hot(chosen, experts).double()  # [layers * t, k, E]
+    want = (one_hot.mean(0) * probs.mean(0)[None]).sum() * experts
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)  # float32 model
+    with torch.no_grad():  # control: the free routing's loss (what it would be without replay) is another number
+        free = make_forward("thd", moe_aux_loss=True)(model, ids, mask)["moe_aux_loss"]
+    assert abs(float(free) - float(want)) > 1e-4
+
+
+def test_bad_routed_experts_name_the_argument():
+    hf = hf_model("mixtral")
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    forward = make_forward("thd")
+    with torch.no_grad():
+        good = make_forward("thd", record_routing=True)(model, ids, mask)["routed_experts"]
+    layers, k = good.shape[-2:]
+    with pytest.raises(ValueError, match=r"routed_experts has shape .* pass \[b, s, L, k\]"):
+        forward(model, ids, mask, routed_experts=good[..., :1, :])
+    with pytest.raises(TypeError, match="routed_experts must be an integer tensor"):
+        forward(model, ids, mask, routed_experts=good.float())
+    bad = good.clone()
+    bad[0, 0, 0, 0] = 4  # 4 experts: ids in [0, 4)
+    with pytest.raises(ValueError, match=r"routed_experts holds expert ids .* outside \[0, 4\)"):
+        forward(model, ids, mask, routed_experts=bad)
+    bad = good.clone()
+    bad[0, 0, 0, 1] = bad[0, 0, 0, 0]
+    with pytest.raises(ValueError, match="routed_experts repeats an expert"):
+        forward(model, ids, mask, routed_experts=bad)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from .test_moe import TINY, randomise
+
+    dense = from_hf(randomise(Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY, intermediate_size=48, num_experts=4,
+                                                                   mlp_only_layers=[0, 1, 2]))))
+    with pytest.raises(ValueError, match="routed_experts= on a model .* without MoE layers"):
+        forward(dense, ids, mask, routed_experts=good)
+    with pytest.raises(ValueError, match="record_routing=True on a model .* without MoE layers"):
+        make_forward("thd", record_routing=True)(dense, ids, mask)
