@@ -235,3 +235,57 @@ def test_bad_routed_experts_name_the_argument():
         forward(dense, ids, mask, routed_experts=good)
     with pytest.raises(ValueError, match="record_routing=True on a model .* without MoE layers"):
         make_forward("thd", record_routing=True)(dense, ids, mask)
+
+
+def _parallel_worker(rank: int, world: int, hf, layouts, recorded, update):
+    """Per layout ``(name, tp, cp)`` (TP with sequence parallelism): this rank's recording of the model and its
+    replay of ``recorded`` on the updated model (``update``: the updated state dict)."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ids, mask = ragged_batch()
+    original = {k: v.clone() for k, v in hf.state_dict().items()}
+    results = {}
+    for name, tp, cp in layouts:
+        hf.load_state_dict(original)
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ensure_model_parallel(tp_size=tp, cp_size=cp)
+        tp_rank, cp_rank = ps.get_tensor_model_parallel_rank(), ps.get_context_parallel_rank()
+        forward = make_forward("thd", tp_size=tp, cp_size=cp, cp_rank=cp_rank, record_routing=True,
+                               cp_group=ps.get_context_parallel_group() if cp > 1 else None)
+        with torch.no_grad():
+            record = forward(from_hf(hf, tp_size=tp, tp_rank=tp_rank, sequence_parallel=tp > 1), ids, mask)
+            hf.load_state_dict(update)
+            model = from_hf(hf, tp_size=tp, tp_rank=tp_rank, sequence_parallel=tp > 1)
+            replay = forward(model, ids, mask, routed_experts=recorded)
+        results[name] = dict(record=record["routed_experts"], replay=replay["routed_experts"],
+                             logits=replay["logits"])
+    ps.destroy_model_parallel()
+    return results
+
+
+def test_tp2_sp_and_cp2_over_gloo_equal_one_process():
+    """Sequence-parallel TP=2 (each rank routes its half of the tokens) and CP=2 (each rank its zigzag share):
+    every rank's record is the one process's, and replaying it on the updated model gives its logits."""
+    import copy
+
+    from packfwd.testing import run_local
+
+    hf = hf_model("mixtral")
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", record_routing=True)
+    with torch.no_grad():
+        recorded = forward(from_hf(hf), ids, mask)["routed_experts"]
+        new = updated(copy.deepcopy(hf))
+        want = forward(from_hf(new), ids, mask, routed_experts=recorded)["logits"]
+    ranks = run_local(_parallel_worker, 2, hf, [("tp2_sp", 2, 1), ("cp2", 1, 2)], recorded, new.state_dict(),
+                      backend="gloo", timeout=300)
+    for layout in ("tp2_sp", "cp2"):
+        for r in ranks:
+            assert torch.equal(r[layout]["record"], recorded), layout
+            assert torch.equal(r[layout]["replay"], recorded), layout
+    torch.testing.assert_close(torch.cat([r["tp2_sp"]["logits"] for r in ranks], -1), want, atol=1e-5, rtol=1e-5)
+    for r in ranks:
+        torch.testing.assert_close(r["cp2"]["logits"], want, atol=1e-5, rtol=1e-5)
