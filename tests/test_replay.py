@@ -289,3 +289,23 @@ def test_tp2_sp_and_cp2_over_gloo_equal_one_process():
     torch.testing.assert_close(torch.cat([r["tp2_sp"]["logits"] for r in ranks], -1), want, atol=1e-5, rtol=1e-5)
     for r in ranks:
         torch.testing.assert_close(r["cp2"]["logits"], want, atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_slice_the_routing_like_every_per_token_input():
+    """``run_micro_batches(..., routed_experts=R)``: each micro-batch replays its rows of ``R`` (cut like every
+    per-token argument), and a recording forward's record comes back in the caller's row order: the whole batch's."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    hf = hf_model("mixtral")
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", record_routing=True)
+    with torch.no_grad():
+        recorded = forward(from_hf(hf), ids, mask)["routed_experts"]
+        model = from_hf(updated(hf))
+        want = forward(model, ids, mask, routed_experts=recorded)
+        plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=12, **forward.layout.plan_args)
+        assert sum(len(mb) > 0 for mb in plan.micro_batches[0]) > 1  # several micro-batches
+        got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, routed_experts=recorded)
+    assert got.rows == list(range(ids.shape[0]))
+    assert torch.equal(got.outputs["routed_experts"], recorded)
+    torch.testing.assert_close(got.outputs["logits"], want["logits"], atol=1e-6, rtol=1e-6)
