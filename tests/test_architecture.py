@@ -1,4 +1,4 @@
-"""The package's shape, as the README's architecture section states it, checked on the source.
+"""The package's shape, as docs/architecture.md states it, checked on the source.
 
 * imports flow one way: every top-level package sits on a floor of :data:`FLOORS` and imports only its own
   modules (its sub-packages included: ``models/mixers/`` is on ``models``' floor) and packages on lower floors,

@@ -5,7 +5,7 @@ real tokens; the expert load (tokens handed to each expert, read where Megatron-
 tests/test_moe.py measures it) must be ``3 * 2 * 21 = 126`` however many layout pads the packing adds: verl's
 engine forward with a length bucket, verl's padded forward's THD call under verl's TP alignment and a length
 bucket (the call ``model_forward_gen`` builds, run on the tp=1 model), and the model called directly with
-packfwd's own ``PackedSeqParams`` (the README's low-level path).  GLM-4.5's expert-bias token counts
+packfwd's own ``PackedSeqParams`` (the low-level path).  GLM-4.5's expert-bias token counts
 (``local_tokens_per_expert``) likewise.  The mask the model derives from packfwd's params equals the plan's, per
 CP rank.  Before the fix the engine with the bucket routed 384 slots, the direct call 240, and the padded
 forward's THD call carried no mask.

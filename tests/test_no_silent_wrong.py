@@ -222,7 +222,7 @@ def test_packfwd_processors_get_the_model_tp_group():
 
 
 def _tp_rank(rank, world_size, hf):
-    """Rank side of the TP test: the README's forward on a TP=2 shard, processor unbound."""
+    """Rank side of the TP test: the documented forward on a TP=2 shard, processor unbound."""
     from megatron.core import parallel_state as ps
 
     from packfwd.models.runtime import ensure_model_parallel
@@ -237,7 +237,7 @@ def _tp_rank(rank, world_size, hf):
 
 
 def test_tensor_parallel_log_probs_are_full_vocabulary():
-    """The README's ``make_forward('thd', logits_processor=log_probs_and_entropy)`` on a TP=2 model: each rank's
+    """The documented ``make_forward('thd', logits_processor=log_probs_and_entropy)`` (docs/models.md) on a TP=2 model: each rank's
     log-probs and entropy equal the single-process model's (fp32, atol 2e-5)."""
     from packfwd.testing import run_local
 

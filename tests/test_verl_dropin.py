@@ -8,7 +8,7 @@ Outputs must agree, and so must the parameter gradients of one fixed weighted su
 Megatron-Core's GPTModel, so verl's functions run unchanged on the CPU; two thin views (:class:`AsMegatron`) stand
 in where the packfwd model differs from a TE-backed GPTModel (see its docstring).
 
-Where packfwd deliberately differs from verl (README, "Where packfwd.verl differs from verl"), the test checks
+Where packfwd deliberately differs from verl (docs/verl.md, "Where packfwd.verl differs from verl"), the test checks
 packfwd's result instead: in the nested forward the label at each sequence's last token is 0 (verl's rolls across
 the sequence boundary), so the log-probs there are compared with ``log_softmax(logits)[0]`` and left out of the
 gradient's loss; a Qwen2.5-VL video (whose timing and positions verl drops) is compared with transformers.

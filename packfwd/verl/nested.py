@@ -14,7 +14,7 @@ Signature and results of verl 0.9.1's ``verl.models.mcore.model_forward.gptmodel
 Processor arguments are jagged like ``input_ids`` and packed the same way; ``"label"`` is first replaced by each
 token's next token *in its own sequence* (0 at each sequence's last token), ``"loss_mask"`` and
 ``"response_attention_mask"`` are not passed on (verl pops them; packfwd leaves the caller's dict alone).
-Differences from verl: the README's "Coming from verl".
+Differences from verl: docs/verl.md.
 
 The forward is packfwd's engine (:class:`packfwd.engine.Engine`) with verl's layouts (:mod:`packfwd.verl.layouts`:
 ``VerlThd``, ``VerlBshd``), verl's calling conventions (:func:`_thd_call`, :func:`_bshd_call`; the processor called in

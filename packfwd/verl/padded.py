@@ -15,7 +15,7 @@ The returned ``model_forward`` has the signature and results of verl 0.9.1's
 With ``logits_processor``, it is called as verl calls it: ``logits_processor(output [1, t, v] (THD) or
 [b, w, v] (BSHD), **args)`` where each tensor of ``logits_processor_args`` (``[b, s, ...]``) is packed the same
 way; each tensor of the dict it returns is unpacked to ``[b, s, ...]``.  A pipeline stage without the output layer
-(``post_process`` False) returns the model's output as is.  Differences from verl: the README's "Coming from verl".
+(``post_process`` False) returns the model's output as is.  Differences from verl: docs/verl.md.
 
 The forward is packfwd's engine (:class:`packfwd.engine.Engine`) with verl's layouts (:mod:`packfwd.verl.layouts`:
 THD ``VerlThd``, BSHD the engine's own ``Bshd``), verl's calling conventions (:func:`_verl_call`; the processor
