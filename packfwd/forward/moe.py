@@ -204,21 +204,26 @@ def _check_routed(given, batch, layers: int, config) -> None:
                          f"{list(want) if want else ['b', 'j', layers, k]}: this model's {layers} MoE layers in layer "
                          f"order, its top-{k} experts per token (jagged like input_ids for jagged ids)")
     if given.is_nested:
-        real = given.values()
-    else:
-        mask = batch.attention_mask
-        real = given if mask is None else given[mask.to(given.device).bool()]
-    if real.numel() == 0:
+        values, real = given.values(), None  # every value is a real token's
+    else:  # no boolean indexing (a host sync): padding passes every check
+        mask = batch.attention_mask if batch.plan is None else batch.plan.source.mask
+        values = given
+        real = None if mask is None else mask.to(device=given.device, dtype=torch.bool)[..., None, None]
+    if values.numel() == 0:
         return
-    in_range = ((real >= 0) & (real < experts)).all()
-    ordered = real.sort(-1).values
-    distinct = (ordered[..., 1:] != ordered[..., :-1]).all()
+    ordered = values.sort(-1).values
+    in_range = (ordered[..., :1] >= 0) & (ordered[..., -1:] < experts)
+    distinct = (ordered[..., 1:] != ordered[..., :-1]).all(-1, keepdim=True)
+    if real is not None:
+        in_range, distinct = in_range | ~real, distinct | ~real
+    in_range, distinct = in_range.all(), distinct.all()
     fix = f"pass, at every real token and MoE layer, {k} distinct expert ids in [0, {experts})"
-    if real.device.type != "cpu":
+    if values.device.type != "cpu":
         torch._assert_async(in_range & distinct, f"routed_experts: an expert id out of range or repeated; {fix}")
         return
     if not bool(in_range):
-        raise ValueError(f"routed_experts holds expert ids in [{int(real.min())}, {int(real.max())}] at real tokens, "
-                         f"outside [0, {experts}); {fix}")
+        at_real = values if real is None else values[real.expand_as(values)]
+        raise ValueError(f"routed_experts holds expert ids in [{int(at_real.min())}, {int(at_real.max())}] at real "
+                         f"tokens, outside [0, {experts}); {fix}")
     if not bool(distinct):
         raise ValueError(f"routed_experts repeats an expert within a token's {k} at a real token; {fix}")
