@@ -11,6 +11,8 @@ naming ``routed_experts``.  Families: Mixtral (softmax, top-k renormalised) and 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -47,31 +49,36 @@ def hf_topk(hf, ids, mask):
     return out
 
 
-def hf_forced(hf, ids, mask, routed):
-    """transformers' logits per sequence with every MoE layer's router forced to ``routed``'s experts: the family's
+@contextlib.contextmanager
+def forced_routers(hf, routed_row):
+    """transformers' MoE routers forced to ``routed_row [n, L, k]`` (one sequence's real tokens): the family's
     weights for them (softmax over all experts gathered, renormalised over the k when the family does)."""
     blocks = hf_moe_blocks(hf)
     normalise = getattr(hf.config, "norm_topk_prob", True)  # Mixtral always renormalises
+    saved = [b.gate.forward for b in blocks]
+    for layer, b in enumerate(blocks):
+        def forced(hidden, gate=b.gate, idx=routed_row[:, layer]):
+            hidden = hidden.reshape(-1, gate.weight.shape[1])
+            logits = torch.nn.functional.linear(hidden, gate.weight)
+            probs = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+            if normalise:
+                probs = probs / probs.sum(-1, keepdim=True)
+            return logits, probs.to(logits.dtype), idx
+        b.gate.forward = forced
+    try:
+        yield
+    finally:
+        for b, f in zip(blocks, saved):
+            b.gate.forward = f
+
+
+def hf_forced(hf, ids, mask, routed):
+    """transformers' logits per sequence with its routers forced to ``routed`` (:func:`forced_routers`)."""
     out = torch.zeros(*ids.shape, hf.config.vocab_size, dtype=torch.float64)
     for i in range(ids.shape[0]):
-        if not mask[i].any():
-            continue
-        saved = [b.gate.forward for b in blocks]
-        for layer, b in enumerate(blocks):
-            def forced(hidden, gate=b.gate, idx=routed[i][mask[i]][:, layer]):
-                hidden = hidden.reshape(-1, gate.weight.shape[1])
-                logits = torch.nn.functional.linear(hidden, gate.weight)
-                probs = torch.softmax(logits.float(), dim=-1).gather(1, idx)
-                if normalise:
-                    probs = probs / probs.sum(-1, keepdim=True)
-                return logits, probs.to(logits.dtype), idx
-            b.gate.forward = forced
-        try:
-            with torch.no_grad():
+        if mask[i].any():
+            with forced_routers(hf, routed[i][mask[i]]):
                 out[i, mask[i]] = hf(ids[i][mask[i]][None]).logits[0].double()
-        finally:
-            for b, f in zip(blocks, saved):
-                b.gate.forward = f
     return out
 
 
@@ -146,27 +153,10 @@ def test_replay_gives_the_router_its_gradient():
     weights = torch.randn(*ids.shape, hf.config.vocab_size, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     logits = make_forward("thd")(model, ids, mask, routed_experts=recorded)
     (logits.double() * weights)[mask].sum().backward()
-    hf_forced_loss = 0.0
     blocks = hf_moe_blocks(hf)
     for b in blocks:
         b.gate.weight.grad = None
-    with torch.enable_grad():
-        for i in range(ids.shape[0]):
-            saved = [b.gate.forward for b in blocks]
-            for layer, b in enumerate(blocks):
-                def forced(hidden, gate=b.gate, idx=recorded[i][mask[i]][:, layer]):
-                    hidden = hidden.reshape(-1, gate.weight.shape[1])
-                    lg = torch.nn.functional.linear(hidden, gate.weight)
-                    p = torch.softmax(lg.float(), dim=-1).gather(1, idx)
-                    return lg, (p / p.sum(-1, keepdim=True)).to(lg.dtype), idx
-                b.gate.forward = forced
-            try:
-                out = hf(ids[i][mask[i]][None]).logits[0].double()
-                hf_forced_loss = hf_forced_loss + (out * weights[i][mask[i]]).sum()
-            finally:
-                for b, f in zip(blocks, saved):
-                    b.gate.forward = f
-        hf_forced_loss.backward()
+    (hf_forced(hf, ids, mask, recorded) * weights)[mask].sum().backward()
     routers = [m for m in model.modules() if type(m).__name__ == "PackedRouter"]
     assert len(routers) == len(blocks)
     for r, b in zip(routers, blocks):
