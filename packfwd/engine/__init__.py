@@ -3,7 +3,12 @@ extensions, unpack.  ``make_forward``, the multi-token-prediction and vision for
 call and both verl forwards are argument translation around :class:`Engine`.
 
 Also here: the layout adapters it packs with (:mod:`~packfwd.engine.adapters`), what it reads of a model
-(:mod:`~packfwd.engine.facts`) and its eager checks (:mod:`~packfwd.engine.checks`).  Imports no Megatron-Core and
+(:mod:`~packfwd.engine.facts`) and its eager checks (:mod:`~packfwd.engine.checks`).
+
+Public: ``Engine`` and what it passes around (``Batch``, ``Step``, ``Result``), the ``Extension`` protocol; the
+adapters ``Thd`` and ``Bshd``; ``model_facts`` / ``ModelFacts``, ``is_value_model``, ``is_moe``, ``empty_output``;
+``text_call`` (the model keywords of a text batch) and ``router_padding`` (the model's ``padding_mask``: the
+layout's pads, kept from an MoE model's routers).  Imports no Megatron-Core and
 no ``packfwd.models``: the models' padded-rows call runs on it.
 """
 

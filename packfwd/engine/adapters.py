@@ -26,6 +26,9 @@ __all__ = ["Bshd", "Thd"]
 
 
 class Thd:
+    """The THD adapter: plans with ``plan_thd`` (this rank's zigzag share under CP), packs to one ``[1, t]`` row
+    with ``PackedSeqParams``, gathers every CP rank's outputs over ``cp_group`` before unpacking."""
+
     def __init__(self, tp_size, cp_size, cp_rank, cp_group, seq_align):
         self.kw = dict(tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, seq_align=seq_align)
         self.cp_group = cp_group
@@ -120,6 +123,9 @@ class Thd:
 
 
 class Bshd:
+    """The BSHD adapter: each row's real tokens moved left into ``[b, s_c]`` (``to_bshd``), ``s_c`` rounded up to
+    ``tp_size``; no plan made ahead, no CP."""
+
     def __init__(self, tp_size):
         self.tp_size = tp_size
 
