@@ -1,26 +1,63 @@
-# Every target sets itself up: a .venv in the repo, CPU torch first (a plain `torch` request could
-# pull a multi-GB CUDA build), then packfwd in editable mode with its test extra.
-VENV   := .venv
-PY     := $(VENV)/bin/python
-TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.packfwd-installed
+# Every target sets itself up.  `make test` builds two environments in the repository, each once (a stamp file
+# records it), and tests in both:
+#
+#   .venv-3.12  Python 3.12, torch 2.13.0, megatron-core 0.19.2 (the version every GPU number in RESULTS ran on),
+#               the newest transformers: ruff, the whole suite, the kernels in Triton's interpreter, the notebooks.
+#   .venv       Python 3.11, torch 2.13.0, megatron-core 0.16.1, transformers 5.17.0 (pyproject's floors; the newest
+#               megatron-core for 3.11): the suite again, less FLOOR_SKIP.  `make demo` and the benchmarks use it.
+#
+# torch: the CPU build where one can be had.  pip is asked for $(TORCH) with $(CPU_INDEX) as an extra index when
+# that index answers (a stock machine), and the CPU build there wins (2.13.0+cpu sorts above 2.13.0).  Where it does
+# not answer (this project's machines and CI reach package registries only), pip takes a wheel lying on the machine
+# (here: the CPU build for Python 3.11) or else PyPI's, which for Linux is the CUDA build: for Python 3.12 here,
+# 527 MB plus 4.2 GB of nvidia-* libraries, about a minute; it runs on the CPU all the same.  The install prints
+# which build it got.  Other versions: make test TORCH=torch==2.11.0 MCORE=megatron-core==0.18.0.
+PY      := .venv-3.12/bin/python
+FLOOR   := .venv/bin/python
+TORCH   ?= torch==2.13.0
+MCORE   ?= megatron-core==0.19.2
+MCORE_FLOOR        ?= megatron-core==0.16.1
+TRANSFORMERS_FLOOR ?= transformers==5.17.0
+CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# pytest-xdist: two workers (CI has 2 cores), a test file's tests on one worker (module fixtures are built once)
+XDIST   ?= -n 2 --dist loadfile
 
-.PHONY: demo test test-thorough bench bench-smoke clean
+# The first interpreter of version $(1) that runs: python$(1) on PATH, then pyenv's.
+find_python = $(firstword $(foreach p,python$(1) $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python3),\
+	$(shell $(p) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma),$(1))))' 2>/dev/null && echo $(p))))
+comma := ,
+PYTHON312 ?= $(call find_python,3.12)
+PYTHON311 ?= $(call find_python,3.11)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+.PHONY: demo lint test test-main test-floor test-thorough bench bench-smoke clean
+
+# $(call install,VENV,PYTHON,VERSION,PACKAGES): the venv with torch, packfwd[test] and PACKAGES, verl and mbridge.
+define install
+	@test -n "$(2)" || { echo "no Python $(3) found: install it (pyenv install $(3)) or name it: make PYTHON$(subst .,,$(3))=/path/to/python$(3)"; exit 1; }
+	test -x $(1)/bin/python || $(2) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	if $(1)/bin/python -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; \
+	then $(1)/bin/python -m pip install -q --extra-index-url $(CPU_INDEX) "$(TORCH)"; \
+	else echo "$(CPU_INDEX) does not answer: $(TORCH) from this machine's wheels or PyPI"; \
+	     $(1)/bin/python -m pip install -q "$(TORCH)"; fi
+	$(1)/bin/python -c "import torch; print('torch', torch.__version__, 'CUDA build (run on the CPU)' if torch.version.cuda else 'CPU build')"
+	$(1)/bin/python -m pip install -q -e ".[test]" $(4)
 	# verl's own packing functions: a reference for tests and benchmarks only (it needs just torch + megatron-core)
-	$(PY) -m pip install -q --no-deps "verl==0.9.1"
 	# mbridge (verl's HF <-> Megatron-Core bridge): tests/test_bridge.py checks packfwd's weight mapping against it
 	# (pure Python; it needs only megatron-core, transformers, safetensors and einops, which it imports)
-	$(PY) -m pip install -q --no-deps "mbridge==0.15.1" "einops>=0.6"
-	touch $(STAMP)
+	$(1)/bin/python -m pip install -q --no-deps "verl==0.9.1" "mbridge==0.15.1" "einops>=0.6"
+	$(1)/bin/python -c "import sys; from importlib.metadata import version as v; print('python', sys.version.split()[0], *(f'{p} {v(p)}' for p in ('torch', 'megatron-core', 'transformers')))"
+	touch $(1)/.packfwd-installed
+endef
 
-demo: $(STAMP)
-	$(PY) -m packfwd.viz.demo
+.venv-3.12/.packfwd-installed: pyproject.toml Makefile
+	$(call install,.venv-3.12,$(PYTHON312),3.12,"$(MCORE)")
+
+.venv/.packfwd-installed: pyproject.toml Makefile
+	$(call install,.venv,$(PYTHON311),3.11,"$(MCORE_FLOOR)" "$(TRANSFORMERS_FLOOR)")
+
+demo: .venv/.packfwd-installed
+	$(FLOOR) -m packfwd.viz.demo
 
 # The Triton kernels' tests run on the CPU in Triton's interpreter, which must be on before the kernels are
 # defined (at import): a pytest process of its own (on a GPU machine the same files run the compiled kernels).
@@ -29,25 +66,41 @@ KERNEL_TESTS := tests/gpu/test_gather_kernel.py tests/gpu/test_plan_kernel.py te
                 tests/gpu/test_rope_kernel.py tests/gpu/test_slot_sum_kernel.py \
                 tests/gpu/test_zero_groups_kernel.py
 
+# The floor run leaves out what the main run covers and the floor versions cannot change: the tests that touch
+# neither Megatron-Core nor transformers (the packing transforms and their torch.compile, the plots, the CLI,
+# run_local's launcher), the README's and docs' code blocks, and the benchmarks' smoke runs.
+FLOOR_SKIP := tests/test_benchmarks_smoke.py tests/test_bshd_labels_nested.py tests/test_bucket.py tests/test_cli.py \
+              tests/test_functional.py tests/test_gather_op.py tests/test_launch.py tests/test_nemo_rl_packing_ref.py \
+              tests/test_padding.py tests/test_plan_methods.py tests/test_plot.py tests/test_readme.py tests/test_thd.py
+
 # The multi-process tests' ranks fork from a server that imported these once (packfwd.testing.run_local): each rank
 # then starts in a fraction of a second instead of importing Megatron-Core and transformers anew.
-test test-thorough: export PACKFWD_RUN_LOCAL_PRELOAD = torch,megatron.core,transformers
+test test-main test-floor test-thorough: export PACKFWD_RUN_LOCAL_PRELOAD = torch,megatron.core,transformers
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests packfwd
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
-	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(PY) -m pytest -q --nbmake notebooks; fi
+test: lint test-main test-floor
+
+# ruff: the rule set in pyproject.toml (errors, not style)
+lint: .venv-3.12/.packfwd-installed
+	$(PY) -m ruff check .
+
+test-main: .venv-3.12/.packfwd-installed
+	$(PY) -m pytest -q $(XDIST) tests packfwd
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) $(KERNEL_TESTS)
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(PY) -m pytest -q $(XDIST) --nbmake notebooks; fi
+
+test-floor: .venv/.packfwd-installed
+	$(FLOOR) -m pytest -q $(XDIST) tests packfwd $(addprefix --ignore=,$(FLOOR_SKIP))
 
 # The thorough Hypothesis profile: many more examples per property (minutes, not seconds).
-test-thorough: $(STAMP)
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q tests
-	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
+test-thorough: .venv-3.12/.packfwd-installed
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q $(XDIST) tests
+	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) $(KERNEL_TESTS)
 
-bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+bench: .venv/.packfwd-installed
+	$(FLOOR) benchmarks/run_all.py
 
-bench-smoke: $(STAMP)
-	$(PY) benchmarks/run_all.py --smoke
+bench-smoke: .venv/.packfwd-installed
+	$(FLOOR) benchmarks/run_all.py --smoke
 
 clean:
-	rm -rf $(VENV) .hypothesis .pytest_cache
+	rm -rf .venv .venv-3.12 .hypothesis .pytest_cache
