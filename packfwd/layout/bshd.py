@@ -20,6 +20,7 @@ from .rules import round_up
 from .unpad import one_tensor
 from ..ops import plan as plan_kernel
 from ..ops.gather import gather_rows
+from . import display
 from .source import PlanOfSource, canvas_rows_of, checked_lengths, from_canvas, padded_source, plan, scatter_inverse, TokenSource
 
 
@@ -37,6 +38,12 @@ class BshdInfo(PlanOfSource):
     @property
     def cu_seqlens(self) -> Tensor:
         return self.source.cu_seqlens
+
+    def __repr__(self) -> str:  # for people: counts, cu_seqlens and shapes, not the index tensors (one host read)
+        return display.describe_plan(self)
+
+    def _repr_html_(self) -> str:  # a notebook's table and picture
+        return display.plan_html(self)
 
     token_dims: ClassVar[int] = 2  # the packed tensor is [b, width, *]
 

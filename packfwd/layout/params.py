@@ -20,6 +20,8 @@ import functools
 
 from torch import Tensor
 
+from . import display
+
 __all__ = ["CpPlace", "cp_place", "thd_params", "with_cp", "with_positions"]
 
 
@@ -93,5 +95,39 @@ def params_class() -> type:
         [("cp", CpPlace, dataclasses.field(default=None)), ("position_ids", Tensor, dataclasses.field(default=None)),
          ("layout_pads", Tensor, dataclasses.field(default=None))],
         bases=(PackedSeqParams,),
-        namespace={"__module__": __name__},
+        namespace={"__module__": __name__, "__repr__": _params_repr, "_repr_html_": _params_html},
+        repr=False,
     )
+
+
+def _params_fields(params) -> list[tuple[str, str]]:
+    """The params' fields for people: tensors as dtype, shape and a few values (one host read); a kv field that is
+    the q tensor itself is said so; fields at their default (None) are left out."""
+    names = [f.name for f in dataclasses.fields(params)]
+    values = {n: getattr(params, n) for n in names}
+    cu = [n for n in names if n.startswith("cu_seqlens") and isinstance(values[n], Tensor)]
+    read = dict(zip(cu, display.host_lists(*(values[n] for n in cu)) or [None] * len(cu)))
+    rows = []
+    for n in names:
+        v = values[n]
+        if v is None:
+            continue
+        twin = n.replace("_kv", "_q")
+        if twin != n and isinstance(v, Tensor) and values.get(twin) is v:
+            rows.append((n, f"{twin} (the same tensor)"))
+        elif n in read:
+            rows.append((n, display.tensor_text(v) + ("" if read[n] is None else f" {display.short_ints(read[n])}")))
+        elif isinstance(v, Tensor):
+            rows.append((n, display.tensor_text(v)))
+        else:
+            text = repr(v)
+            rows.append((n, text if len(text) <= 60 else f"{type(v).__name__}(...)"))
+    return rows
+
+
+def _params_repr(self) -> str:  # for people: shapes and a few offsets, not the tensors
+    return display.block(type(self).__name__, [f"{k}={v}" for k, v in _params_fields(self)])
+
+
+def _params_html(self) -> str:
+    return display.html_table(type(self).__name__, _params_fields(self))

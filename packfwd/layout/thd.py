@@ -32,6 +32,7 @@ from ..ops.gather import gather_rows
 from . import rules
 from .positions import pack_positions
 from .unpad import one_tensor
+from . import display
 from .source import Lengths, PlanOfSource, TokenSource, canvas_rows_of, checked_lengths, cumsum0, from_canvas
 from .source import padded_source, plan, scatter_inverse
 
@@ -78,6 +79,12 @@ class ThdInfo(PlanOfSource):
     def local_cu_seqlens_padded(self) -> Tensor:
         """[n+1] int32: where each sequence starts in this rank's tensor (``cu_seqlens_padded // cp_size``)."""
         return self.cu_seqlens_padded // self.cp_size
+
+    def __repr__(self) -> str:  # for people: counts, cu_seqlens and shapes, not the index tensors (one host read)
+        return display.describe_plan(self)
+
+    def _repr_html_(self) -> str:  # a notebook's table and picture
+        return display.plan_html(self)
 
     token_dims: ClassVar[int] = 1  # this rank's packed tensor is [t_local, *]
 

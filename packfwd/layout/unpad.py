@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..ops import plan as plan_kernel
 from ..ops.gather import gather_rows
+from . import display
 from .source import PlanOfSource, TokenSource, canvas_rows_of, checked_lengths, cumsum0, from_canvas, padded_source, plan, scatter_inverse
 
 
@@ -38,6 +39,12 @@ class UnpadInfo(PlanOfSource):
     @property
     def total(self) -> int:
         return self.source.total
+
+    def __repr__(self) -> str:  # for people: counts, cu_seqlens and shapes, not the index tensors (one host read)
+        return display.describe_plan(self)
+
+    def _repr_html_(self) -> str:  # a notebook's table and picture
+        return display.plan_html(self)
 
     token_dims: ClassVar[int] = 1  # the packed tensor is [t, *]
 
