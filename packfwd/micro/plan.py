@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._validate import check_positive_int
-from ..layout import rules
+from ..layout import display, rules
 from . import pack
 from .ranks import deal_to_ranks, pipeline_order, repartition_ranks
 from .refine import REFINE_ALL_MAX_ITEMS, refine
@@ -69,6 +69,19 @@ class MicroBatchPlan:
     seq_align: int
     group_size: int = 1  # sequences 0..g-1, g..2g-1, ... each in one micro-batch
 
+    def __repr__(self) -> str:  # for people: the shape of the plan and its balance, not every index
+        return display.block("MicroBatchPlan", _summary(self))
+
+    def _repr_html_(self) -> str:  # a notebook's table and picture: ranks x micro-batches against max_tokens
+        rows = [(line.split("=", 1)[0], line.split("=", 1)[1]) if "=" in line.split(" ")[0] else ("", line)
+                for line in _summary(self)]
+        shown = min(self.dp_size, 16)
+        bars = [[seg for t in self.tokens[r] for seg in ((t, display.PALETTE[0]), (self.max_tokens - t, display.PAD))]
+                for r in range(shown)]
+        picture = display.svg_rows(bars, [f"dp {r}" for r in range(shown)])
+        return display.html_table("MicroBatchPlan", rows, picture, "each rank's micro-batches: tokens per CP rank "
+                                  "(blue) of max_tokens; grey: room left")
+
     def rows(self, dp_rank: int) -> list[int]:
         """The global indices rank ``dp_rank`` runs, ascending (the rows its outputs come back in)."""
         return sorted(i for mb in self.micro_batches[dp_rank] for i in mb)
@@ -106,6 +119,33 @@ class MicroBatchPlan:
                 for i, v in zip(indices, values):
                     out[i] = v
         return out
+
+
+def _summary(plan: MicroBatchPlan) -> list[str]:
+    """The lines of the plan's repr: sizes, then a line per DP rank (at most 8: the first 5 and the last 2)."""
+    real, flat = sum(plan.seqlens), [t for rank in plan.tokens for t in rank]
+    costs = [sum(rank) for rank in plan.costs]
+    mean = sum(costs) / len(costs) if costs else 0.0
+    lines = [
+        f"{len(plan.seqlens)} sequences, {real} real tokens, lengths {display.spread(plan.seqlens)}",
+        f"dp_size={plan.dp_size} x num_micro_batches={plan.num_micro_batches}, max_tokens={plan.max_tokens} per CP "
+        f"rank (tp_size={plan.tp_size}, cp_size={plan.cp_size}, seq_align={plan.seq_align}, group_size={plan.group_size})",
+        f"tokens per micro-batch {display.spread(flat)} ({display.percent(sum(flat), len(flat) * plan.max_tokens)} "
+        f"of max_tokens); cost per rank max/mean {max(costs, default=0) / mean if mean else 1.0:.3f}",
+    ]
+    ranks = list(range(plan.dp_size))
+    if len(ranks) > 8:
+        ranks = ranks[:5] + [-1] + ranks[-2:]
+    for r in ranks:
+        if r < 0:
+            lines.append(f"... {plan.dp_size - 7} more ranks")
+            continue
+        sequences = sum(len(mb) for mb in plan.micro_batches[r])
+        lines.append(f"dp rank {r}: {sequences} sequences, tokens {display.short_ints(plan.tokens[r])}, "
+                     f"cost {costs[r]:.6g}")
+    if len(str(plan.micro_batches)) <= 100:  # a small plan: the sequences themselves
+        lines.append(f"micro_batches={plan.micro_batches}")
+    return lines
 
 
 def _length(x) -> int | None:  # None for what has no length (a number, a 0-d tensor)

@@ -12,6 +12,8 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from ...layout import display
+
 __all__ = ["RoutingStats", "check_carried", "load_balancing_loss", "routing_sums"]
 
 
@@ -24,6 +26,27 @@ class RoutingStats(NamedTuple):
     tokens_per_expert: Tensor
     probs_per_expert: Tensor
     tokens: Tensor
+
+    def __repr__(self) -> str:  # for people, one line: the load per expert at a glance (one host read)
+        return "RoutingStats(" + ", ".join(f"{k}={v}" for k, v in _fields(self)) + ")"
+
+    def _repr_html_(self) -> str:  # a notebook's table and bar chart of the tokens per expert
+        read = display.host_lists(self.tokens_per_expert, dtype=torch.float64)
+        picture = "" if read is None else display.svg_bars(read[0], width=min(12 * len(read[0]), 360))
+        return display.html_table("RoutingStats", _fields(self), picture, "assignments per expert; dashed: the mean")
+
+
+def _fields(stats: RoutingStats) -> list[tuple[str, str]]:
+    """Its repr's fields: the tokens routed, the load per expert (dtype, shape, range, mean), the scores' dtype and
+    shape."""
+    counts, probs, tokens = stats
+    read = display.host_lists(counts, tokens, dtype=torch.float64)
+    load, routed = "", display.tensor_text(tokens)
+    if read is not None:
+        values, (total,) = read
+        load, routed = f" {min(values):.0f}..{max(values):.0f} (mean {sum(values) / len(values):.4g})", f"{total:.0f}"
+    scores = display.tensor_text(probs.detach() if isinstance(probs, Tensor) else probs)
+    return [("tokens", routed), ("tokens_per_expert", display.tensor_text(counts) + load), ("probs_per_expert", scores)]
 
 
 def load_balancing_loss(stats: Sequence[RoutingStats], num_experts: int, *, groups: Sequence = (),
