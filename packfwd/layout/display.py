@@ -72,7 +72,8 @@ def short_ints(values: Sequence, edge: int = 3) -> str:
     values = list(values)
     if len(values) <= 2 * edge + 1:
         return "[" + ", ".join(_num(v) for v in values) + "]"
-    return "[" + ", ".join(_num(v) for v in values[:edge]) + ", ..., " + ", ".join(_num(v) for v in values[-edge:]) + "]"
+    head, tail = (", ".join(_num(v) for v in part) for part in (values[:edge], values[-edge:]))
+    return f"[{head}, ..., {tail}]"
 
 
 def _num(v) -> str:

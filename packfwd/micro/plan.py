@@ -129,7 +129,8 @@ def _summary(plan: MicroBatchPlan) -> list[str]:
     lines = [
         f"{len(plan.seqlens)} sequences, {real} real tokens, lengths {display.spread(plan.seqlens)}",
         f"dp_size={plan.dp_size} x num_micro_batches={plan.num_micro_batches}, max_tokens={plan.max_tokens} per CP "
-        f"rank (tp_size={plan.tp_size}, cp_size={plan.cp_size}, seq_align={plan.seq_align}, group_size={plan.group_size})",
+        f"rank (tp_size={plan.tp_size}, cp_size={plan.cp_size}, seq_align={plan.seq_align}, "
+        f"group_size={plan.group_size})",
         f"tokens per micro-batch {display.spread(flat)} ({display.percent(sum(flat), len(flat) * plan.max_tokens)} "
         f"of max_tokens); cost per rank max/mean {max(costs, default=0) / mean if mean else 1.0:.3f}",
     ]

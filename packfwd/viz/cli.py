@@ -145,7 +145,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 def _plan(args: argparse.Namespace) -> str:
     kwargs = dict(tp_size=args.tp, cp_size=args.cp, seq_align=args.seq_align)
-    layout = describe_thd(args.lengths, **kwargs)  # checks the sizes first
+    layout = describe_thd(args.lengths, **kwargs, token_limit=None)  # checks the sizes first; every token
     head = f"THD layout of lengths {args.lengths}, tp={args.tp}, cp={args.cp}"
     if args.seq_align is not None:
         head += f", seq_align={args.seq_align}"

@@ -10,13 +10,18 @@ from __future__ import annotations
 import string
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from packfwd import ThdInfo, layer_partition, plan_thd, to_thd
+from packfwd import ThdInfo, layer_partition, plan_thd
 from packfwd.layout import default_seq_align, padded_lengths
+from packfwd.layout.display import short_ints
 from packfwd.layout.rules import verl_alignment
 
+from .inputs import ThdFacts, host_lengths, thd_facts
+
 __all__ = [
+    "attention_work",
     "describe_layers",
     "describe_padding",
     "describe_thd",
@@ -32,10 +37,12 @@ __all__ = [
 
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
-    lengths = list(lengths)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
-        raise ValueError(f"lengths must be non-negative ints (one per sequence), got {lengths}; e.g. [5, 17, 3]")
-    return lengths
+    return host_lengths(lengths, "lengths").tolist()
+
+
+def _lengths_of(layout) -> list[int]:
+    """The real lengths of any layout the pictures take (lengths, a mask, a plan, every rank's plans)."""
+    return thd_facts(layout, arg="lengths").lengths.tolist()
 
 
 def lengths_mask(lengths: Sequence[int], width: int | None = None) -> torch.Tensor:
@@ -101,22 +108,33 @@ def verl_seq_align(tp_size: int, cp_size: int) -> int:
 
 
 def thd_plans(
-    lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None
+    layout, *, tp_size: int | None = None, cp_size: int | None = None, seq_align: int | None = None
 ) -> list[ThdInfo]:
-    """:func:`packfwd.plan_thd` of a right-padded batch with the given lengths, for every CP rank in order.
+    """:func:`packfwd.plan_thd` for every CP rank in order, of sequence lengths (right-padded) or a ``[b, s]`` mask.
 
     >>> [info.local_tokens for info in thd_plans([5, 3], cp_size=2)]
     [6, 6]
     """
-    mask = lengths_mask(lengths)
-    first = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)  # checks the sizes first
-    rest = [plan_thd(mask, tp_size=tp_size, cp_size=cp_size, cp_rank=r, seq_align=seq_align) for r in range(1, cp_size)]
-    return [first, *rest]
+    if isinstance(layout, torch.Tensor) and layout.dim() == 2:
+        mask = layout
+    else:
+        mask = lengths_mask(host_lengths(layout, "layout").tolist())
+    sizes = dict(tp_size=tp_size or 1, cp_size=cp_size or 1, seq_align=seq_align)
+    first = plan_thd(mask, **sizes)  # checks the sizes first
+    return [first, *(plan_thd(mask, cp_rank=r, **sizes) for r in range(1, sizes["cp_size"]))]
 
 
-def describe_thd(lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None) -> str:
-    """Each CP rank's THD tensor for sequences of the given lengths: token ``a3`` is the 4th token of the first
-    sequence, ``.`` is padding, ``|`` separates sequences.
+_TOKEN_LIMIT = 96  # describe_thd names every token of a rank up to this many; beyond, each sequence's ranges
+_SEQUENCE_LIMIT = 4  # and then at most this many sequences per rank
+
+
+def describe_thd(layout, *, tp_size: int | None = None, cp_size: int | None = None,
+                 seq_align: int | None = None, token_limit: int | None = _TOKEN_LIMIT) -> str:
+    """Each CP rank's THD tensor for ``layout``: sequence lengths, a ``[b, s]`` mask, or a plan (a ``ThdInfo``,
+    every rank's ``ThdInfo``, an ``UnpadInfo``; it brings its own sizes).  Token ``a3`` is the 4th token of the
+    first sequence, ``.`` is padding, ``|`` separates sequences.  A rank of more than ``token_limit`` tokens (None:
+    no limit) is shown as each sequence's position ranges instead (``a[0:20]+[140:160]``: the two zigzag chunks the
+    rank holds), 4 sequences at most.
 
     >>> print(describe_thd([5, 3], cp_size=2))
     cu_seqlens         [0, 5, 8]
@@ -124,43 +142,88 @@ def describe_thd(lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, 
     cp rank 0 (6 tokens): a0 a1 . . | b0 .
     cp rank 1 (6 tokens): a2 a3 a4 . | b1 b2
     """
-    infos = thd_plans(lengths, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
-    codes, names = token_codes(lengths), token_names(lengths)
-    first, real = infos[0], sum(lengths)
+    facts = thd_facts(layout, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
+    real, total = facts.real_tokens, facts.total_tokens
+    longest = int(facts.padded.max()) if facts.n else 0
+    def offsets(values: list[int]) -> str:  # all of them unless long (and the token names are limited)
+        return str(values) if token_limit is None or len(str(values)) <= 100 else short_ints(values, 4)
+
     lines = [
-        f"cu_seqlens         {first.cu_seqlens.tolist()}",
-        f"cu_seqlens_padded  {first.cu_seqlens_padded.tolist()}   (align {first.seq_align}, max_seqlen "
-        f"{first.max_seqlen}, {first.total_tokens} tokens for {real} real: {first.total_tokens - real} pad)",
+        f"cu_seqlens         {offsets(facts.cu_seqlens)}",
+        f"cu_seqlens_padded  {offsets(facts.cu_seqlens_padded)}   (align {facts.seq_align}, max_seqlen "
+        f"{longest}, {total} tokens for {real} real: {total - real} pad)",
     ]
-    for rank, info in enumerate(infos):
-        tokens = to_thd(codes, info)[0].tolist()
-        bounds = info.local_cu_seqlens_padded.tolist()
-        parts = [" ".join(names[c] for c in tokens[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
-        lines.append(f"cp rank {rank} ({info.local_tokens} tokens): " + " | ".join(parts))
+    for rank in range(facts.cp_size):
+        lines.append(_rank_line(facts, rank, token_limit))
     return "\n".join(lines)
 
 
-def padding_overhead(lengths: Sequence[int], *, tp_size: int, cp_size: int) -> dict[str, int]:
-    """Total THD tokens with packfwd's default alignment and with verl's (:func:`verl_seq_align`).
+def _rank_line(facts: ThdFacts, rank: int, token_limit: int | None) -> str:
+    seq, pos, real = facts.rank_tokens(rank)
+    starts = np.searchsorted(seq, np.arange(facts.n + 1))  # each sequence's slice of this rank's tokens
+    spans = [(i, a, b) for i, (a, b) in enumerate(zip(starts, starts[1:])) if b > a]
+    head = f"cp rank {rank} ({facts.local_tokens} tokens"
+    if token_limit is None or facts.local_tokens <= token_limit:
+        parts = [" ".join(f"{sequence_name(i)}{q}" if r else "." for q, r in zip(pos[a:b], real[a:b]))
+                 for i, a, b in spans]
+        return f"{head}): " + " | ".join(parts)
+    parts = []
+    for i, a, b in spans[:_SEQUENCE_LIMIT]:
+        half = (b - a) // 2 if facts.cp_size > 1 else b - a
+        ranges = [(int(pos[k]), int(pos[k]) + half) for k in range(a, b, max(half, 1))]
+        pad = int((~real[a:b]).sum())
+        parts.append(sequence_name(i) + "+".join(f"[{x}:{y}]" for x, y in ranges) + (f" ({pad} pad)" if pad else ""))
+    more = f" | ... {len(spans) - _SEQUENCE_LIMIT} more sequences" if len(spans) > _SEQUENCE_LIMIT else ""
+    return f"{head}, {int(real.sum())} real): " + " | ".join(parts) + more
+
+
+def attention_work(layout, *, tp_size: int | None = None, cp_size: int | None = None,
+                   seq_align: int | None = None) -> dict[str, list[int]]:
+    """Causal attention work of every CP rank, zigzag (packfwd's split) against the same padded sequences cut into
+    ``cp`` contiguous pieces: the sum over the rank's real tokens of ``position + 1`` (the keys each attends to).
+
+    >>> attention_work([16], cp_size=2)   # chunks of 4: rank 0 holds positions 0-3 and 12-15
+    {'zigzag': [68, 68], 'contiguous': [36, 100]}
+    """
+    facts = thd_facts(layout, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
+    n, p, cp = facts.lengths, facts.padded, facts.cp_size
+
+    def keys(a, b):  # sum of q + 1 over real positions q in [a, b)
+        lo, hi = np.minimum(a, n), np.minimum(b, n)
+        return int((hi * (hi + 1) // 2 - lo * (lo + 1) // 2).sum())
+
+    chunk = facts.chunk()
+    zigzag = [0] * cp
+    for k in range(2 * cp if cp > 1 else 1):
+        zigzag[facts.chunk_owner(k)] += keys(k * chunk, (k + 1) * chunk)
+    contiguous = [keys(r * p // cp, (r + 1) * p // cp) for r in range(cp)]
+    return {"zigzag": zigzag, "contiguous": contiguous}
+
+
+def padding_overhead(lengths, *, tp_size: int, cp_size: int) -> dict[str, int]:
+    """Total THD tokens with packfwd's default alignment and with verl's (:func:`verl_seq_align`).  ``lengths``:
+    sequence lengths, a ``[b, s]`` mask or a plan (its lengths).
 
     >>> padding_overhead([5, 17, 3, 9], tp_size=2, cp_size=2)
     {'real': 34, 'packfwd': 44, 'verl': 56}
     """
-    row = padding_sweep(lengths, [tp_size], [cp_size])[0]
+    row = padding_sweep(_lengths_of(lengths), [tp_size], [cp_size])[0]
     return {name: row[name] for name in ("real", "packfwd", "verl")}
 
 
 def describe_padding(
-    lengths: Sequence[int], *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None
+    lengths, *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None
 ) -> str:
     """How many THD tokens the batch takes with ``seq_align`` (default: packfwd's smallest alignment) and
-    with verl's (:func:`verl_seq_align`), and how many of those are padding.
+    with verl's (:func:`verl_seq_align`), and how many of those are padding.  ``lengths``: sequence lengths, a
+    ``[b, s]`` mask or a plan (its lengths).
 
     >>> print(describe_padding([5, 17, 3], tp_size=2, cp_size=2))
     real tokens          25
     packfwd (align 4)    32 tokens,  7 pad (28.0%)
     verl    (align 8)    40 tokens, 15 pad (60.0%)
     """
+    lengths = _lengths_of(lengths)
     mask = lengths_mask(lengths)
     ours = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
     verl = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=verl_seq_align(tp_size, cp_size))
@@ -229,9 +292,10 @@ def describe_layers(
     return "\n".join(lines)
 
 
-def padding_sweep(lengths: Sequence[int], tps: Sequence[int], cps: Sequence[int]) -> list[dict[str, int]]:
+def padding_sweep(lengths, tps: Sequence[int], cps: Sequence[int]) -> list[dict[str, int]]:
     """:func:`padding_overhead` for every ``(tp, cp)`` in ``tps x cps`` (tp-major), without building a plan:
-    the padded lengths follow from the lengths alone, so a sweep over a large batch stays instant.
+    the padded lengths follow from the lengths alone, so a sweep over a large batch stays instant.  ``lengths``:
+    sequence lengths, a ``[b, s]`` mask or a plan (its lengths).
 
     Each row: ``{"tp", "cp", "real", "packfwd", "verl"}`` (total THD tokens, all CP ranks together).
 
@@ -240,7 +304,7 @@ def padding_sweep(lengths: Sequence[int], tps: Sequence[int], cps: Sequence[int]
     {'tp': 1, 'cp': 2, 'real': 25, 'packfwd': 32, 'verl': 32}
     {'tp': 2, 'cp': 2, 'real': 25, 'packfwd': 32, 'verl': 40}
     """
-    lens = torch.tensor(_check_lengths(lengths), dtype=torch.long)
+    lens = torch.tensor(_lengths_of(lengths), dtype=torch.long)
     for name, sizes, example in (("tps", tps, "[1, 2, 4]"), ("cps", cps, "[1, 2]")):
         bad = [v for v in sizes if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:

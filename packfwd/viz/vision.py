@@ -17,7 +17,9 @@ from torch import Tensor
 
 from packfwd import pack_positions, plan_thd, to_thd
 
-from .plot import _LABEL_LIMIT, _cell, _grid_axes
+from .style import LABEL_LIMIT as _LABEL_LIMIT
+from .style import cell as _cell
+from .style import grid_axes as _grid_axes
 
 __all__ = ["vision_items", "draw_mrope_positions", "draw_mrope_cp_split"]
 
