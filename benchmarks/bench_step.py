@@ -11,7 +11,7 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
 * ``packfwd_plain``: ``make_forward("thd", logits_processor=<log-probs>)`` on packfwd's model with Megatron-Core's
   plain modules (today's path).
 * ``packfwd_fused``: the same with the model built with the fused layer switch (SwiGLU, THD RoPE, QK-norm
-  kernels; ``packfwd.models.runtime.spec.FUSED_NORMS``), when this checkout has one (``from_hf(fused=)``,
+  kernels; ``packfwd.models.norm.FUSED_NORMS``), when this checkout has one (``from_hf(fused=)``,
   ``build_model(fused=)`` or ``ModelArgs.fused``); ``packfwd_fused_torch_norms`` / ``packfwd_fused_kernel_norms``:
   the fused model with every norm torch's ``rms_norm`` / packfwd's Triton RMSNorm (which norm wins where);
   ``packfwd_fused_cudnn``: the fused model with ``attention_backend="cudnn"`` (cuDNN's ragged attention through
@@ -84,7 +84,7 @@ from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
             "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn", "packfwd_fused_graph",
             "packfwd_fused_cudnn_graph")
-# the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.runtime.spec.FUSED_NORMS)
+# the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.norm.FUSED_NORMS)
 NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
     "llama1b": ("llama", dict(hidden_size=2048, intermediate_size=7168, num_hidden_layers=16, num_attention_heads=16,
@@ -633,16 +633,16 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
                 row["profile"] = profile_step(step, module, cfg.device)
         return row, module
     if name.startswith("packfwd"):
-        from packfwd.models.runtime import spec
+        from packfwd.models import norm
 
-        kept = dict(spec.FUSED_NORMS)
+        kept = dict(norm.FUSED_NORMS)
         if name in NORM_VARIANTS:
-            spec.FUSED_NORMS.update(dict.fromkeys(spec.FUSED_NORMS, NORM_VARIANTS[name]))
+            norm.FUSED_NORMS.update(dict.fromkeys(norm.FUSED_NORMS, NORM_VARIANTS[name]))
         try:
             module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith("packfwd_fused"),
                                    attention_backend="cudnn" if "_cudnn" in name else None)
         finally:
-            spec.FUSED_NORMS.update(kept)
+            norm.FUSED_NORMS.update(kept)
         row["norms"] = {type(m).__name__ for m in module.modules() if "RMSNorm" in type(m).__name__}
         row["norms"] = sorted(row["norms"])
         if name.endswith("_graph"):

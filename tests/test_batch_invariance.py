@@ -35,7 +35,7 @@ from packfwd.forward import deterministic as det
 from packfwd.logits import log_probs_and_entropy
 from packfwd.micro import plan_micro_batches, run_micro_batches
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.families.family import Moe
+from packfwd.models.mlp import Moe
 
 ARGS = ModelArgs(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
                  num_query_groups=2)

@@ -248,7 +248,7 @@ def test_mbridge_configs_route_differently_from_transformers():
     """mbridge's own TransformerConfig (used when it builds the model, not here): Mixtral's softmax before top-k
     without renormalising (transformers renormalises the top-k), Qwen3-MoE's norm_topk_prob and
     mlp_only_layers ignored.  packfwd's config follows the HF fields."""
-    from packfwd.models.args import transformer_config
+    from packfwd.models.runtime import transformer_config
 
     config = copy.deepcopy(CASES["qwen3_moe"][1])
     config.norm_topk_prob, config.mlp_only_layers = False, [1]

@@ -1,4 +1,4 @@
-"""packfwd's model families (packfwd.models.families.family): each one entry, each equal to transformers.
+"""packfwd's model families (packfwd.models.families): each one entry, each equal to transformers.
 
 Strategy: per family, a tiny transformers causal LM (hidden 32, 2 layers, vocab 96) in float64 on the CPU with
 O(1)-scale random weights (std 0.5 on every parameter, norms ``1 + 0.5 * noise``), so that a wrong layout,
@@ -33,12 +33,13 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, build_model, from_hf, megatron_to_hf, to_hf_state_dict
-from packfwd.models.families import family as family_module
-from packfwd.models.families.family import FAMILIES, Family, Moe, family_of_hf_config
-from packfwd.models.runtime.gpt import model_args, transformer_config
+import packfwd.models.mlp as mlp_module
+from packfwd.models.families import FAMILIES, Family, family_of_hf_config
+from packfwd.models.mlp import Moe
+from packfwd.models.runtime import model_args, transformer_config
 from packfwd.models.convert.hf import args_from_hf_config
 from packfwd.models.convert.hf_weights import hf_to_megatron
-from packfwd.models.runtime.spec import RMSNorm
+from packfwd.models.norm import RMSNorm
 from packfwd.testing import run_local
 
 from .oracles import assert_equals_hf_per_sequence, assert_hf_round_trip
@@ -114,10 +115,11 @@ def test_a_family_is_one_entry_read_from_the_hf_config():
     assert {f.name for f in FAMILIES.values()} == set(FAMILIES)
     assert args_from_hf_config(Qwen2Config(**TINY, num_key_value_heads=2)).family == "qwen2"
     assert args_from_hf_config(LlamaConfig(**TINY, num_key_value_heads=2)).family == "llama"
+    assert args_from_hf_config(Qwen2Config(**TINY, num_key_value_heads=2)).qkv_bias  # the family reads its bias
     qwen2 = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=4,
-                      family="qwen2")
-    assert qwen2.qkv_bias and transformer_config(qwen2).add_qkv_bias  # the family's default
-    assert not dataclasses.replace(qwen2, family="llama", qkv_bias=None).qkv_bias
+                      family="qwen2", qkv_bias=True)
+    assert transformer_config(qwen2).add_qkv_bias  # one home: the field, which softmax attention turns into config
+    assert not dataclasses.replace(qwen2, qkv_bias=False).qkv_bias  # no family default behind the field
     with pytest.raises(ValueError, match="not one of packfwd's model families"):
         dataclasses.replace(qwen2, family="gpt2")
     with pytest.raises(ValueError, match="packfwd builds 'rmsnorm' only"):
@@ -226,7 +228,7 @@ class OneExpert:
 
 def test_a_registered_mlp_kind_builds_and_converts_its_layers(monkeypatch):
     kind = OneExpert()
-    monkeypatch.setitem(family_module._MLP_KINDS, Moe, kind)
+    monkeypatch.setitem(mlp_module._MLP_KINDS, Moe, kind)
     args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=3, num_attention_heads=4,
                      num_query_groups=2, head_dim=8,
                      moe=Moe(num_experts=1, top_k=1, ffn_hidden_size=64, dense_layers=(1,)))
@@ -241,13 +243,13 @@ def test_a_registered_mlp_kind_builds_and_converts_its_layers(monkeypatch):
 
 
 def test_without_a_registered_kind_a_moe_model_names_the_fix(monkeypatch):
-    monkeypatch.delitem(family_module._MLP_KINDS, Moe, raising=False)
+    monkeypatch.delitem(mlp_module._MLP_KINDS, Moe, raising=False)
     args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_attention_heads=4,
                      moe=Moe(num_experts=4, top_k=2, ffn_hidden_size=16))
     with pytest.raises(NotImplementedError, match="register_mlp_kind"):
         build_model(args)
     with pytest.raises(TypeError, match="frozen dataclass"):
-        family_module.register_mlp_kind(dict, OneExpert())
+        mlp_module.register_mlp_kind(dict, OneExpert())
 
 
 def test_qwen2_vl_is_an_entry_read_like_the_others():
@@ -255,7 +257,7 @@ def test_qwen2_vl_is_an_entry_read_like_the_others():
     family, its text config under ``text_config``; the generic ``from_hf`` points to the vision builders."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from packfwd.models.families.family import FAMILIES
+    from packfwd.models.families import FAMILIES
     from packfwd.models.convert.hf_vl import vl_args_from_hf_config
 
     cfg = Qwen2VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

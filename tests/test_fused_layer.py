@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from packfwd.forward import make_forward
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.families.family import Moe
+from packfwd.models.mlp import Moe
 from packfwd.models.runtime.gpt import model_args
 from packfwd.models.mixers.rope import PackedRope
-from packfwd.models.runtime.spec import FusedRMSNorm, RMSNorm
+from packfwd.models.norm import FusedRMSNorm, RMSNorm
 from packfwd.ops.swiglu import SwiGLU
 
 from .test_hf_interop import ragged_batch
@@ -30,9 +30,9 @@ SMALL = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=48, num_layers=2, n
              num_query_groups=2)
 CASES = {
     "llama": ModelArgs(**SMALL),
-    "qwen3": ModelArgs(**SMALL, family="qwen3", head_dim=16),
+    "qwen3": ModelArgs(**SMALL, family="qwen3", head_dim=16, qk_norm=True),
     "partial-rope": ModelArgs(**SMALL, rotary_percent=0.5),
-    "moe": ModelArgs(**SMALL, family="qwen3_moe",
+    "moe": ModelArgs(**SMALL, family="qwen3_moe", qk_norm=True,
                      moe=Moe(num_experts=4, top_k=2, ffn_hidden_size=16, shared_ffn_hidden_size=24, dense_layers=(0,))),
     "value": ModelArgs(**SMALL, value_head=True),
 }

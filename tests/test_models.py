@@ -251,7 +251,7 @@ class _Functional(torch.nn.Module):
 def test_a_model_built_for_loading_carries_megatron_tensor_parallel_tags(family):
     """``init=False`` (what ``from_hf`` builds) tags every tensor-parallel weight as Megatron-Core's initialisation
     does: its grad-norm clipping counts an untagged shard once, on the first TP rank only (a silently wrong norm)."""
-    from packfwd.models.families.family import Moe
+    from packfwd.models.mlp import Moe
 
     moe = Moe(num_experts=4, top_k=2, ffn_hidden_size=16, dense_layers=(0,)) if family == "qwen3_moe" else None
     args = ModelArgs(vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=2, num_attention_heads=2,

@@ -108,10 +108,10 @@ def test_gradient_is_the_gather_of_the_output_gradient():
 
 def test_every_moe_layer_gets_the_ordered_combine():
     from packfwd.models import ModelArgs, build_model
-    from packfwd.models.families.family import Moe
+    from packfwd.models.mlp import Moe
 
     model = build_model(ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2,
-                                  num_attention_heads=4, num_query_groups=2, family="qwen3_moe",
+                                  num_attention_heads=4, num_query_groups=2, family="qwen3_moe", qk_norm=True,
                                   moe=Moe(num_experts=4, top_k=2, ffn_hidden_size=16)))
     dispatchers = [m.token_dispatcher for m in model.modules() if hasattr(m, "token_dispatcher")]
     assert len(dispatchers) == 2

@@ -26,8 +26,8 @@ from transformers import DeepseekV3Config, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP, DeepseekV3MoE
 
 from packfwd.forward import make_forward
-from packfwd.models.families.family import Moe, mlp_kind
-from packfwd.models.mlp.moe_weights import deepseek_moe_fields
+from packfwd.models.mlp import Moe, mlp_kind
+from packfwd.models.families.deepseek_v3 import deepseek_moe_fields, read_moe
 from packfwd.models.mlp.router import PackedRouter
 
 from .oracles import assert_equals_hf_per_sequence
@@ -70,7 +70,7 @@ def packfwd_block(block: DeepseekV3MoE, cfg: DeepseekV3Config, layer: int = 0):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    from packfwd.models.args import transformer_config
+    from packfwd.models.runtime import transformer_config
     from packfwd.models.convert.hf import load_weights
     from packfwd.models.runtime import ensure_model_parallel
     from packfwd.models.runtime.spec import mlp_spec
@@ -199,10 +199,10 @@ def test_the_router_dtype_is_fp32_for_deepseek_routing_only():
 
 
 @pytest.mark.parametrize("moe, error, match", [
-    (dict(score_function="sigmoid", normalize_top_k=False), ValueError, "pass normalize_top_k=True"),
-    (dict(score_function="sigmoid", top_k=1), ValueError, "pass normalize_top_k=False"),
+    (dict(score_function="sigmoid", normalize_top_k=False), ValueError, "set Moe.normalize_top_k=True"),
+    (dict(score_function="sigmoid", top_k=1), ValueError, "set Moe.normalize_top_k=False"),
     (dict(expert_bias=True), ValueError, "sigmoid scores only"),
-    (dict(num_groups=4, group_top_k=4, top_k=2), ValueError, "group_top_k <= top_k"),
+    (dict(num_groups=4, group_top_k=4, top_k=2), ValueError, "pick Moe.group_top_k <= Moe.top_k"),
 ])
 def test_routing_megatron_core_cannot_build_is_refused(moe, error, match):
     from packfwd.models.mlp.moe import moe_config_fields
@@ -225,6 +225,20 @@ def test_group_scores_transformers_and_megatron_disagree_on_are_refused():
     """transformers scores a group by its best 2 experts, Megatron-Core by its best top_k // topk_group."""
     with pytest.raises(ValueError, match="num_experts_per_tok // topk_group == 2"):
         deepseek_moe_fields(replace(deepseek_config("groups"), num_experts_per_tok=2))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts_per_tok=1), "norm_topk_prob=True with num_experts_per_tok=1 and sigmoid scores: .* set "
+                                  "norm_topk_prob=False"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=False with num_experts_per_tok=2 .* set norm_topk_prob=True"),
+    (dict(n_group=3, topk_group=2, num_experts_per_tok=4), "n_group=3 must divide n_routed_experts=8"),
+])
+def test_refusals_of_a_deepseek_config_name_its_flags(change, message):
+    """Read from an HF config (from_hf, args_from_hf_config), a refusal names the config's flags, never packfwd's
+    ``Moe`` fields the caller never set."""
+    with pytest.raises(ValueError, match=message) as refused:
+        read_moe(replace(deepseek_config("two-shared-no-groups"), **change))
+    assert "Moe." not in str(refused.value)
 
 
 def test_expert_bias_counts_real_tokens_only():

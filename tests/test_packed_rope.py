@@ -20,7 +20,7 @@ from packfwd.forward import make_forward
 from packfwd.layout.rules import local_positions
 from packfwd.models import ModelArgs, build_model
 from packfwd.models.mixers.attention import CoreAttention
-from packfwd.models.runtime.gpt import transformer_config
+from packfwd.models.runtime import transformer_config
 from packfwd.models.convert.hf import load_weights
 from packfwd.models.mixers.rope import PackedRope, PackedRotaryEmbedding
 from packfwd.models.runtime import StagePlacement

@@ -22,7 +22,7 @@ float math).
 
 Entry points: :func:`rms_norm` (kernel for supported CUDA tensors, else :func:`reference`), the autograd.Function
 :class:`RMSNormKernel` over the launchers :func:`forward_rows` / :func:`backward_rows` (kernels after them).
-Importing without Triton works; launching does not.  ``packfwd.models.runtime.spec.RMSNorm(..., fused=True)`` takes it
+Importing without Triton works; launching does not.  ``packfwd.models.norm.RMSNorm(..., fused=True)`` takes it
 (``FusedRMSNorm``: every norm of a model built with ``ModelArgs.fused``, the default).
 
 Tested (``tests/gpu/test_rmsnorm_kernel.py``, on CUDA or in Triton's interpreter on the CPU) against float64 math

@@ -29,7 +29,7 @@ from packfwd.forward import deterministic as det
 from packfwd.logits import log_probs_and_entropy
 from packfwd.micro import plan_micro_batches, run_micro_batches
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.families.family import Moe
+from packfwd.models.mlp import Moe
 from tests.test_batch_invariance import CASES, composition, padded, random_sequences
 
 from ._kernel_device import DEVICE, needs_kernels
@@ -44,7 +44,7 @@ MODELS = {
     # Mixture of Experts (dropless, grouped-GEMM experts on CUDA bf16): each expert's GEMM M is the number of tokens
     # routed to it, which changes with the batch (docs/guarantees.md); not yet run on a GPU when written
     "moe": ModelArgs(vocab_size=32000, hidden_size=512, ffn_hidden_size=1536, num_layers=2, num_attention_heads=8,
-                     num_query_groups=4, family="qwen3_moe",
+                     num_query_groups=4, family="qwen3_moe", qk_norm=True,
                      moe=Moe(num_experts=16, top_k=4, ffn_hidden_size=256)),
 }
 EXAMPLES = {"h512": 6, "h2048": 3, "moe": 3}

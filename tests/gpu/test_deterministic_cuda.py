@@ -22,7 +22,7 @@ from packfwd.forward import deterministic as det
 from packfwd.logits import log_probs_and_entropy
 from packfwd.micro import plan_micro_batches, run_micro_batches
 from packfwd.models import ModelArgs, build_model
-from packfwd.models.families.family import Moe
+from packfwd.models.mlp import Moe
 from tests.test_batch_invariance import padded, random_sequences
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

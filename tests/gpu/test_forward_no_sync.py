@@ -161,11 +161,12 @@ def test_moe_forward_and_backward_on_grouped_experts_makes_no_sync(batch):
     ordered combine's kernel) with host ``seqlens``: no sync in forward + backward; the logits agree with Megatron-Core's
     sequential experts' (host counts, exact pairs) to bf16 rounding on average (a near-tie may route elsewhere)."""
     from packfwd.models.mlp.experts import grouped_kernel, set_grouped_experts
-    from packfwd.models.families.family import Moe
+    from packfwd.models.mlp import Moe
 
     ids, mask, lengths = batch
     args = ModelArgs(vocab_size=256, hidden_size=128, ffn_hidden_size=256, num_layers=2, num_attention_heads=4,
-                     num_query_groups=2, family="qwen3_moe", moe=Moe(num_experts=8, top_k=2, ffn_hidden_size=64))
+                     num_query_groups=2, family="qwen3_moe", qk_norm=True,
+                     moe=Moe(num_experts=8, top_k=2, ffn_hidden_size=64))
     torch.manual_seed(0)
     moe = build_model(args, device="cuda", params_dtype=torch.bfloat16)
     if not grouped_kernel(torch.zeros(1, device="cuda", dtype=torch.bfloat16)):

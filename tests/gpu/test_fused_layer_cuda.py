@@ -40,7 +40,7 @@ pytestmark = [needs_kernels]
 
 # Qwen3-shaped: GQA 4 / 2 heads of 32, QK-norm, ffn not a power of 2
 ARGS = ModelArgs(vocab_size=256, hidden_size=128, ffn_hidden_size=192, num_layers=2, num_attention_heads=4,
-                 num_query_groups=2, head_dim=32, family="qwen3")
+                 num_query_groups=2, head_dim=32, family="qwen3", qk_norm=True)
 LENGTHS = [24, 1, 17, 9] if DEVICE == "cpu" else [96, 1, 57, 70, 33]
 S = max(LENGTHS)
 

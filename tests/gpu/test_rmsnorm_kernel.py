@@ -1,7 +1,7 @@
 """The fused Triton RMSNorm (+ residual add) kernels (``packfwd.ops.rmsnorm``) against float64 math and against
 ``torch.nn.functional.rms_norm``: values and the gradients of x, weight and residual, fp32 / bf16 / fp16, widths
 that are not powers of 2, 1 to 37 rows, several rows per backward program, an expanded (stride-0) upstream
-gradient, bitwise equal on a second run; and ``packfwd.models.runtime.spec.RMSNorm(fused=True)``.
+gradient, bitwise equal on a second run; and ``packfwd.models.norm.RMSNorm(fused=True)``.
 
 Runs on a CUDA GPU, or on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``; see ``_kernel_device``) at the
 same tiny sizes (under 20 s).  The interpreter rounds float32 to bf16 by truncation (its ``_convert_float``; the
@@ -162,14 +162,14 @@ def test_bad_arguments():
 
 
 def test_spec_rmsnorm_fused_switch(monkeypatch):
-    """spec.RMSNorm(fused=True) takes the kernel where supported (on the CPU: made supported here), and equals the
+    """norm.RMSNorm(fused=True) takes the kernel where supported (on the CPU: made supported here), and equals the
     unfused module; off by default."""
     from types import SimpleNamespace
 
-    from packfwd.models.runtime import spec
+    from packfwd.models import norm
 
     config = SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False)
-    plain, fused = spec.RMSNorm(config, hidden_size=40, eps=1e-6), spec.RMSNorm(config, 40, 1e-6, fused=True)
+    plain, fused = norm.RMSNorm(config, hidden_size=40, eps=1e-6), norm.RMSNorm(config, 40, 1e-6, fused=True)
     assert not plain.fused and fused.fused
     with torch.no_grad():
         plain.weight.copy_(torch.rand(40) + 0.5)

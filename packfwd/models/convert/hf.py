@@ -1,6 +1,6 @@
 """HF transformers models <-> packfwd's Megatron-Core models: configs, and weights loaded into modules.
 
-The families converted are the entries of :data:`packfwd.models.families.family.FAMILIES` (Llama, Qwen2, ...).
+The families converted are the entries of :data:`packfwd.models.families.FAMILIES` (Llama, Qwen2, ...).
 :func:`args_from_hf_config` reads a transformers config through its family's entry; :func:`from_hf` builds a
 model (TP-sharded, any pipeline stage) with a transformers model's weights and :func:`to_hf_state_dict` reads them
 back, through the pure state-dict conversions of :mod:`packfwd.models.convert.hf_weights` (which also describes the
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..args import ModelArgs
-from ..families.family import family_of_hf_config
+from ..families import family_of_hf_config
 from ..mlp.moe_weights import expert_shard, expert_tp_shard, merge_expert_shards
 from .hf_weights import hf_to_megatron, megatron_to_hf
 
@@ -24,7 +24,7 @@ __all__ = ["args_from_hf_config", "from_hf", "load_weights", "to_hf_state_dict"]
 
 def args_from_hf_config(hf_config, *, value_head: bool = False) -> ModelArgs:
     """:class:`ModelArgs` of a transformers config of one of packfwd's families (``LlamaConfig``,
-    ``Qwen2Config``, ...: :data:`packfwd.models.families.family.FAMILIES`, read by the family's entry);
+    ``Qwen2Config``, ...: :data:`packfwd.models.families.FAMILIES`, read by the family's entry);
     ``value_head``: a width-1 head.
 
     >>> from transformers import Qwen2Config
@@ -88,7 +88,7 @@ def from_hf(
     fused: bool = True,
 ):
     """packfwd's Megatron-Core model (or pipeline stage) with the weights of a transformers causal LM of one of
-    packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.families.family.FAMILIES`),
+    packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.families.FAMILIES`),
     or its ``...ForTokenClassification`` with one label, as a value model.
 
     Works in a fresh Python process: when ``torch.distributed`` is not initialised it creates a single-process

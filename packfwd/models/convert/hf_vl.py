@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..args import ModelArgs
-from ..families.family import family
+from ..families import family
 
 __all__ = ["language_model_from_hf", "language_model_state_dict", "vl_args_from_hf_config"]
 

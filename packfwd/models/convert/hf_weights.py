@@ -1,19 +1,14 @@
-"""HF transformers state dicts <-> packfwd's Megatron-Core state dicts, TP-sharded: pure functions, for the
-families of :mod:`packfwd.models.families.family` (the names below; a layer's non-dense MLP is converted by its MLP kind).
+"""HF transformers state dicts <-> packfwd's Megatron-Core state dicts, TP-sharded: pure functions, the small engine
+that applies a family's mapping (:mod:`packfwd.models.families`).
 
-Weight layout (Megatron-Core's, per layer; ``ng`` query groups = kv heads, ``r = heads / ng``, ``d`` head dim)::
+Per layer it applies the family entry's own rows (``Family.layer_weights``: the layer norms) and asks the layer's
+components (:mod:`packfwd.models.component`: its token mixer and its MLP) for theirs, which are declarative tables
+(:mod:`packfwd.models.mapping`: each row a Megatron-Core tensor, its HF tensor(s) and its TP cut) but for the routed
+experts (:mod:`packfwd.models.mlp.moe_weights`).  The model's own tensors stay here: the embedding and the output
+layer (``vocab / tp`` rows each; tied embeddings, a value head's ``score``), the final norm (replicated).
 
-    linear_qkv.weight  [ng * (r + 2) * d, hidden]  for each group g: its r query heads, then k_g, then v_g
-    q_layernorm.weight [d]                         QK-norm (Qwen3's self_attn.q_norm; k_layernorm: k_norm)
-    linear_fc1.weight  [2 * ffn, hidden]           [gate; up]
-
-A layer with multi-head latent attention (``args.mla``, DeepSeek-V3) has :mod:`packfwd.models.mixers.mla_weights`'s attention
-weights instead of ``linear_qkv`` / ``linear_proj``.
-
-A TP rank holds a contiguous block of rows of the column-parallel weights (``linear_qkv``: ``ng / tp`` whole
-groups; ``linear_fc1``: ``[gate_rank; up_rank]``; the embedding and output layer: ``vocab / tp`` rows) and of
-columns of the row-parallel ones (``linear_proj``, ``linear_fc2``); norms (QK-norms too: every head has the same
-one), row-parallel biases and a value head are replicated.  :func:`hf_to_megatron` and :func:`megatron_to_hf`
+A TP rank holds a contiguous block of rows of the column-parallel weights and of columns of the row-parallel ones;
+norms, row-parallel biases and a value head are replicated.  :func:`hf_to_megatron` and :func:`megatron_to_hf`
 work on state dicts (one dict per TP rank); :mod:`packfwd.models.convert.hf` applies them to modules.
 """
 
@@ -25,36 +20,12 @@ import torch
 from torch import Tensor
 
 from ..args import ModelArgs
-from ..families.family import mlp_kind
-from ..mixers.mla_weights import mla_from_hf, mla_to_hf
-from ..mixers.latent import mla_tp_widths
+from ..families import family
+from ..mapping import rows_to_hf, rows_to_megatron
+from ..mixers import mixer
+from ..mlp import DENSE
 
 __all__ = ["hf_to_megatron", "megatron_to_hf"]
-
-
-def _hf_names(i: int) -> dict[str, str]:
-    p = f"model.layers.{i}."
-    return {
-        "layer": p, "q": p + "self_attn.q_proj", "k": p + "self_attn.k_proj", "v": p + "self_attn.v_proj",
-        "o": p + "self_attn.o_proj", "gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj",
-        "down": p + "mlp.down_proj", "ln1": p + "input_layernorm.weight", "ln2": p + "post_attention_layernorm.weight",
-        "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
-    }
-
-
-def _mg_names(local: int) -> dict[str, str]:
-    p = f"decoder.layers.{local}."
-    return {
-        "layer": p, "qkv": p + "self_attention.linear_qkv", "proj": p + "self_attention.linear_proj",
-        "fc1": p + "mlp.linear_fc1", "fc2": p + "mlp.linear_fc2",
-        "ln1": p + "input_layernorm.weight", "ln2": p + "pre_mlp_layernorm.weight",
-        "q_norm": p + "self_attention.q_layernorm.weight", "k_norm": p + "self_attention.k_layernorm.weight",
-    }
-
-
-def _norms(args: ModelArgs) -> tuple[str, ...]:
-    """The replicated norm weights of a layer (keys of :func:`_hf_names` / :func:`_mg_names`)."""
-    return ("ln1", "ln2", "q_norm", "k_norm") if args.qk_norm else ("ln1", "ln2")
 
 
 def hf_to_megatron(
@@ -93,28 +64,12 @@ def hf_to_megatron(
     rows = _shard_rows(tp_size, tp_rank)
     if pre_process:
         out["embedding.word_embeddings.weight"] = rows(sd["model.embed_tokens.weight"])
+    entry = family(args.family)
     for local, i in enumerate(layers):
-        h, m = _hf_names(i), _mg_names(local)
-        out.update({m[n]: sd[h[n]].clone() for n in _norms(args)})
-        if args.mla is not None:  # multi-head latent attention (hf_mla.py)
-            out.update(mla_from_hf(sd, h["layer"] + "self_attn.", m["layer"] + "self_attention.", args.mla,
-                                   tp_size=tp_size, tp_rank=tp_rank))
-        else:
-            out[m["qkv"] + ".weight"] = _fuse_qkv(args, [sd[h[x] + ".weight"] for x in "qkv"], tp_size, tp_rank)
-            if args.qkv_bias or args.linear_bias:
-                out[m["qkv"] + ".bias"] = _fuse_qkv(args, [sd[h[x] + ".bias"] for x in "qkv"], tp_size, tp_rank)
-            out[m["proj"] + ".weight"] = _shard_cols(sd[h["o"] + ".weight"], tp_size, tp_rank)
-            if args.linear_bias:
-                out[m["proj"] + ".bias"] = sd[h["o"] + ".bias"].clone()
-        if not args.dense_mlp(i):
-            out.update(mlp_kind(args.moe).hf_to_megatron(args, sd, h["layer"], m["layer"], tp_size=tp_size,
-                                                         tp_rank=tp_rank))
-            continue
-        out[m["fc1"] + ".weight"] = torch.cat([rows(sd[h["gate"] + ".weight"]), rows(sd[h["up"] + ".weight"])])
-        out[m["fc2"] + ".weight"] = _shard_cols(sd[h["down"] + ".weight"], tp_size, tp_rank)
-        if args.linear_bias:
-            out[m["fc1"] + ".bias"] = torch.cat([rows(sd[h["gate"] + ".bias"]), rows(sd[h["up"] + ".bias"])])
-            out[m["fc2"] + ".bias"] = sd[h["down"] + ".bias"].clone()
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        out.update(rows_to_megatron(entry.layer_weights, args, sd, h, m, tp_size, tp_rank))
+        for component in entry.components(args, i):
+            out.update(component.hf_to_megatron(args, sd, h, m, tp_size=tp_size, tp_rank=tp_rank))
     if post_process:
         out["decoder.final_layernorm.weight"] = sd["model.norm.weight"].clone()
         if args.value_head:
@@ -161,34 +116,16 @@ def megatron_to_hf(
     def rows(name):
         return torch.cat([s[name] for s in shards], dim=0)
 
-    def cols(name):
-        return torch.cat([s[name] for s in shards], dim=1)
-
     out: dict[str, Tensor] = {}
     first = shards[0]
     if pre_process:
         out["model.embed_tokens.weight"] = rows("embedding.word_embeddings.weight")
+    entry = family(args.family)
     for local, i in enumerate(layers):
-        h, m = _hf_names(i), _mg_names(local)
-        if args.mla is not None:
-            out.update(mla_to_hf(shards, h["layer"] + "self_attn.", m["layer"] + "self_attention.", args.mla))
-        else:
-            for suffix in ("weight", "bias") if (args.qkv_bias or args.linear_bias) else ("weight",):
-                q, k, v = _split_qkv(args, [s[f"{m['qkv']}.{suffix}"] for s in shards])
-                out[f"{h['q']}.{suffix}"], out[f"{h['k']}.{suffix}"], out[f"{h['v']}.{suffix}"] = q, k, v
-            out[h["o"] + ".weight"] = cols(m["proj"] + ".weight")
-            if args.linear_bias:
-                out[h["o"] + ".bias"] = first[m["proj"] + ".bias"].clone()
-        if args.dense_mlp(i):
-            for suffix in ("weight", "bias") if args.linear_bias else ("weight",):
-                gates, ups = zip(*(s[f"{m['fc1']}.{suffix}"].chunk(2, dim=0) for s in shards))
-                out[f"{h['gate']}.{suffix}"], out[f"{h['up']}.{suffix}"] = torch.cat(gates), torch.cat(ups)
-            out[h["down"] + ".weight"] = cols(m["fc2"] + ".weight")
-            if args.linear_bias:
-                out[h["down"] + ".bias"] = first[m["fc2"] + ".bias"].clone()
-        else:
-            out.update(mlp_kind(args.moe).megatron_to_hf(args, shards, m["layer"], h["layer"]))
-        out.update({h[n]: first[m[n]].clone() for n in _norms(args)})
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        out.update(rows_to_hf(entry.layer_weights, args, shards, m, h))
+        for component in entry.components(args, i):
+            out.update(component.megatron_to_hf(args, shards, m, h))
     if post_process:
         out["model.norm.weight"] = first["decoder.final_layernorm.weight"].clone()
         if args.value_head:
@@ -204,34 +141,10 @@ def megatron_to_hf(
 def _check_tp(args: ModelArgs, tp_size: int, tp_rank: int) -> None:
     if not isinstance(tp_size, int) or tp_size < 1 or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_size={tp_size!r}, tp_rank={tp_rank!r}: need 0 <= tp_rank < tp_size")
-    for name, value in (("vocab_size", args.vocab_size), ("num_query_groups", args.query_groups),
-                        ("ffn_hidden_size", args.ffn_hidden_size), *mla_tp_widths(args.mla)):
+    for name, value in (("vocab_size", args.vocab_size), *mixer(args).tp_widths(args), *DENSE.tp_widths(args)):
         if value % tp_size:
             raise ValueError(f"{name}={value} is not divisible by tp_size={tp_size}; pick a tp_size that divides it")
 
 
 def _shard_rows(tp: int, rank: int):
     return lambda x: x.chunk(tp, dim=0)[rank].clone()
-
-
-def _shard_cols(x: Tensor, tp: int, rank: int) -> Tensor:
-    return x.chunk(tp, dim=1)[rank].clone()
-
-
-def _fuse_qkv(args: ModelArgs, qkv: list[Tensor], tp: int, rank: int) -> Tensor:
-    """[q; k; v] (HF, heads contiguous) -> rank's rows of Megatron's per-group [q heads, k, v] layout."""
-    q, k, v = qkv
-    ng, d = args.query_groups, args.kv_channels
-    trail = q.shape[1:]
-    fused = torch.cat([q.reshape(ng, -1, *trail), k.reshape(ng, d, *trail), v.reshape(ng, d, *trail)], dim=1)
-    return fused.chunk(tp, dim=0)[rank].reshape(-1, *trail).clone()
-
-
-def _split_qkv(args: ModelArgs, shards: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    ng, d = args.query_groups, args.kv_channels
-    r = args.num_attention_heads // ng
-    fused = torch.cat(shards, dim=0)
-    trail = fused.shape[1:]
-    grouped = fused.reshape(ng, (r + 2) * d, *trail)
-    q, k, v = grouped.split([r * d, d, d], dim=1)
-    return (q.reshape(-1, *trail).clone(), k.reshape(-1, *trail).clone(), v.reshape(-1, *trail).clone())

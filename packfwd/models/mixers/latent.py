@@ -21,7 +21,25 @@ base ** (2i / dr))``) and extrapolated ones by a linear ramp between the correct
 the softmax scale ``(dn + dr) ** -0.5`` times ``mscale(factor, mscale_all_dim) ** 2`` when ``mscale_all_dim`` is
 set (:meth:`Mla.softmax_scale`): transformers 5's formulas, in float32 for the frequencies as it computes them.
 
-The module is :mod:`packfwd.models.mixers.mla`, the weight mapping :mod:`packfwd.models.mixers.mla_weights`.  No Megatron-Core here.
+MLA as a token-mixer component (:class:`LatentAttention`, ``MLA``) owns the ``ModelArgs.mla`` field and refuses the
+softmax attention's fields it does not build; its Megatron-Core config is ``MLATransformerConfig``
+(:func:`mla_config_fields`), its spec and module live in :mod:`packfwd.models.mixers.mla` (imported when a model is
+built), its weights are the table ``WEIGHTS``.  The DeepSeek-V3 family reads ``Mla`` from its config
+(:mod:`packfwd.models.families.deepseek_v3`).  No Megatron-Core here.
+
+Weights (``H`` heads, ``dq = dn + dr``; Megatron-Core under ``decoder.layers.{j}.self_attention.``, HF under
+``model.layers.{i}.self_attn.``; the down projections are column-parallel as in Megatron-Core's MLA, their outputs
+gathered in the forward, so their widths must divide by TP)::
+
+    HF                                          Megatron-Core                   TP rank r holds
+    q_proj.weight             [H * dq, h]       linear_q_proj.weight            rows: its heads  (q_lora_rank None)
+    q_a_proj.weight           [q_lora, h]       linear_q_down_proj.weight       rows: q_lora / tp  (else)
+    q_a_layernorm.weight      [q_lora]          q_layernorm.weight              all
+    q_b_proj.weight           [H * dq, q_lora]  linear_q_up_proj.weight         rows: its heads
+    kv_a_proj_with_mqa.weight [kv_lora + dr, h] linear_kv_down_proj.weight      rows: (kv_lora + dr) / tp
+    kv_a_layernorm.weight     [kv_lora]         kv_layernorm.weight             all
+    kv_b_proj.weight          [H * (dn + dv), kv_lora]  linear_kv_up_proj.weight  rows: its heads
+    o_proj.weight             [h, H * dv]       linear_proj.weight              columns: its heads
 """
 
 from __future__ import annotations
@@ -31,7 +49,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Mla", "Yarn", "mla_config_fields", "mla_from_hf_config", "mla_tp_widths", "yarn_inv_freq", "yarn_mscale"]
+from ..component import Component
+from ..mapping import Weight
+
+__all__ = ["MLA", "LatentAttention", "Mla", "Yarn", "mla_config_fields", "mla_tp_widths", "yarn_inv_freq",
+           "yarn_mscale"]
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -182,51 +204,6 @@ def mla_tp_widths(mla: Mla | None) -> tuple[tuple[str, int], ...]:
     return widths + ((("q_lora_rank", mla.q_lora_rank),) if mla.q_lora_rank is not None else ())
 
 
-_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-              "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate", "partial_rotary_factor"}
-
-
-def mla_from_hf_config(cfg) -> Mla:
-    """The :class:`Mla` of a ``DeepseekV3Config``; ValueError (naming the field and the fix) for what packfwd
-    does not build: ``num_key_value_heads`` other than ``num_attention_heads`` (every MLA head has its own key and
-    value), partial RoPE, a RoPE type other than ``"default"`` and ``"yarn"``, a YaRN without ``factor``.
-
-    >>> from transformers import DeepseekV3Config
-    >>> mla = mla_from_hf_config(DeepseekV3Config(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=40.0,
-    ...     original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)))
-    >>> mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim, mla.v_head_dim, mla.rope_interleave, mla.yarn.factor
-    (1536, 512, 192, 128, True, 40.0)
-    """
-    heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if kv_heads != heads:
-        raise ValueError(f"num_key_value_heads={kv_heads} with num_attention_heads={heads}: multi-head latent "
-                         "attention gives every head its own key and value (kv_b_proj); set num_key_value_heads="
-                         f"{heads}")
-    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']}: MLA rotates all of its "
-                         "qk_rope_head_dim channels; set it to 1.0 (or leave it out)")
-    yarn = None
-    if kind == "yarn":
-        unknown = sorted(set(params) - _YARN_KEYS)
-        if unknown:
-            raise ValueError(f"rope_parameters keys {unknown} are not read by packfwd's YaRN; drop them")
-        if params.get("factor") is None:
-            raise ValueError("rope_parameters['factor'] is None: packfwd's YaRN needs the scaling factor given "
-                             "(transformers' softmax correction reads it too); set it")
-        yarn = Yarn(factor=float(params["factor"]),
-                    original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                    mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-                    attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
-    elif kind != "default":
-        raise ValueError(f"rope_type={kind!r}: packfwd builds DeepSeek-V3's RoPE as 'default' or 'yarn'; use one")
-    return Mla(kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-               qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank,
-               rope_interleave=bool(getattr(cfg, "rope_interleave", True)), yarn=yarn)
-
-
 def mla_config_fields(mla: Mla, theta: float) -> dict:
     """Megatron-Core ``MLATransformerConfig`` fields of ``mla`` (RoPE theta ``theta``).  packfwd's module computes
     the RoPE and the softmax scale itself (:mod:`packfwd.models.mixers.mla`); the YaRN fields describe it to readers of
@@ -245,3 +222,90 @@ def mla_config_fields(mla: Mla, theta: float) -> dict:
                       mscale=float(y.mscale) if y.mscale is not None else 1.0,
                       mscale_all_dim=float(y.mscale_all_dim or 0.0))
     return fields
+
+
+def _q_lora(args) -> bool:
+    return args.mla.q_lora_rank is not None
+
+
+def _no_q_lora(args) -> bool:
+    return args.mla.q_lora_rank is None
+
+
+# One layer's attention weights (module docstring): Megatron-Core <- HF, under the layer prefixes.
+WEIGHTS = (
+    Weight("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight", "rows", when=_no_q_lora),
+    Weight("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "rows", when=_q_lora),
+    Weight("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight", when=_q_lora),
+    Weight("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", "rows", when=_q_lora),
+    Weight("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "rows"),
+    Weight("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
+    Weight("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight", "rows"),
+    Weight("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "cols"),
+)
+
+# The softmax attention's fields MLA does not build, and the value each must keep (None: derived from mla).
+_NOT_BUILT = dict(num_query_groups=None, qk_norm=False, qkv_bias=False, linear_bias=False, rope_scaling_factor=None,
+                  rotary_percent=1.0, mrope_section=None, mtp_num_layers=0)
+
+
+class LatentAttention(Component):
+    """Multi-head latent attention as a token-mixer component (module docstring).
+
+    >>> from packfwd.models.args import ModelArgs
+    >>> args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=2,
+    ...                  family="deepseek_v3", mla=Mla(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+    ...                  v_head_dim=6))
+    >>> args.head_dim, MLA.config_fields(args)["kv_lora_rank"], [w.mg for w in MLA.weights(args)][0]
+    (8, 8, 'self_attention.linear_q_proj.weight')
+    """
+
+    name = "multi-head latent attention"
+    fields = ("mla",)
+    field = "mla"  # the ModelArgs field holding its description
+    hint = "mla=Mla(...) (packfwd.models.mixers.Mla)"  # what to pass for it
+    config_class = "MLATransformerConfig"
+    rotates_itself = True  # Megatron-Core computes no BSHD angles for MLA; the model hands its module per-token ones
+
+    def check(self, args) -> None:
+        """``args.mla`` an :class:`Mla`, and none of the softmax attention's options (the head dim is the
+        query-key one, ``qk_nope_head_dim + qk_rope_head_dim``)."""
+        if not isinstance(args.mla, Mla):
+            raise TypeError(f"ModelArgs.mla must be a packfwd.models.mixers.latent.Mla or None, got {type(args.mla)}")
+        if args.head_dim is None:
+            object.__setattr__(args, "head_dim", args.mla.qk_head_dim)
+        wrong = {name: getattr(args, name) for name, keep in _NOT_BUILT.items()
+                 if getattr(args, name) != keep and not (name == "num_query_groups"
+                                                        and args.query_groups == args.num_attention_heads)}
+        if args.head_dim != args.mla.qk_head_dim:
+            wrong = {"head_dim": args.head_dim, **wrong}
+        if wrong:
+            raise ValueError(f"ModelArgs {wrong} with mla: multi-head latent attention is built with head_dim = "
+                             f"qk_nope_head_dim + qk_rope_head_dim = {args.mla.qk_head_dim} (or None), one key and "
+                             "value per head, no QK-norm, no biases, full RoPE (YaRN in mla.yarn) and no MTP layers; "
+                             "leave these at their defaults")
+
+    def config_fields(self, args) -> dict:
+        return dict(num_query_groups=args.num_attention_heads, kv_channels=args.kv_channels, qk_layernorm=False,
+                    add_qkv_bias=False, **mla_config_fields(args.mla, args.rope_theta))
+
+    def tp_widths(self, args) -> tuple[tuple[str, int], ...]:
+        return (("num_attention_heads", args.num_attention_heads), *mla_tp_widths(args.mla))
+
+    def weights(self, args) -> tuple[Weight, ...]:
+        return WEIGHTS
+
+    def layer_spec(self, args, layer: int, *, attention_backend: str | None = None, rope=None, qk_norm=None):
+        """:func:`packfwd.models.mixers.mla.mla_attention_spec` (``rope``: the model's ``MlaRope``)."""
+        from .mla import mla_attention_spec
+
+        return mla_attention_spec(args, attention_backend=attention_backend, rope=rope)
+
+    def rotary_modules(self, config, args, *, packed: bool, cp_group):
+        """The rotated channels' rotary module, plain or YaRN, and the ``MlaRope`` each layer reads."""
+        from .mla import mla_rotary_modules
+
+        return mla_rotary_modules(args.mla, args.rope_theta, packed=packed, fused=args.fused)
+
+
+MLA = LatentAttention()

@@ -23,7 +23,8 @@ parallelism), BSHD from the model's per-token angles (``rotary_pos_emb [s, b, 1,
 TP the heads are split, the down projections' outputs gathered (and, under sequence parallelism, cut back to
 each rank's tokens before the up projections, which gather them again), as Megatron-Core's MLA does.
 
-This module imports Megatron-Core; ``packfwd.models`` imports it only when a model is built.
+The description ``Mla`` is :mod:`packfwd.models.mixers.latent`'s (not imported here: that module imports this one
+when a model is built).  This module imports Megatron-Core; ``packfwd.models`` imports it only when a model is built.
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ from torch import Tensor
 
 from packfwd.layout.rules import local_positions
 
-from .latent import Mla
 from .rope import PackedRope, PackedRotaryEmbedding, rotary_angles
 
-__all__ = ["MlaRope", "PackedMLASelfAttention", "mla_rotary_modules"]
+__all__ = ["MlaRope", "PackedMLASelfAttention", "mla_attention_spec", "mla_rotary_modules"]
 
 
 class MlaRope:
@@ -49,6 +49,7 @@ class MlaRope:
     ``mla.rope_interleave``, rotated by Megatron's half-split arithmetic (:class:`~packfwd.models.mixers.rope.PackedRope`,
     fused on CUDA where built fused).  A plain object: the modules holding it add nothing to the state dict.
 
+    >>> from packfwd.models.mixers import Mla
     >>> mla = Mla(kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=4, v_head_dim=2)
     >>> rope = MlaRope(mla_rotary_modules(mla, 1e4, packed=True)[0], mla)
     >>> q = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
@@ -218,3 +219,37 @@ class PackedMLASelfAttention(MegatronModule):
         if angles is None:  # no caller positions: 0..s-1 on every row
             return self.rope.angles(torch.arange(s, device=device))[:, None].expand(s, b, -1).reshape(s * b, -1)
         return angles.reshape(s * b, -1)  # [s, b, 1, dr] from the model's position_ids
+
+
+def mla_attention_spec(args, *, attention_backend: str | None = None, rope=None):
+    """The ``ModuleSpec`` of an MLA layer's self-attention for ``args`` (``args.mla`` set): Megatron-Core's local
+    MLA submodules (column-parallel down projections, RMSNorm latent norms), packfwd's core attention without RoPE;
+    ``rope`` the model's :class:`~packfwd.models.mixers.mla.MlaRope` (None: the module builds one from the config).
+
+    >>> from packfwd.models.args import ModelArgs
+    >>> from packfwd.models.mixers import Mla
+    >>> args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=2,
+    ...                  family="deepseek_v3", mla=Mla(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+    ...                  v_head_dim=6))
+    >>> spec = mla_attention_spec(args)
+    >>> spec.module.__name__, spec.submodules.core_attention.params
+    ('PackedMLASelfAttention', {'backend': None, 'rope': None})
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from ..norm import RMSNorm
+    from .attention import CoreAttention
+
+    return ModuleSpec(
+        module=PackedMLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "mla": args.mla, "rope": rope},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear,
+            core_attention=ModuleSpec(module=CoreAttention, params={"backend": attention_backend, "rope": None}),
+            linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm,
+        ),
+    )

@@ -8,7 +8,8 @@ the last ``w`` by the width (``t + h + w = d/2``); the angle table is laid out i
 rotated with ``rotate_half``, as transformers' Qwen2-VL and Megatron-Core's ``MultimodalRotaryEmbedding`` do.
 A text token has three equal coordinates, so ``[b, s]`` positions (or none) give plain RoPE.
 
-Two parts, chosen at construction by :class:`packfwd.models.runtime.model.PackedGPTModel` (:func:`rotary_modules`):
+Two parts, chosen at construction by :class:`packfwd.models.runtime.model.PackedGPTModel` (the softmax attention
+component's ``rotary_modules``, :mod:`packfwd.models.mixers.softmax`):
 
 * :class:`MropeRotaryEmbedding` stands where Megatron-Core's constructor puts its ``MultimodalRotaryEmbedding``
   and is called as ``GPTModel`` calls that one: ``rotary(position_ids [3, b, s], mrope_section, cp_group)`` ->
@@ -33,10 +34,10 @@ from torch import Tensor
 from packfwd._validate import check_positions
 from packfwd.layout.rules import local_positions
 
-from ..args import check_mrope_section
+from .rotary import check_mrope_section
 from .rope import PackedRope, PackedRotaryEmbedding
 
-__all__ = ["MropeRope", "MropeRotaryEmbedding", "mrope_angles", "mrope_positions", "rotary_modules"]
+__all__ = ["MropeRope", "MropeRotaryEmbedding", "mrope_angles", "mrope_positions"]
 
 
 class MropeRotaryEmbedding(PackedRotaryEmbedding):
@@ -134,28 +135,3 @@ def mrope_positions(position_ids: Tensor | None, input_ids: Tensor | None, *, fi
     check_positions(position_ids, input_ids, coords=3)
     return position_ids.expand(3, *position_ids.shape) if position_ids.dim() == 2 else position_ids
 
-
-def rotary_modules(config, args, *, packed: bool, cp_group, **rotary_kwargs):
-    """The rotary module and the THD RoPE (None with ``packed=False``) of a model of ``args``: plain RoPE, or
-    multimodal RoPE when ``args.mrope_section`` is set.
-
-    >>> from types import SimpleNamespace
-    >>> config = SimpleNamespace(kv_channels=8, rotary_interleaved=False, use_cpu_initialization=True)
-    >>> rotary, rope = rotary_modules(config, SimpleNamespace(mrope_section=(1, 2, 1)), packed=True, cp_group=None)
-    >>> type(rotary).__name__, type(rope).__name__
-    ('MropeRotaryEmbedding', 'MropeRope')
-    """
-    section = getattr(args, "mrope_section", None)
-    kwargs = dict(kv_channels=config.kv_channels, rotary_percent=rotary_kwargs.pop("rotary_percent", 1.0),
-                  rotary_interleaved=config.rotary_interleaved, use_cpu_initialization=config.use_cpu_initialization,
-                  cp_group=cp_group, packed=packed, **rotary_kwargs)
-    if section is None:
-        rotary = PackedRotaryEmbedding(**kwargs)
-        return rotary, PackedRope(rotary, fused=getattr(args, "fused", False)) if packed else None
-    if not packed:
-        raise ValueError(
-            "packed_rope=False with mrope_section: Megatron-Core's THD RoPE cannot take per-token multimodal "
-            "positions (it cuts one angle table per CP rank as if the batch were one sequence); use packed_rope=True"
-        )
-    rotary = MropeRotaryEmbedding(mrope_section=section, **kwargs)
-    return rotary, MropeRope(rotary, fused=getattr(args, "fused", False))

@@ -1,5 +1,6 @@
-"""Mixture-of-Experts layers for packfwd's models: Megatron-Core's ``MoELayer`` with a router that never routes a
-layout pad, and the load-balancing loss of the real tokens.
+"""The Mixture-of-Experts MLP as a layer component: its description (:class:`Moe`, ``ModelArgs.moe``), the
+Megatron-Core config fields and layer spec it becomes, its weight table, and the checks that refuse what
+Megatron-Core would build otherwise than described.
 
 The layer is Megatron-Core's own (``MoELayer``: router, token dispatcher, experts), dropless (no capacity factor:
 a token's output depends on its own routing only, never on its batch), with Megatron's local modules, no
@@ -14,77 +15,168 @@ TransformerEngine::
 
 Routing (:func:`moe_config_fields`): softmax top-k (Qwen3-MoE, Mixtral), or DeepSeek-V3's sigmoid scores with a
 routing-only expert bias (``router.expert_bias``, float32, a buffer in the state dict), group-limited top-k and a
-routed scaling factor, all Megatron-Core's own arithmetic.
+routed scaling factor, all Megatron-Core's own arithmetic.  What :class:`~packfwd.models.mlp.router.PackedRouter`
+changes in Megatron-Core's ``TopKRouter`` (the gate's device and dtype, layout pads routed nowhere, routing
+statistics) is said there.  Megatron-Core's own auxiliary losses stay off (``moe_router_load_balancing_type=
+"none"``): a packfwd model adds no hidden gradient; the forward returns the loss on request
+(:mod:`packfwd.models.mlp.aux_loss`).
 
-What :class:`~packfwd.models.mlp.router.PackedRouter` changes in Megatron-Core's ``TopKRouter``:
+Weights (HF under ``model.layers.{i}.mlp.``, Megatron-Core under ``decoder.layers.{j}.mlp.``): the router, its
+expert bias and the shared experts are the table ``WEIGHTS``; the routed experts, stored fused ``[E, 2f, h]`` by
+transformers 5 (per expert in older checkpoints) and split over expert-parallel ranks, are
+:mod:`packfwd.models.mlp.moe_weights`' functions.
 
-* the gate is a plain linear on the input's device, in ``config.moe_router_dtype`` (else the input's dtype):
-  Megatron's moves its weight to CUDA on every call and takes TransformerEngine's GEMM;
-* with ``config.moe_router_dtype`` (``Moe.router_dtype``: ``"fp32"`` for DeepSeek-V3-style routing, GLM-4.5) the
-  gate weight stays float32 (at least) in a bf16 / fp16 model, as transformers keeps it
-  (``_keep_in_fp32_modules_strict``): Megatron-Core casts it to ``params_dtype``, so a bf16 checkpoint's float32
-  gate would lose bits;
-* ``padding_mask`` (Megatron-Core's convention: ``[b, s]``, True at a padding slot; ``GPTModel.forward`` passes it
-  down, ``make_forward`` gives it from the batch's plan): Megatron masks those tokens out of its auxiliary losses
-  only; here they are routed to no expert at all (their routing-map row is empty, their probabilities 0), so they
-  count nowhere: not in the experts' load, not in any statistic, not in the load-balancing loss
-  (:func:`packfwd.models.mlp.routing.load_balancing_loss`);
-* inside :func:`routing_stats`, every routing appends its layer's
-  :class:`~packfwd.models.mlp.routing.RoutingStats` (real tokens only);
-* the expert bias and its token counts are made beside the weight (Megatron-Core makes them on CUDA); the counts
-  Megatron-Core's ``finalize_model_grads`` updates the bias from are of real tokens only, and eager (Megatron
-  compiles that helper).
-
-Megatron-Core's own auxiliary losses stay off (``moe_router_load_balancing_type="none"``): a packfwd model adds no
-hidden gradient.  Ask the forward for the loss (``make_forward(..., moe_aux_loss=True)``) and add it, scaled, to
-yours; sigmoid routing has none (:func:`packfwd.models.mlp.aux_loss.check_aux_loss_model`).  The MLP kind of
-:class:`packfwd.models.families.family.Moe` is :class:`MoeKind` (``family.mlp_kind`` finds it).
-Megatron-Core is imported inside the functions (and by :mod:`packfwd.models.mlp.router`, which they import).
+A family reading an HF config builds its description with :meth:`Moe.read`, so a refusal names the config's flags
+(``norm_topk_prob``, ``num_experts_per_tok``) rather than :class:`Moe`'s fields.  Megatron-Core is imported inside
+the functions (and by :mod:`packfwd.models.mlp.router`, which they import).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import torch
 
+from ..component import Component
+from ..mapping import Weight, rows_to_hf, rows_to_megatron
 from .routing import RoutingStats
 
-__all__ = ["MoeKind", "moe_config_fields", "moe_spec", "routing_stats"]
+__all__ = ["MOE", "MixtureOfExperts", "Moe", "check_moe", "moe_config_fields", "moe_spec", "routing_stats"]
 
 
-def moe_config_fields(moe, num_layers: int) -> dict:
-    """Megatron-Core ``TransformerConfig`` fields of the MoE MLP ``moe`` (a :class:`packfwd.models.families.family.Moe`) in
-    a model of ``num_layers`` layers: top-k, dropless, Megatron's auxiliary losses off.
+@dataclass(frozen=True)
+class Moe:
+    """A Mixture-of-Experts MLP: a router choosing ``top_k`` of ``num_experts`` SwiGLU experts per token, dropless
+    (no capacity factor: a token's output never depends on its batch).  Refused at construction: what Megatron-Core
+    cannot build as described (:func:`check_moe`).
+
+    >>> Moe(num_experts=8, top_k=2, ffn_hidden_size=32, dense_layers=[0]).dense_layers
+    (0,)
+    """
+
+    num_experts: int  # routed experts (HF num_experts / num_local_experts / n_routed_experts)
+    top_k: int  # experts per token (num_experts_per_tok)
+    ffn_hidden_size: int  # each routed expert's hidden width (moe_intermediate_size; Mixtral: intermediate_size)
+    score_function: str = "softmax"  # "softmax" (Qwen3-MoE, Mixtral) or "sigmoid" (DeepSeek-V3)
+    normalize_top_k: bool = True  # the k chosen probabilities rescaled to sum to 1 (norm_topk_prob)
+    shared_ffn_hidden_size: int = 0  # hidden width of the shared expert(s) every token also goes through; 0: none
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # 0-based layers whose MLP is dense SwiGLU (ModelArgs.ffn_hidden_size)
+    expert_bias: bool = False  # a routing-only bias added to the scores (DeepSeek-V3's e_score_correction_bias)
+    num_groups: int | None = None  # group-limited routing: experts in num_groups groups (n_group) ...
+    group_top_k: int | None = None  # ... of which each token searches its best group_top_k (topk_group)
+    scaling_factor: float | None = None  # the routed probabilities times this (routed_scaling_factor)
+    router_dtype: str | None = None  # "fp32"/"fp64": the gate weight kept in float32 (at least) and its logits
+    #  computed in that dtype (transformers' GLM-4.5 / DeepSeek-V3); None: the model's dtype (Qwen3-MoE, Mixtral)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dense_layers", check_moe(vars(self)))
+
+    @classmethod
+    def read(cls, names: Mapping[str, str], **fields) -> Moe:
+        """The :class:`Moe` of ``fields`` read from a transformers config; ``names`` maps a field to the config flag
+        it was read from, so that a refusal names the flag.
+
+        >>> Moe.read({"top_k": "num_experts_per_tok", "num_experts": "num_local_experts"}, num_experts=4, top_k=5,
+        ...          ffn_hidden_size=8)
+        Traceback (most recent call last):
+        ValueError: num_experts_per_tok=5 exceeds num_local_experts=4: pick at most num_local_experts experts per token
+        """
+        check_moe({f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+                  | fields, names)
+        return cls(**fields)
+
+
+def check_moe(m: Mapping, names: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The checks of a :class:`Moe`'s fields ``m`` (its ``dense_layers`` as a tuple when they pass): ValueError for
+    values out of range and for routing Megatron-Core would compute otherwise than described.  The message names a
+    field by ``names[field]`` (an HF config flag) when given, else ``Moe.field``.
+
+    >>> check_moe(dict(num_experts=8, top_k=2, ffn_hidden_size=16, score_function="sigmoid", normalize_top_k=False,
+    ...                shared_ffn_hidden_size=0, shared_expert_gate=False, dense_layers=(), expert_bias=False,
+    ...                num_groups=None, group_top_k=None, router_dtype=None), {"normalize_top_k": "norm_topk_prob"})
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: norm_topk_prob=False with Moe.top_k=2 and sigmoid scores: ... set norm_topk_prob=True
+    """
+    def n(field: str) -> str:
+        return (names or {}).get(field) or f"Moe.{field}"
+
+    def count(field: str, low: int) -> None:
+        value = m[field]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{n(field)}={value!r}: pass an int >= {low}")
+
+    for field in ("num_experts", "top_k", "ffn_hidden_size"):
+        count(field, 1)
+    count("shared_ffn_hidden_size", 0)
+    if m["shared_expert_gate"] and not m["shared_ffn_hidden_size"]:
+        raise ValueError(f"{n('shared_expert_gate')}=True gates a shared expert: give it a width "
+                         f"({n('shared_ffn_hidden_size')} > 0) or pass shared_expert_gate=False")
+    if m["top_k"] > m["num_experts"]:
+        raise ValueError(f"{n('top_k')}={m['top_k']} exceeds {n('num_experts')}={m['num_experts']}: pick at most "
+                         f"{n('num_experts')} experts per token")
+    if m["score_function"] not in ("softmax", "sigmoid"):
+        raise ValueError(f"Moe.score_function={m['score_function']!r}: pass 'softmax' or 'sigmoid'")
+    if m["router_dtype"] not in (None, "fp32", "fp64"):
+        raise ValueError(f"Moe.router_dtype={m['router_dtype']!r}: pass 'fp32', 'fp64' or None (the model's dtype)")
+    layers = tuple(m["dense_layers"])
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers) \
+            or list(layers) != sorted(set(layers)):
+        raise ValueError(f"{n('dense_layers')}={m['dense_layers']!r}: pass increasing layer indices (ints >= 0)")
+    if (m["num_groups"] is None) != (m["group_top_k"] is None):
+        raise ValueError(f"{n('num_groups')} and {n('group_top_k')} come together (group-limited routing) or not "
+                         "at all")
+    if m["num_groups"] is not None:
+        count("num_groups", 1)
+        count("group_top_k", 1)
+        if m["num_experts"] % m["num_groups"] or m["group_top_k"] > m["num_groups"]:
+            raise ValueError(f"{n('num_groups')}={m['num_groups']} must divide {n('num_experts')}={m['num_experts']} "
+                             f"and be at least {n('group_top_k')}={m['group_top_k']}")
+        if m["top_k"] < m["group_top_k"]:
+            raise ValueError(f"{n('top_k')}={m['top_k']} < {n('group_top_k')}={m['group_top_k']}: a group's score sums "
+                             f"its best top_k // group_top_k experts (Megatron-Core), none here; pick "
+                             f"{n('group_top_k')} <= {n('top_k')}")
+    if m["score_function"] == "sigmoid" and m["normalize_top_k"] != (m["top_k"] > 1):
+        raise ValueError(f"{n('normalize_top_k')}={m['normalize_top_k']} with {n('top_k')}={m['top_k']} and sigmoid "
+                         "scores: Megatron-Core renormalises the chosen sigmoid scores exactly when more than one "
+                         f"expert is chosen; set {n('normalize_top_k')}={m['top_k'] > 1}")
+    if m["expert_bias"] and m["score_function"] != "sigmoid":
+        raise ValueError("Moe.expert_bias=True with softmax scores: Megatron-Core adds the routing-only expert bias "
+                         "to sigmoid scores only; pass score_function='sigmoid' or expert_bias=False")
+    return layers
+
+
+def moe_config_fields(moe: Moe, num_layers: int) -> dict:
+    """Megatron-Core ``TransformerConfig`` fields of the MoE MLP ``moe`` in a model of ``num_layers`` layers: top-k,
+    dropless, Megatron's auxiliary losses off.
 
     Softmax scores (Qwen3-MoE, Mixtral): ``moe.normalize_top_k`` renormalises the k kept probabilities (Megatron:
     softmax over the top-k logits, ``moe_router_pre_softmax=False``), or not (softmax over all experts, then top-k:
-    ``pre_softmax``).  Sigmoid scores (DeepSeek-V3): Megatron-Core renormalises the k kept sigmoids exactly when
-    ``top_k > 1``, so ``normalize_top_k`` must say the same; ``moe.expert_bias`` is added to the scores for the
-    choice of experts only (``moe_router_enable_expert_bias``).  ``moe.router_dtype`` is ``moe_router_dtype``.
-    Group-limited routing, the routed scaling factor and shared experts are Megatron-Core's fields of the same
-    meaning.  ``moe_layer_freq``: per layer 1 (MoE) or 0
-    (dense, ``moe.dense_layers``).  The token dispatcher is ``"allgather"``, which runs on the CPU and on CUDA
-    (Megatron's ``"alltoall"`` needs CUDA streams).
+    ``pre_softmax``).  With one expert per token and renormalisation every weight is 1, exactly as transformers
+    computes it (``p / p``) and as Megatron-Core's softmax over the one kept logit gives it, but Megatron-Core's
+    config refuses that pair (a router so built gets no gradient, in transformers too): the config is made with
+    ``pre_softmax`` and set back by :meth:`MixtureOfExperts.finish_config`.  Sigmoid scores (DeepSeek-V3): Megatron-Core
+    renormalises the k kept sigmoids exactly when ``top_k > 1`` (:func:`check_moe`); ``moe.expert_bias`` is added to
+    the scores for the choice of experts only (``moe_router_enable_expert_bias``).  ``moe.router_dtype`` is
+    ``moe_router_dtype``.  Group-limited routing, the routed scaling factor and shared experts are Megatron-Core's
+    fields of the same meaning.  ``moe_layer_freq``: per layer 1 (MoE) or 0 (dense, ``moe.dense_layers``).  The
+    token dispatcher is ``"allgather"``, which runs on the CPU and on CUDA (Megatron's ``"alltoall"`` needs CUDA
+    streams).
 
-    >>> from packfwd.models.families.family import Moe
     >>> fields = moe_config_fields(Moe(num_experts=4, top_k=2, ffn_hidden_size=16, dense_layers=[0]), 2)
     >>> fields["moe_layer_freq"], fields["moe_router_pre_softmax"], fields["moe_ffn_hidden_size"]
     ([0, 1], False, 16)
-    >>> moe_config_fields(Moe(num_experts=4, top_k=2, ffn_hidden_size=16, score_function="sigmoid",
-    ...                       normalize_top_k=False), 1)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: Moe(score_function='sigmoid', top_k=2, normalize_top_k=False): Megatron-Core renormalises ...
     """
-    _check_buildable(moe)
     return dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_score_function=moe.score_function,
-        moe_router_pre_softmax=moe.score_function == "softmax" and not moe.normalize_top_k,
+        moe_router_pre_softmax=moe.score_function == "softmax" and (not moe.normalize_top_k or moe.top_k == 1),
         moe_router_enable_expert_bias=moe.expert_bias,
         moe_router_num_groups=moe.num_groups,
         moe_router_group_topk=moe.group_top_k,
@@ -100,46 +192,78 @@ def moe_config_fields(moe, num_layers: int) -> dict:
     )
 
 
-def _check_buildable(moe) -> None:
-    """ValueError / NotImplementedError for a :class:`~packfwd.models.families.family.Moe` Megatron-Core cannot build as
-    described (no silent other routing)."""
-    if moe.score_function == "sigmoid" and moe.normalize_top_k != (moe.top_k > 1):
-        raise ValueError(f"Moe(score_function='sigmoid', top_k={moe.top_k}, normalize_top_k={moe.normalize_top_k}): "
-                         "Megatron-Core renormalises the k chosen sigmoid scores exactly when top_k > 1; pass "
-                         f"normalize_top_k={moe.top_k > 1}")
-    if moe.expert_bias and moe.score_function != "sigmoid":
-        raise ValueError("Moe.expert_bias=True with softmax scores: Megatron-Core adds the routing-only expert bias "
-                         "to sigmoid scores only; pass score_function='sigmoid' or expert_bias=False")
-    if moe.num_groups is not None and moe.top_k < moe.group_top_k:
-        raise ValueError(f"Moe.top_k={moe.top_k} < group_top_k={moe.group_top_k}: a group's score sums its best "
-                         "top_k // group_top_k experts (Megatron-Core), none here; pass group_top_k <= top_k")
+def _shared(args) -> bool:
+    return args.moe.shared_ffn_hidden_size > 0 and not args.moe.shared_expert_gate
 
 
-class MoeKind:
-    """The MLP kind of :class:`packfwd.models.families.family.Moe` (:class:`packfwd.models.families.family.MlpKind`): config
-    fields, layer spec and HF weights of an MoE layer (this module and :mod:`packfwd.models.mlp.moe_weights`)."""
+def _gated(args) -> bool:  # Qwen2-MoE's gated shared expert, which HF names in the singular
+    return args.moe.shared_expert_gate
+
+
+def _bias(args) -> bool:
+    return args.moe.expert_bias
+
+
+# One MoE layer's weights but the routed experts': Megatron-Core <- HF, under the layer prefixes.
+WEIGHTS = (
+    Weight("mlp.router.weight", "mlp.gate.weight"),
+    Weight("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", when=_bias),
+    Weight("mlp.shared_experts.linear_fc1.weight",
+           ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "gate_up", when=_shared),
+    Weight("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight", "cols", when=_shared),
+    Weight("mlp.shared_experts.linear_fc1.weight",
+           ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "gate_up", when=_gated),
+    Weight("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight", "cols", when=_gated),
+    Weight("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight", when=_gated),
+)
+
+
+class MixtureOfExperts(Component):
+    """The MLP component of :class:`Moe` (module docstring); ``mlp_kind`` finds it (:mod:`packfwd.models.mlp`).
+    A layer in ``args.moe.dense_layers`` never reaches it."""
+
+    name = "Mixture of Experts"
+    fields = ("moe",)
+
+    def check(self, args) -> None:
+        if not isinstance(args.moe, Moe):
+            raise TypeError(f"ModelArgs.moe must be a packfwd.models.mlp.moe.Moe or None, got {type(args.moe)}")
+        if args.moe.dense_layers and args.moe.dense_layers[-1] >= args.num_layers:
+            raise ValueError(f"Moe.dense_layers={args.moe.dense_layers} names a layer beyond num_layers="
+                             f"{args.num_layers}")
 
     def config_fields(self, args) -> dict:
         return moe_config_fields(args.moe, args.num_layers)
 
-    def layer_spec(self, args, layer: int):
+    def finish_config(self, config, args) -> None:
+        """One softmax-routed expert renormalised: the config was made with ``pre_softmax`` (Megatron-Core refuses the
+        pair); the router then takes a softmax over the one kept logit, 1 (:func:`moe_config_fields`)."""
+        if args.moe.score_function == "softmax" and args.moe.top_k == 1 and args.moe.normalize_top_k:
+            config.moe_router_pre_softmax = False
+
+    def layer_spec(self, args, layer: int, **params):
         return moe_spec()
 
-    def hf_to_megatron(self, args, hf_state_dict, hf_layer: str, mg_layer: str, *, tp_size: int, tp_rank: int):
-        from .moe_weights import moe_from_hf
+    def weights(self, args) -> tuple[Weight, ...]:
+        return WEIGHTS
 
-        return moe_from_hf(hf_state_dict, hf_layer + "mlp.", mg_layer + "mlp.", range(args.moe.num_experts),
-                           tp_size=tp_size, tp_rank=tp_rank, **_parts(args.moe))
+    def hf_to_megatron(self, args, sd, hf_layer: str, mg_layer: str, *, tp_size: int, tp_rank: int) -> dict:
+        from .moe_weights import experts_from_hf
 
-    def megatron_to_hf(self, args, shards, mg_layer: str, hf_layer: str):
-        from .moe_weights import moe_to_hf
+        out = rows_to_megatron(WEIGHTS, args, sd, hf_layer, mg_layer, tp_size, tp_rank)
+        out.update(experts_from_hf(sd, hf_layer + "mlp.", mg_layer + "mlp.", range(args.moe.num_experts),
+                                   tp_size=tp_size, tp_rank=tp_rank))
+        return out
 
-        return moe_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts, **_parts(args.moe))
+    def megatron_to_hf(self, args, shards, mg_layer: str, hf_layer: str) -> dict:
+        from .moe_weights import experts_to_hf
+
+        out = rows_to_hf(WEIGHTS, args, shards, mg_layer, hf_layer)
+        out.update(experts_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts))
+        return out
 
 
-def _parts(moe) -> dict:
-    """The optional parts of an MoE layer's weights (:mod:`packfwd.models.mlp.moe_weights`)."""
-    return dict(shared=moe.shared_ffn_hidden_size > 0, expert_bias=moe.expert_bias, shared_gate=moe.shared_expert_gate)
+MOE = MixtureOfExperts()
 
 
 def moe_spec(grouped: bool | None = None):

@@ -1,5 +1,9 @@
 """HF transformers MoE weights (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3's MoE block) <-> a packfwd MoE layer's,
-TP-sharded, and the MoE description of a DeepSeek-V3-style config: pure functions.
+TP-sharded: the routed experts (:func:`experts_from_hf`, :func:`experts_to_hf`; the router, its bias and the shared
+experts are :mod:`packfwd.models.mlp.moe`'s table ``WEIGHTS``), and the experts' expert-parallel shards
+(:func:`expert_shard`, :func:`merge_expert_shards`, :func:`expert_tp_shard`): pure functions.  The experts stay
+functions, not table rows: transformers 5 stores them fused ``[E, 2f, h]`` (older checkpoints per expert, read too),
+Megatron-Core one module per expert, renumbered per expert-parallel rank.
 
 One MoE MLP, ``E`` experts of width ``f``, hidden ``h`` (transformers 5 stores the experts fused, as
 ``Qwen3MoeExperts`` / ``MixtralExperts`` / ``DeepseekV3Experts`` do; a checkpoint's per-expert names are read
@@ -38,76 +42,36 @@ import re
 import torch
 from torch import Tensor
 
-__all__ = ["deepseek_moe_fields", "expert_shard", "expert_tp_shard", "merge_expert_shards", "moe_from_hf",
-           "moe_to_hf"]
+__all__ = ["expert_shard", "expert_tp_shard", "experts_from_hf", "experts_to_hf", "merge_expert_shards"]
 
-_SHARED = ("gate_proj", "up_proj", "down_proj")
-
-
-def moe_from_hf(
-    sd: Mapping[str, Tensor], hf: str, mg: str, experts: Sequence[int], *, tp_size: int = 1, tp_rank: int = 0,
-    shared: bool = False, expert_bias: bool = False, shared_gate: bool = False,
-) -> dict[str, Tensor]:
-    """TP rank ``tp_rank``'s tensors of the MoE MLP ``hf`` (a prefix such as ``"model.layers.1.mlp."``) under
-    Megatron's prefix ``mg`` (``"decoder.layers.1.mlp."``), for the global experts ``experts``; with the shared
-    experts (``shared``; ``shared_gate``: one gated shared expert, Qwen2-MoE's names) and the router's expert bias
-    (``expert_bias``).  The gate is replicated over the TP ranks.  New tensors.
+def experts_from_hf(sd: Mapping[str, Tensor], hf: str, mg: str, experts: Sequence[int], *, tp_size: int = 1,
+                    tp_rank: int = 0) -> dict[str, Tensor]:
+    """TP rank ``tp_rank``'s tensors of the routed experts ``experts`` (global ids) of the MoE MLP ``hf`` (a prefix
+    such as ``"model.layers.1.mlp."``) under Megatron's prefix ``mg`` (``"decoder.layers.1.mlp."``), numbered
+    ``local_experts.0 ...`` in order.  New tensors.
 
     >>> E, f, h = 2, 4, 4
-    >>> sd = {"m.gate.weight": torch.randn(E, h), "m.experts.gate_up_proj": torch.randn(E, 2 * f, h),
-    ...       "m.experts.down_proj": torch.randn(E, h, f)}
-    >>> out = moe_from_hf(sd, "m.", "g.", range(E))
+    >>> sd = {"m.experts.gate_up_proj": torch.randn(E, 2 * f, h), "m.experts.down_proj": torch.randn(E, h, f)}
+    >>> out = experts_from_hf(sd, "m.", "g.", range(E))
     >>> torch.equal(out["g.experts.local_experts.1.linear_fc1.weight"], sd["m.experts.gate_up_proj"][1])
     True
-    >>> back = moe_to_hf([out], "m.", "g.", E)
-    >>> sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
-    True
-    >>> sd.update({"m.gate.e_score_correction_bias": torch.randn(E), "m.shared_experts.gate_proj.weight":
-    ...            torch.randn(f, h), "m.shared_experts.up_proj.weight": torch.randn(f, h),
-    ...            "m.shared_experts.down_proj.weight": torch.randn(h, f)})
-    >>> shards = [moe_from_hf(sd, "m.", "g.", range(E), tp_size=2, tp_rank=r, shared=True, expert_bias=True)
-    ...           for r in (0, 1)]
-    >>> tuple(shards[1]["g.shared_experts.linear_fc1.weight"].shape), tuple(shards[1]["g.router.expert_bias"].shape)
-    ((4, 4), (2,))
-    >>> back = moe_to_hf(shards, "m.", "g.", E, shared=True, expert_bias=True)
+    >>> shards = [experts_from_hf(sd, "m.", "g.", range(E), tp_size=2, tp_rank=r) for r in (0, 1)]
+    >>> back = experts_to_hf(shards, "m.", "g.", E)
     >>> sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
     True
     """
-    out = {mg + "router.weight": _get(sd, hf + "gate.weight").clone()}
-    if expert_bias:
-        out[mg + "router.expert_bias"] = _get(sd, hf + "gate.e_score_correction_bias").clone()
+    out = {}
     for local, e in enumerate(experts):
         out.update(_mlp_from_hf(*_expert(sd, hf, e), f"{mg}experts.local_experts.{local}.", tp_size, tp_rank))
-    if shared:
-        gate, up, down = (_get(sd, f"{hf}{_shared_name(shared_gate)}.{n}.weight") for n in _SHARED)
-        out.update(_mlp_from_hf(torch.cat([gate, up]), down, mg + "shared_experts.", tp_size, tp_rank))
-        if shared_gate:
-            out[mg + "shared_experts.gate_weight"] = _get(sd, hf + "shared_expert_gate.weight").clone()
     return out
 
 
-def _shared_name(gated: bool) -> str:
-    """The HF module of the shared expert(s): Qwen2-MoE's gated one is ``shared_expert``, DeepSeek-V3's (GLM-4.5's)
-    ungated ones ``shared_experts``."""
-    return "shared_expert" if gated else "shared_experts"
-
-
-def moe_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_experts: int, *, shared: bool = False,
-              expert_bias: bool = False, shared_gate: bool = False) -> dict[str, Tensor]:
-    """The inverse of :func:`moe_from_hf` for all ``num_experts`` experts (every TP rank's state dict, in rank
+def experts_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_experts: int) -> dict[str, Tensor]:
+    """The inverse of :func:`experts_from_hf` for all ``num_experts`` experts (every TP rank's state dict, in rank
     order; no expert parallelism): the fused HF tensors transformers' own state dict holds.  New tensors."""
     experts = [_mlp_to_hf(shards, f"{mg}experts.local_experts.{e}.") for e in range(num_experts)]
-    out = {hf + "gate.weight": shards[0][mg + "router.weight"].clone(),
-           hf + "experts.gate_up_proj": torch.stack([torch.cat(gate_up) for *gate_up, _ in experts]),
-           hf + "experts.down_proj": torch.stack([down for *_, down in experts])}
-    if expert_bias:
-        out[hf + "gate.e_score_correction_bias"] = shards[0][mg + "router.expert_bias"].clone()
-    if shared:
-        tensors = _mlp_to_hf(shards, mg + "shared_experts.")
-        out.update({f"{hf}{_shared_name(shared_gate)}.{n}.weight": t for n, t in zip(_SHARED, tensors)})
-        if shared_gate:
-            out[hf + "shared_expert_gate.weight"] = shards[0][mg + "shared_experts.gate_weight"].clone()
-    return out
+    return {hf + "experts.gate_up_proj": torch.stack([torch.cat(gate_up) for *gate_up, _ in experts]),
+            hf + "experts.down_proj": torch.stack([down for *_, down in experts])}
 
 
 _LOCAL = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -183,42 +147,6 @@ def merge_expert_shards(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Ten
     return out
 
 
-def deepseek_moe_fields(cfg) -> dict | None:
-    """The :class:`~packfwd.models.families.family.Moe` fields of a transformers config with DeepSeek-V3's MoE fields
-    (``DeepseekV3Config``; ``Glm4MoeConfig`` names them the same); None: every MLP dense.  Sigmoid scores plus the
-    routing-only ``e_score_correction_bias``; top-k among the best ``topk_group`` of ``n_group`` groups; times
-    ``routed_scaling_factor``; ``n_shared_experts`` shared experts of width ``moe_intermediate_size`` each; the
-    first ``first_k_dense_replace`` layers dense; the router in float32 (transformers keeps ``gate.weight`` and the
-    bias float32 and computes the logits in float32 in any model dtype; mbridge sets ``moe_router_dtype="fp32"``).
-    The ``glm4_moe`` (GLM-4.5) and ``deepseek_v3`` families read it.
-
-    >>> from transformers import DeepseekV3Config
-    >>> fields = deepseek_moe_fields(DeepseekV3Config(num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4,
-    ...     n_group=4, topk_group=2, moe_intermediate_size=8, first_k_dense_replace=1))
-    >>> [fields[k] for k in ("score_function", "expert_bias", "num_groups", "group_top_k", "shared_ffn_hidden_size")]
-    ['sigmoid', True, 4, 2, 8]
-    >>> fields["scaling_factor"], fields["dense_layers"], fields["router_dtype"]
-    (2.5, (0,), 'fp32')
-    """
-    first_dense = cfg.first_k_dense_replace or 0
-    if not cfg.n_routed_experts or first_dense >= cfg.num_hidden_layers:
-        return None
-    top_k, groups, chosen = cfg.num_experts_per_tok, cfg.n_group or 1, cfg.topk_group or 1
-    limited = chosen < groups  # else every group is searched: plain top-k
-    if limited and top_k // chosen != 2:
-        raise ValueError(
-            f"n_group={groups}, topk_group={chosen}, num_experts_per_tok={top_k}: transformers scores a group by its "
-            f"best 2 experts, Megatron-Core by its best num_experts_per_tok // topk_group = {top_k // chosen}; packfwd "
-            "builds group-limited routing where both agree (num_experts_per_tok // topk_group == 2)")
-    scale = float(cfg.routed_scaling_factor)
-    return dict(num_experts=cfg.n_routed_experts, top_k=top_k, ffn_hidden_size=cfg.moe_intermediate_size,
-                score_function="sigmoid", normalize_top_k=bool(cfg.norm_topk_prob), expert_bias=True,
-                shared_ffn_hidden_size=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
-                num_groups=groups if limited else None, group_top_k=chosen if limited else None,
-                scaling_factor=None if scale == 1.0 else scale, dense_layers=tuple(range(first_dense)),
-                router_dtype="fp32")
-
-
 def _mlp_from_hf(gate_up: Tensor, down: Tensor, mg: str, tp_size: int, tp_rank: int) -> dict[str, Tensor]:
     """One SwiGLU MLP's ``[gate; up] [2f, h]`` and ``down [h, f]`` as TP rank ``tp_rank``'s linears under ``mg``."""
     if down.shape[1] % tp_size:
@@ -233,13 +161,6 @@ def _mlp_to_hf(shards: Sequence[Mapping[str, Tensor]], mg: str) -> tuple[Tensor,
     """``(gate, up, down)`` of one MLP from every TP rank's linears under ``mg``."""
     gates, ups = zip(*(s[mg + "linear_fc1.weight"].chunk(2, dim=0) for s in shards))
     return torch.cat(gates), torch.cat(ups), torch.cat([s[mg + "linear_fc2.weight"] for s in shards], dim=1)
-
-
-def _get(sd: Mapping[str, Tensor], name: str) -> Tensor:
-    if name not in sd:
-        raise ValueError(f"no {name} in the HF state dict: the model's MoE description expects it (shared experts "
-                         "and the expert bias come from the config: n_shared_experts, e_score_correction_bias)")
-    return sd[name]
 
 
 def _expert(sd: Mapping[str, Tensor], hf: str, e: int) -> tuple[Tensor, Tensor]:

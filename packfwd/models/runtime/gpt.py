@@ -1,21 +1,18 @@
-"""Decoders of packfwd's families (:mod:`packfwd.models.families.family`) as Megatron-Core ``GPTModel`` s: whole models,
+"""Decoders of packfwd's families (:mod:`packfwd.models.families`) as Megatron-Core ``GPTModel`` s: whole models,
 pipeline stages, value models.
 
-The model is :class:`packfwd.models.runtime.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers of
-:mod:`packfwd.models.runtime.spec` (RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, optional QKV bias and QK-norm, tied
-or untied embeddings), with Megatron's tensor-parallel linears and embeddings, and packfwd's parts chosen by its
-constructor (THD RoPE without host syncs, the value head).  This module is the builder, the top of
-:mod:`packfwd.models` below its HF conversion:
+The model is :class:`packfwd.models.runtime.model.PackedGPTModel`: Megatron-Core's own ``GPTModel`` over the layers
+of :mod:`packfwd.models.runtime.spec` (each layer's token mixer and MLP, RMSNorm, tied or untied embeddings), with
+Megatron's tensor-parallel linears and embeddings, and packfwd's parts chosen by its constructor (THD RoPE without
+host syncs, the value head).  This module is the builder, the top of :mod:`packfwd.models` below its HF conversion:
 
 * :func:`build_model`, which builds the whole model or one pipeline stage (``pp_rank``, ``vpp_rank``) with the
   layers ``packfwd.layers.layer_partition`` assigns to it; Megatron-Core numbers them (``layer_number``, 1-based,
   global) and the model checks the numbers against the partition;
 * :func:`model_args`, the :class:`ModelArgs` a built model was made from.
 
-It also re-exports the names that live below it, where they have always been found: :class:`ModelArgs` and
-:func:`transformer_config` (:mod:`packfwd.models.args`), :class:`ValueHead` and :func:`is_value_model`
-(:mod:`packfwd.models.runtime.value`), :func:`unwrap` (:mod:`packfwd._validate`).  Megatron-Core is imported inside the
-functions only.
+It also re-exports :class:`ValueHead` and :func:`is_value_model` (:mod:`packfwd.models.runtime.value`) and
+:func:`unwrap` (:mod:`packfwd._validate`).  Megatron-Core is imported inside the functions only.
 """
 
 from __future__ import annotations
@@ -24,12 +21,14 @@ import torch
 
 from packfwd._validate import unwrap as unwrap
 
-from ..args import ModelArgs as ModelArgs
-from ..args import transformer_config as transformer_config
+from ..args import ModelArgs
+from ..mixers import mixer
+from ..mlp import DENSE
+from .config import transformer_config
 from .value import ValueHead as ValueHead
 from .value import is_value_model as is_value_model
 
-__all__ = ["ModelArgs", "ValueHead", "build_model", "is_value_model", "model_args", "transformer_config", "unwrap"]
+__all__ = ["ValueHead", "build_model", "is_value_model", "model_args", "unwrap"]
 
 
 def build_model(
@@ -196,11 +195,9 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
 
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:
-    from ..mixers.latent import mla_tp_widths
-
-    for name, value in (("vocab_size", args.vocab_size), ("num_query_groups", args.query_groups),
-                        ("num_attention_heads", args.num_attention_heads), ("ffn_hidden_size", args.ffn_hidden_size),
-                        *mla_tp_widths(args.mla)):
+    """Every width tensor parallelism splits (the vocabulary, and each layer component's) divides by ``tp``."""
+    widths = (("vocab_size", args.vocab_size), *mixer(args).tp_widths(args), *DENSE.tp_widths(args))
+    for name, value in widths:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {tp}; pick a TP size "
                              "that divides it")

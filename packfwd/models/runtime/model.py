@@ -3,16 +3,17 @@
 ``PackedGPTModel(config, args, layers=..., device=...)`` is what :func:`packfwd.models.build_model` returns.
 Beyond what Megatron-Core's ``GPTModel`` constructor builds, it chooses, once, at construction:
 
-* the decoder: :func:`packfwd.models.runtime.spec.block_spec` of ``args`` (its family's entry: QK-norm, the MLP kind of
-  each layer), whose core attention
-  (:class:`~packfwd.models.mixers.attention.CoreAttention`) gets the attention backend and the model's THD RoPE
-  (:class:`~packfwd.models.mixers.rope.PackedRope`) as spec params;
-* the rotary module: :class:`~packfwd.models.mixers.rope.PackedRotaryEmbedding`, the one ``PackedRope`` reads its
-  angles from (it stands where Megatron-Core's constructor puts a plain ``RotaryEmbedding``); with
-  ``args.mla`` (multi-head latent attention) one over the rotated channels, plain or YaRN, that each layer's
-  :class:`~packfwd.models.mixers.mla.MlaRope` reads (BSHD angles of caller positions reach it as ``rotary_pos_emb``); with
-  ``args.mrope_section``, multimodal RoPE (``position_embedding_type="mrope"``, positions ``[3, b, s]`` /
-  ``[3, 1, t]``): :class:`~packfwd.models.mixers.mrope.MropeRotaryEmbedding` and ``MropeRope`` (:mod:`packfwd.models.mixers.mrope`);
+* the decoder: :func:`packfwd.models.runtime.spec.block_spec` of ``args`` (each layer's token mixer and MLP
+  components), whose core attention (:class:`~packfwd.models.mixers.attention.CoreAttention`) gets the attention
+  backend and the model's THD RoPE as spec params;
+* the rotary module and that THD RoPE, the token mixer's (``rotary_modules`` of :func:`packfwd.models.mixers.mixer`'s
+  component): for softmax attention :class:`~packfwd.models.mixers.rope.PackedRotaryEmbedding`, the one
+  :class:`~packfwd.models.mixers.rope.PackedRope` reads its angles from (it stands where Megatron-Core's constructor
+  puts a plain ``RotaryEmbedding``), or with ``args.mrope_section`` multimodal RoPE (``position_embedding_type=
+  "mrope"``, positions ``[3, b, s]`` / ``[3, 1, t]``, :mod:`packfwd.models.mixers.mrope`); for multi-head latent
+  attention one over the rotated channels, plain or YaRN, that each layer's
+  :class:`~packfwd.models.mixers.mla.MlaRope` reads (BSHD angles of caller positions reach it as
+  ``rotary_pos_emb``: a mixer that ``rotates_itself`` gets them though Megatron-Core computes none);
 * a value model's output layer: :class:`~packfwd.models.runtime.gpt.ValueHead` (width 1), where Megatron-Core's
   constructor puts the vocab-wide ``ColumnParallelLinear``.  That one is built first and dropped, so random
   initialisation draws the same numbers as Megatron-Core's model would;
@@ -41,8 +42,8 @@ from . import mtp
 from ..args import ModelArgs
 from .value import ValueHead
 from .masked import forward_masked_rows
-from ..mixers.mla import mla_rotary_modules
-from ..mixers.mrope import mrope_positions, rotary_modules
+from ..mixers import mixer
+from ..mixers.mrope import mrope_positions
 from .positions import assert_per_sequence, thd_positions
 from ..mixers.rope import rotary_angles
 from .spec import block_spec
@@ -59,7 +60,7 @@ class PackedGPTModel(GPTModel):
     takes only each token's own position in its sequence, other THD ``position_ids`` raise; for
     comparison).  ``pre_process``, ``post_process``, ``pg_collection``, ``vp_stage``: Megatron-Core's.
 
-    >>> from packfwd.models.runtime.gpt import transformer_config
+    >>> from packfwd.models.runtime.config import transformer_config
     >>> from packfwd.models.runtime import ensure_model_parallel
     >>> ensure_model_parallel()
     >>> args = ModelArgs(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=1, num_attention_heads=2,
@@ -92,11 +93,9 @@ class PackedGPTModel(GPTModel):
             rope_scaling=args.rope_scaling_factor is not None,
             rope_scaling_factor=args.rope_scaling_factor or 8.0,
         )
-        if args.mla is not None:  # the rotated channels of multi-head latent attention, plain or YaRN (mla.py)
-            rotary, rope = mla_rotary_modules(args.mla, args.rope_theta, packed=packed_rope, fused=args.fused)
-        else:  # plain RoPE, or with args.mrope_section multimodal RoPE (mrope.py)
-            rotary, rope = rotary_modules(config, args, packed=packed_rope,
-                                          cp_group=getattr(pg_collection, "cp", None), **rotary_kwargs)
+        attention = mixer(args)  # its rotary module and THD RoPE: plain, multimodal, or MLA's (plain or YaRN)
+        rotary, rope = attention.rotary_modules(config, args, packed=packed_rope,
+                                                cp_group=getattr(pg_collection, "cp", None))
         spec = block_spec(layers, args=args, attention_backend=attention_backend, rope=rope)
         mtp_spec = None
         if args.mtp_num_layers and post_process:  # Megatron-Core's rule: the MTP block on the last stage
@@ -112,6 +111,7 @@ class PackedGPTModel(GPTModel):
             )
         self.rotary_pos_emb = rotary
         self.family, self.moe, self.mla, self.fused = args.family, args.moe, args.mla, args.fused  # for model_args
+        self.mixer_rotates = attention.rotates_itself  # BSHD angles computed here even where Megatron-Core's are None
         if args.mrope_section is not None:  # what the constructor's "mrope" branch sets (mrope.py says why not it)
             self.position_embedding_type, self.mrope_section = "mrope", list(args.mrope_section)
         numbers = [layer.layer_number - 1 for layer in self.decoder.layers]
@@ -250,8 +250,7 @@ class PackedGPTModel(GPTModel):
             kwargs["input_ids"] = ids[0]
         out = super()._preprocess(*args, **kwargs)
         positions, params = kwargs.get("position_ids"), kwargs.get("packed_seq_params")
-        latent = self.mla is not None  # Megatron-Core computes no angles for MLA; its module rotates from these
-        if positions is None or params is not None or (out[1] is None and not latent) \
+        if positions is None or params is not None or (out[1] is None and not self.mixer_rotates) \
                 or self.position_embedding_type == "mrope":
             return out  # (multimodal RoPE: Megatron-Core's "mrope" branch computed them per token already)
         angles = rotary_angles(self.rotary_pos_emb, positions.transpose(0, 1))  # [s, b, d]

@@ -43,7 +43,8 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import make_viewless_tensor
 
-from .spec import RMSNorm, layer_spec
+from ..norm import RMSNorm
+from .spec import layer_spec
 
 __all__ = ["PackedMtpLayer", "check_mtp_layers", "mtp_block_spec", "postprocess", "with_logits"]
 
