@@ -142,6 +142,42 @@ def test_config_reads_the_moe_choices():
     assert (mixtral.num_moe_experts, mixtral.moe_router_topk, mixtral.moe_ffn_hidden_size) == (4, 2, 16)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe-norm", "mixtral"])
+def test_one_expert_per_token_renormalised_is_built_exactly(name):
+    """``num_experts_per_tok=1`` with renormalisation (Qwen3-MoE's ``norm_topk_prob=True``; Mixtral always): every
+    routing weight is 1 in transformers (``p / p``) and in packfwd (Megatron-Core's softmax over the one kept logit;
+    its config refuses the pair, ``MixtureOfExperts.finish_config`` sets it after).  Logits equal transformers' per
+    sequence, and the router's gate gets no gradient from the logits (its weight is a constant 1; transformers' only
+    the rounding of the float32 ``p / p``)."""
+    config_cls, extra = CONFIGS[name]
+    hf = randomise(CAUSAL_LM[config_cls](config_cls(**{**TINY, "num_experts_per_tok": 1}, **extra)))
+    model = from_hf(hf)
+    assert model.config.moe_router_topk == 1 and not model.config.moe_router_pre_softmax
+    ids, mask = ragged_batch()
+    logits = make_forward("thd", seq_align=8)(model, ids, mask)
+    assert_equals_hf_per_sequence(hf, logits.detach(), ids, mask, atol=2e-5, rtol=1e-5)
+    logits[mask].square().sum().backward()
+    hf(ids[0][mask[0]][None]).logits.square().sum().backward()
+    moe_layer = 0  # a MoE layer in both configs
+    assert model.decoder.layers[moe_layer].mlp.router.weight.grad.abs().max() == 0
+    assert hf.model.layers[moe_layer].mlp.gate.weight.grad.abs().max() < 1e-5
+    assert model.decoder.layers[moe_layer].self_attention.linear_qkv.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("config, message", [
+    (Qwen3MoeConfig(**{**TINY, "num_experts_per_tok": 5}, **CONFIGS["qwen3_moe-norm"][1]),
+     "num_experts_per_tok=5 exceeds num_experts=4"),
+    (MixtralConfig(**{**TINY, "num_experts_per_tok": 0}, **CONFIGS["mixtral"][1]),
+     "num_experts_per_tok=0: pass an int"),
+    (Qwen2MoeConfig(**TINY, **{**CONFIGS["qwen2_moe"][1], "moe_intermediate_size": 0}), "moe_intermediate_size=0"),
+])
+def test_refusals_of_a_config_name_its_flags(config, message):
+    """A from_hf user never sets packfwd's ``Moe`` fields: a refused MoE config names the config's flags."""
+    with pytest.raises(ValueError, match=message) as refused:
+        args_from_hf_config(config)
+    assert "Moe." not in str(refused.value)
+
+
 @pytest.mark.parametrize("flag, value", [("router_jitter_noise", 0.1), ("sliding_window", 4)])
 def test_mixtral_choices_packfwd_cannot_build_are_refused(flag, value):
     with pytest.raises(ValueError, match=flag):
