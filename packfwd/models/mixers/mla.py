@@ -57,7 +57,7 @@ class MlaRope:
     [[[1.0, 3.0, 2.0, 4.0]]]
     """
 
-    def __init__(self, rotary: PackedRotaryEmbedding, mla: Mla, fused: bool = False):
+    def __init__(self, rotary: PackedRotaryEmbedding, mla, fused: bool = False):
         self.rotary, self.interleave, self.factor = rotary, mla.rope_interleave, mla.cos_sin_factor()
         self.rope = PackedRope(rotary, fused=fused)
 
@@ -71,7 +71,7 @@ class MlaRope:
         return self.rope.rotate(q.contiguous(), k.contiguous(), cos, sin)
 
 
-def mla_rotary_modules(mla: Mla, theta: float, *, packed: bool, fused: bool = False):
+def mla_rotary_modules(mla, theta: float, *, packed: bool, fused: bool = False):
     """The rotary module (``dr`` channels, plain or YaRN inverse frequencies, on the CPU; no parameters or
     buffers) and the :class:`MlaRope` of an MLA model.  ``packed=False`` (Megatron-Core's own THD RoPE) is
     refused: Megatron-Core's MLA RoPE cannot be built on the CPU nor take per-token positions."""
@@ -94,7 +94,7 @@ class PackedMLASelfAttention(MegatronModule):
     """
 
     def __init__(self, config, submodules, layer_number: int, attn_mask_type=AttnMaskType.causal,
-                 cp_comm_type: str | None = None, pg_collection=None, name: str | None = None, *, mla: Mla,
+                 cp_comm_type: str | None = None, pg_collection=None, name: str | None = None, *, mla,
                  rope: MlaRope | None = None):
         super().__init__(config)
         self.name = name  # Megatron-Core >= 0.19 passes the module's instance name down (its labels only)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from torch import Tensor
 
-from packfwd.ops.swiglu import swiglu, swiglu_scaled
+from packfwd.ops.swiglu import swiglu, swiglu_scaled  # noqa: F401  (swiglu: the doctests use it)
 from packfwd.ops.zero_groups import zero_groups_
 
 __all__ = ["GroupedExperts", "GroupedLinear", "grouped_kernel", "grouped_swiglu_mlp", "set_grouped_experts"]

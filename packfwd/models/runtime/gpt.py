@@ -182,8 +182,6 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
                                   "expert_tensor_parallel_size=None (TP's size), or 1 with ep_size > 1")
     if ep == 1:
         return 1
-    from megatron.core import parallel_state
-
     if args.moe.num_experts % ep:
         raise ValueError(f"num_experts={args.moe.num_experts} does not split over ep_size={ep}; pick an "
                          "expert-parallel size that divides it")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import torch  # noqa: F401  (the doctests read torch.distributed)
 
 __all__ = ["StagePlacement", "ensure_model_parallel", "stage_process_groups"]
 
