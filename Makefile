@@ -104,3 +104,10 @@ bench-smoke: .venv/.packfwd-installed
 
 clean:
 	rm -rf .venv .venv-3.12 .hypothesis .pytest_cache
+
+# `make notebooks`: JupyterLab on notebooks/ (the [notebook] extra: jupyterlab, ipywidgets, matplotlib), in the
+# environment `make test` runs them in
+.PHONY: notebooks
+notebooks: .venv-3.12/.packfwd-installed
+	$(PY) -m pip install -q -e ".[notebook]"
+	$(PY) -m jupyter lab notebooks
