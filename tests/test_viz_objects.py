@@ -16,7 +16,9 @@ Strategy:
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import matplotlib
 
@@ -270,7 +272,7 @@ def test_draw_expert_load_from_routing_stats_with_and_without_padding():
     assert np.array_equal(axes[0].images[0].get_array(), counts.numpy())
     assert np.array_equal(axes[1].images[0].get_array(), padded.numpy())
     assert axes[0].images[0].get_clim() == axes[1].images[0].get_clim() == (0, float(padded.max()))
-    assert axes[0].get_yticklabels()[0].get_text().startswith("layer 0 (")
+    assert axes[0].get_yticklabels()[0].get_text().startswith("MoE layer 0 (")
     (one,) = draw_expert_load(Figure().subplots(), stats[0])  # one layer's stats
     assert one.images[0].get_array().shape == (1, 6)
 
@@ -417,3 +419,24 @@ def test_printing_reads_the_device_once_and_not_while_tracing(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     text = repr(info)
     assert not reads and "values not read while tracing" in text and "cu_seqlens_padded=int32[257]" in text
+
+
+# ----------------------------------------------------------------------------------------------- notebooks
+
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebooks_are_committed_run_with_a_figure_and_no_noise(path):
+    """Each notebook is committed with its outputs (pictures where the code is browsed), draws at least one figure,
+    and shows no warnings (stderr) and no stray values such as main()'s 0.  ``make test`` runs them (nbmake)."""
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    outputs = [o for c in cells for o in c.get("outputs", [])]
+    assert all(c.get("execution_count") for c in cells), f"{path.name}: run it and commit its outputs"
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} draws no figure"
+    noise = [o for o in outputs if o.get("name") == "stderr" or o["output_type"] == "error"]
+    assert not noise, f"{path.name} shows warnings or errors: {noise[0]}"
+    values = ["".join(o["data"]["text/plain"]) for o in outputs if o["output_type"] == "execute_result"
+              and set(o["data"]) == {"text/plain"}]
+    assert not [v for v in values if v.strip().lstrip("-").isdigit()], f"{path.name} shows stray values {values}"

@@ -101,6 +101,8 @@ def _zigzag_image(ax, facts: ThdFacts, colours, longest: int) -> None:
     rgba = np.where((q < facts.lengths[:, None])[..., None], solid, light)
     rgba[q.repeat(facts.n, 0) >= facts.padded[:, None]] = (1.0, 1.0, 1.0, 0.0)
     grid_image(ax, rgba, width=longest)
+    if ax.get_window_extent().height / facts.n >= 4:  # rows apart, while they are a few pixels high
+        ax.hlines(np.arange(1, facts.n), 0, longest, colors="white", linewidth=0.8)
 
 
 def plot_attention_work(ax, layout, tp_size: int | None = None, cp_size: int | None = None,

@@ -56,7 +56,7 @@ def draw_expert_load(ax_or_axes, stats, *, share: bool = False):
                 ax.text(e, i, text, ha="center", va="center", fontsize=6,
                         color="white" if value < 0.6 * top else "black")
         imbalance = load.max(1) / np.maximum(load.mean(1), 1e-12)
-        ax.set_yticks(range(layers), [f"layer {i} ({b:.2f})" for i, b in enumerate(imbalance)], fontsize=7)
+        ax.set_yticks(range(layers), [f"MoE layer {i} ({b:.2f})" for i, b in enumerate(imbalance)], fontsize=7)
         ax.set_xlabel("expert")
         head = f"{title}: " if title else ""
         wrapped_title(ax, f"{head}{int(load.sum())} assignments over {layers} MoE layers x {experts} experts "
