@@ -403,3 +403,49 @@ def test_micro_batches_cut_the_multimodal_inputs_per_sequence():
         run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, multi_modal_inputs=mm)
     with pytest.raises(ValueError, match="one per sequence"):
         run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, multi_modal_inputs=alone[:-1])
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_moe_aux_loss_composes_with_the_vision_hook(data_format):
+    """``make_forward(vision=True, moe_aux_loss=True)`` on a vision model whose language model has MoE layers (two
+    extensions of one engine): the loss is transformers' formula on the routers' own logits of every real token,
+    image tokens included and pads left out."""
+    import dataclasses
+
+    from packfwd.models import build_model
+    from packfwd.models.mlp.moe import Moe
+    from packfwd.models.runtime.gpt import model_args
+    from packfwd.vision import VisionLanguageModel
+
+    hf, model, ids, mask, mm, _ = setup("qwen2_vl")
+    args = dataclasses.replace(model_args(model.language_model), family="qwen3_moe",
+                               moe=Moe(num_experts=4, top_k=2, ffn_hidden_size=32))
+    torch.manual_seed(0)
+    moe = VisionLanguageModel(model.visual, build_model(args), image_token_id=IMAGE, video_token_id=VIDEO,
+                              vision_start_token_id=START, spatial_merge_size=model.spatial_merge_size)
+    logits = []
+    routers = [m for m in moe.modules() if type(m).__name__ == "PackedRouter"]
+    hooks = [r.register_forward_hook(lambda m, a, o: logits.append(m.gating(a[0]).reshape(-1, 4)))
+             for r in routers]
+    try:
+        with torch.no_grad():
+            out = pf.make_forward(data_format, vision=True, moe_aux_loss=True)(moe, ids, mask, multi_modal_inputs=mm)
+    finally:
+        for h in hooks:
+            h.remove()
+    pads = torch.cat([p.reshape(-1) for p in [_router_pads(moe, ids, mask, data_format)] * len(routers)])
+    scores = torch.softmax(torch.cat(logits).double(), -1)[~pads]  # [layers * real tokens, E]
+    chosen = torch.nn.functional.one_hot(scores.topk(2, -1).indices, 4).double()
+    want = (chosen.mean(0) * scores.mean(0)[None]).sum() * 4
+    assert int((~pads).sum()) == len(routers) * int(mask.sum())  # every real token, images included
+    torch.testing.assert_close(out["moe_aux_loss"].double(), want, atol=1e-6, rtol=1e-6)
+
+
+def _router_pads(model, ids, mask, data_format):
+    """The routers' rows that are layout pads, in the order they route them ([s, b] of the packed batch)."""
+    from packfwd.engine import Bshd, Thd
+
+    layout = Thd(1, 1, 0, None, None) if data_format == "thd" else Bshd(1)
+    plan = layout.pack(ids, mask)[0]
+    pads = layout.padding_mask(plan)  # [1, t] or [b, s_c]
+    return pads.T.reshape(-1)
