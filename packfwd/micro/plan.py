@@ -76,8 +76,9 @@ class MicroBatchPlan:
         rows = [(line.split("=", 1)[0], line.split("=", 1)[1]) if "=" in line.split(" ")[0] else ("", line)
                 for line in _summary(self)]
         shown = min(self.dp_size, 16)
-        bars = [[seg for t in self.tokens[r] for seg in ((t, display.PALETTE[0]), (self.max_tokens - t, display.PAD))]
-                for r in range(shown)]
+        gap = (self.max_tokens / 25, "#ffffff")  # between micro-batches
+        bars = [[seg for t in self.tokens[r] for seg in ((t, display.PALETTE[0]), (self.max_tokens - t, display.PAD),
+                                                         gap)] for r in range(shown)]
         picture = display.svg_rows(bars, [f"dp {r}" for r in range(shown)])
         return display.html_table("MicroBatchPlan", rows, picture, "each rank's micro-batches: tokens per CP rank "
                                   "(blue) of max_tokens; grey: room left")
