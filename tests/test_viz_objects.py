@@ -440,3 +440,22 @@ def test_notebooks_are_committed_run_with_a_figure_and_no_noise(path):
     values = ["".join(o["data"]["text/plain"]) for o in outputs if o["output_type"] == "execute_result"
               and set(o["data"]) == {"text/plain"}]
     assert not [v for v in values if v.strip().lstrip("-").isdigit()], f"{path.name} shows stray values {values}"
+
+
+def test_routing_agreement_by_hand():
+    # two tokens and a padding slot, 2 MoE layers, top-2
+    first = torch.tensor([[[[0, 1], [4, 5]], [[2, 3], [6, 7]], [[-1, -1], [-1, -1]]]])
+    second = torch.tensor([[[[1, 0], [4, 6]], [[2, 5], [7, 6]], [[3, 3], [0, 0]]]])  # padding: anything
+    from packfwd.viz import draw_routing_agreement, routing_agreement
+
+    # layer 0: token 0 the same set, token 1 one of two; layer 1: token 0 one of two, token 1 the same set
+    assert routing_agreement(first, second) == {"same": [0.5, 0.5], "overlap": [0.75, 0.75]}
+    assert routing_agreement(first, first) == {"same": [1.0, 1.0], "overlap": [1.0, 1.0]}
+    fig = Figure()
+    ax = draw_routing_agreement(fig.subplots(), first, second)
+    rendered(fig)
+    assert [p.get_height() for p in ax.patches] == [0.5, 0.5, 0.75, 0.75]
+    with pytest.raises(ValueError, match="same batch"):
+        routing_agreement(first, second[:, :2])
+    with pytest.raises(TypeError, match="first is a torch.float32 tensor"):
+        routing_agreement(first.float(), second)

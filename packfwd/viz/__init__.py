@@ -11,7 +11,8 @@ Every picture takes what the user holds (``inputs``): a ``[b, s]`` attention mas
 * matplotlib: ``draw_mask``, ``draw_thd`` (each CP rank's tokens), ``draw_zigzag`` (every sequence's ``2 cp``
   chunks coloured by owning rank), ``plot_attention_work``, ``draw_cp_layout`` (the three together),
   ``draw_micro_batches`` (ranks x micro-batches against ``max_tokens``), ``draw_expert_load`` (MoE layers x
-  experts), ``draw_layer_partition``, ``plot_padding_sweep``, ``draw_mrope_positions``, ``draw_mrope_cp_split``
+  experts), ``draw_routing_agreement`` (two routing records per MoE layer, ``routing_agreement`` its numbers),
+  ``draw_layer_partition``, ``plot_padding_sweep``, ``draw_mrope_positions``, ``draw_mrope_cp_split``
   (with ``vision_items``: the image or video of each token)
 
 Large inputs draw as images (a 64 x 1024 mask in a fraction of a second; ``style``).  The plans themselves print
@@ -26,6 +27,8 @@ from .cp import draw_zigzag as draw_zigzag
 from .cp import plot_attention_work as plot_attention_work
 from .micro import draw_micro_batches as draw_micro_batches
 from .moe import draw_expert_load as draw_expert_load
+from .moe import draw_routing_agreement as draw_routing_agreement
+from .moe import routing_agreement as routing_agreement
 from .plot import draw_layer_partition as draw_layer_partition
 from .plot import draw_mask as draw_mask
 from .plot import draw_thd as draw_thd
@@ -42,6 +45,6 @@ from .vision import vision_items as vision_items
 __all__ = [
     "describe_thd", "describe_layers", "padding_sweep", "attention_work", "lengths_mask",
     "draw_mask", "draw_thd", "draw_zigzag", "plot_attention_work", "draw_cp_layout", "draw_micro_batches",
-    "draw_expert_load", "draw_layer_partition", "plot_padding_sweep",
+    "draw_expert_load", "draw_routing_agreement", "routing_agreement", "draw_layer_partition", "plot_padding_sweep",
     "draw_mrope_positions", "draw_mrope_cp_split", "vision_items",
 ]
