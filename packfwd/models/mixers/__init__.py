@@ -10,6 +10,7 @@ rotary modules and weight table).  :func:`mixer` says which one a layer has; not
 * ``MLA``: multi-head latent attention (DeepSeek-V3): :mod:`~packfwd.models.mixers.latent` (the ``Mla``
   description with its ``Yarn`` scaling, the component, its weights) and :mod:`~packfwd.models.mixers.mla` (the
   Megatron-Core module and spec).
+* Gated DeltaNet (issue 30; not yet a component): :mod:`~packfwd.models.mixers.deltanet`, exact over packed sequences.
 
 Importing this package does not import Megatron-Core.
 """

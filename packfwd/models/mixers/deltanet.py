@@ -1,0 +1,151 @@
+"""The Gated DeltaNet layer (Qwen3-Next's linear attention) over a THD-packed batch, in torch: exact on the CPU, the
+reference the CUDA path (fla's varlen kernels) and the Megatron-Core component will be checked against.
+
+Given the layer's weights as transformers names them (``Qwen3NextGatedDeltaNet``: ``in_proj_qkvz``, ``in_proj_ba``,
+``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``), :func:`gated_deltanet_packed` computes, for
+``hidden: [t, hidden_size]`` packed as ``cu_seqlens`` says::
+
+    q, k, v, z, b, a = in_proj_qkvz(x), in_proj_ba(x)      grouped per key head, as transformers splits them
+    q, k, v = silu(causal_conv([q k v]))                   restarted at every sequence
+    o = delta_rule(q, k, v, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))   per-sequence zero state
+    out = out_proj(rms_norm(o) * norm.weight * silu(z))
+
+with transformers' head layout: ``num_k_heads`` query/key heads of ``head_k_dim``, ``num_v_heads`` value heads of
+``head_v_dim``, each key head serving ``num_v_heads // num_k_heads`` consecutive value heads.  The two sequence
+operators are :mod:`~packfwd.models.mixers.deltanet_ops`.  Not yet a component: no Megatron-Core spec, tensor
+parallelism or family uses it (issue 30).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..._validate import check_tensor
+from .deltanet_ops import causal_conv1d_packed, chunk_gated_delta_rule_packed
+
+__all__ = ["DeltaNetShape", "gated_deltanet_packed", "gated_rms_norm"]
+
+_WEIGHTS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+            "out_proj.weight")
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """A Gated DeltaNet layer's sizes, named as transformers' ``Qwen3NextConfig`` names them (``linear_*``).
+
+    >>> DeltaNetShape(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8).conv_dim
+    64
+    """
+
+    hidden_size: int
+    num_k_heads: int  # query/key heads
+    num_v_heads: int  # value heads: a multiple of num_k_heads
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel_dim: int = 4  # Qwen3-Next's short convolution
+    activation: str = "silu"  # of the convolution (transformers' hidden_act)
+    eps: float = 1e-6  # of the gated RMSNorm (rms_norm_eps)
+
+    def __post_init__(self):
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads={self.num_v_heads} must be a multiple of num_k_heads={self.num_k_heads}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:  # channels of the convolution: q, k and v
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_hf(cls, config) -> "DeltaNetShape":
+        """From a transformers config with Qwen3-Next's ``linear_*`` fields (Qwen3-Next, Qwen3.5)."""
+        return cls(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                   config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
+                   config.hidden_act, config.rms_norm_eps)
+
+
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """transformers' ``Qwen3NextRMSNormGated``: ``weight * rms_norm(x) * silu(gate)`` over the last dim, the norm
+    and the gate in ``x``'s dtype promoted to at least float32, ``weight`` applied in ``x``'s dtype as transformers
+    does.
+
+    >>> gated_rms_norm(torch.ones(1, 2), torch.zeros(1, 2), torch.ones(2)).tolist()
+    [[0.0, 0.0]]
+    """
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    xc = x.to(cdt)
+    normed = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(x.dtype) * F.silu(gate.to(cdt))).to(x.dtype)
+
+
+def gated_deltanet_packed(hidden: Tensor, weights, config, cu_seqlens: Tensor, *,
+                          cu_seqlens_padded: Tensor | None = None, max_seqlen: int | None = None,
+                          chunk_size: int = 64) -> Tensor:
+    """The Gated DeltaNet layer over packed ``hidden: [t, hidden_size]``: ``[t, hidden_size]``, each sequence as
+    if alone (its convolution and state start at its first token), pad rows zero before ``out_proj`` (so zero out).
+
+    ``weights``: a transformers ``Qwen3NextGatedDeltaNet`` (its parameters are used, so gradients reach them) or a
+    mapping with its parameter names.  ``config``: a :class:`DeltaNetShape` or a transformers config.
+    ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``: Megatron-Core's (``ThdInfo``'s); see
+    :mod:`~packfwd.models.mixers.deltanet_ops`.
+
+    >>> shape = DeltaNetShape(hidden_size=8, num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+    >>> w = {"in_proj_qkvz.weight": torch.randn(24, 8), "in_proj_ba.weight": torch.randn(4, 8),
+    ...      "conv1d.weight": torch.randn(16, 1, 4), "dt_bias": torch.ones(2), "A_log": torch.zeros(2),
+    ...      "norm.weight": torch.ones(4), "out_proj.weight": torch.randn(8, 8)}
+    >>> gated_deltanet_packed(torch.randn(5, 8), w, shape, torch.tensor([0, 2, 5])).shape
+    torch.Size([5, 8])
+    """
+    shape = config if isinstance(config, DeltaNetShape) else DeltaNetShape.from_hf(config)
+    w = _weights(weights)
+    check_tensor("hidden", hidden)
+    if hidden.dim() != 2 or hidden.shape[1] != shape.hidden_size:
+        raise ValueError(f"hidden must be [t, {shape.hidden_size}] (packed THD), got {tuple(hidden.shape)}; "
+                         "pack a [b, s, h] batch with packfwd.to_thd first")
+    t = hidden.shape[0]
+    q, k, v, z, b, a = _project(hidden, w, shape)
+    conv_w = w["conv1d.weight"]
+    qkv = causal_conv1d_packed(torch.cat((q, k, v), -1), conv_w.reshape(conv_w.shape[0], -1), w.get("conv1d.bias"),
+                               cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, activation=shape.activation)
+    q, k, v = qkv.split([shape.key_dim, shape.key_dim, shape.value_dim], -1)
+    beta = b.sigmoid()
+    cdt = torch.promote_types(a.dtype, torch.float32)  # transformers: A_log.float(), a.float() (fp16 safety)
+    g = -w["A_log"].to(cdt).exp() * F.softplus(a.to(cdt) + w["dt_bias"])
+    o = chunk_gated_delta_rule_packed(
+        q.reshape(t, shape.num_k_heads, shape.head_k_dim), k.reshape(t, shape.num_k_heads, shape.head_k_dim),
+        v.reshape(t, shape.num_v_heads, shape.head_v_dim), g, beta, cu_seqlens, chunk_size,
+        cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen, use_qk_l2norm_in_kernel=True)
+    o = gated_rms_norm(o, z, w["norm.weight"], shape.eps)  # [t, hv, dv]
+    return F.linear(o.reshape(t, shape.value_dim), w["out_proj.weight"], w.get("out_proj.bias"))
+
+
+def _weights(weights) -> Mapping[str, Tensor]:
+    w = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else dict(weights)
+    missing = [name for name in _WEIGHTS if name not in w]
+    if missing:
+        raise KeyError(f"weights lack {missing}; pass a transformers Qwen3NextGatedDeltaNet or a dict with its "
+                       f"parameter names {list(_WEIGHTS)}")
+    return w
+
+
+def _project(x: Tensor, w: Mapping[str, Tensor], shape: DeltaNetShape):
+    """transformers' ``fix_query_key_value_ordering``: the projections are grouped per key head ``[q k v z]`` and
+    ``[b a]``; returns ``q, k: [t, key_dim]``, ``v: [t, value_dim]``, ``z: [t, hv, dv]``, ``b, a: [t, hv]``."""
+    t, hk, r = x.shape[0], shape.num_k_heads, shape.num_v_heads // shape.num_k_heads
+    qkvz = F.linear(x, w["in_proj_qkvz.weight"]).view(t, hk, 2 * shape.head_k_dim + 2 * r * shape.head_v_dim)
+    ba = F.linear(x, w["in_proj_ba.weight"]).view(t, hk, 2 * r)
+    q, k, v, z = qkvz.split([shape.head_k_dim, shape.head_k_dim, r * shape.head_v_dim, r * shape.head_v_dim], -1)
+    b, a = ba.split([r, r], -1)
+    return (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, shape.num_v_heads, shape.head_v_dim),
+            b.reshape(t, shape.num_v_heads), a.reshape(t, shape.num_v_heads))

@@ -1,0 +1,190 @@
+"""Gated DeltaNet's two sequence operators over a THD-packed batch, exact in torch (the CPU path): the short causal
+convolution and the chunked gated delta rule, each restarted at every sequence start.
+
+A packed buffer ``[t, *]`` holds ``n`` sequences: sequence ``i`` has ``cu_seqlens[i+1] - cu_seqlens[i]`` real tokens
+starting at row ``cu_seqlens_padded[i]`` (Megatron-Core's names; without padding both are the same tensor)::
+
+    cu_seqlens        = [0, 3, 4]         two sequences of 3 and 1 real tokens
+    cu_seqlens_padded = [0, 4, 8]         aligned to 4: rows 3, 5, 6, 7 are pads
+    rows              =  a0 a1 a2 .  b0 .  .  .
+
+A linear-attention layer carries a state along the sequence; packed, a state (or a convolution tap) that runs past
+``a2`` into ``b0`` leaks one sequence into the next without any error.  Here every sequence starts from zero: the
+convolution reads only taps at positions ``>= 0`` of the token's own sequence, and the delta rule runs on an
+``[n, s, *]`` view built by one gather (each sequence from its own start, zero beyond its end; ``s`` is
+``max_seqlen`` rounded up to the chunk size), batched over sequences as transformers' ``torch_chunk_gated_delta_rule``
+runs over its batch, and is gathered back.  Pad rows are never read and come out zero.  No Python loop over
+sequences and no host sync when ``max_seqlen`` is given (else one, to find it).
+
+The arithmetic is transformers' torch fallback (``transformers.models.qwen3_next.modeling_qwen3_next``), computed in
+the inputs' dtype promoted to at least float32 (transformers always uses float32; float64 stays float64 here, so
+the CPU path is exact enough to test against).  Context parallelism would hand the state from rank to rank; these
+operators take one rank's whole sequences only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..._validate import check_positive_int, check_tensor
+from ...layout.rules import round_up
+
+__all__ = ["causal_conv1d_packed", "chunk_gated_delta_rule_packed", "l2norm", "sequence_rows"]
+
+
+def sequence_rows(cu_seqlens: Tensor, t: int, cu_seqlens_padded: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """For each row of a packed ``[t, *]`` buffer: its sequence ``[t]``, its position in that sequence ``[t]`` and
+    whether it is a real token ``[t]`` (False at pads, and at rows past the last sequence).  On the device, no sync.
+
+    >>> cu = torch.tensor([0, 3, 4]); cu_pad = torch.tensor([0, 4, 8])
+    >>> [r.tolist() for r in sequence_rows(cu, 8, cu_pad)]
+    [[0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 2, 3, 0, 1, 2, 3], [True, True, True, False, True, False, False, False]]
+    """
+    starts, lengths = _starts_lengths(cu_seqlens, cu_seqlens_padded)
+    row = torch.arange(t, device=cu_seqlens.device)
+    bounds = (cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded).to(torch.long)
+    seq = torch.searchsorted(bounds[1:], row, right=True).clamp_(max=max(starts.numel() - 1, 0))
+    pos = row - starts[seq] if starts.numel() else row
+    real = (pos < lengths[seq]) & (row < bounds[-1]) if starts.numel() else torch.zeros_like(row, dtype=torch.bool)
+    return seq, pos, real
+
+
+def causal_conv1d_packed(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor, *,
+                         cu_seqlens_padded: Tensor | None = None, activation: str | None = "silu") -> Tensor:
+    """The short causal depthwise convolution of ``x: [t, c]`` (``weight: [c, w]``, ``bias: [c]`` or None), restarted
+    at every sequence start: tap ``j`` of a token at position ``p`` reads position ``p - j`` of its own sequence, or
+    zero when ``p - j < 0`` (what a per-sequence ``F.conv1d`` with ``w - 1`` zeros of left padding reads).  Then
+    ``activation`` (``"silu"``, as transformers' ``hidden_act``, or None).  ``[t, c]`` in ``x``'s dtype; pads zero.
+
+    >>> x = torch.ones(5, 1); w = torch.ones(1, 3)
+    >>> causal_conv1d_packed(x, w, None, torch.tensor([0, 3, 5]), activation=None).view(-1).tolist()
+    [1.0, 2.0, 3.0, 1.0, 2.0]
+    """
+    check_tensor("x", x), check_tensor("weight", weight)
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"x must be [t, c] and weight [c, w], got {tuple(x.shape)} and {tuple(weight.shape)}; "
+                         "for an nn.Conv1d weight [c, 1, w] pass weight.squeeze(1)")
+    _, pos, real = sequence_rows(cu_seqlens, x.shape[0], cu_seqlens_padded)
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    xs = x.to(dtype)
+    w = weight.shape[1]
+    out = xs * weight[:, w - 1].to(dtype)  # tap 0: the token itself
+    for j in range(1, w):  # the kernel's width, not the sequences: a shift down by j rows, zero before the start
+        shifted = F.pad(xs[: max(xs.shape[0] - j, 0)], (0, 0, min(j, xs.shape[0]), 0))
+        out = out + torch.where((pos >= j)[:, None], shifted, 0) * weight[:, w - 1 - j].to(dtype)
+    if bias is not None:
+        out = out + bias.to(dtype)
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"activation={activation!r} is not supported; pass 'silu' (transformers' hidden_act) or None")
+    return torch.where(real[:, None], out, 0).to(x.dtype)
+
+
+def l2norm(x: Tensor, dim: int = -1, eps: float = 1e-6) -> Tensor:
+    """``x * rsqrt(sum(x^2) + eps)``: transformers' (and fla's) L2 normalisation of queries and keys.
+
+    >>> l2norm(torch.tensor([3.0, 4.0]), eps=0.0).tolist()
+    [0.6000000238418579, 0.800000011920929]
+    """
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule_packed(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor,
+                                  chunk_size: int = 64, *, cu_seqlens_padded: Tensor | None = None,
+                                  max_seqlen: int | None = None, scale: float | None = None,
+                                  use_qk_l2norm_in_kernel: bool = False) -> Tensor:
+    """The gated delta rule over packed sequences, each from a zero state: ``q, k: [t, hk, dk]``, ``v: [t, hv, dv]``,
+    ``g`` (log decay, <= 0) and ``beta: [t, hv]``; ``hv`` a multiple of ``hk`` (each query/key head serves
+    ``hv // hk`` consecutive value heads).  Per token, with ``S`` the ``[dk, dv]`` state of a head::
+
+        S = exp(g) S;   S = S + beta k (v - k^T S)^T;   o = S^T (scale q)
+
+    computed ``chunk_size`` tokens at a time.  ``scale`` defaults to ``dk ** -0.5``; ``use_qk_l2norm_in_kernel``
+    L2-normalises q and k first (transformers' name; its layers pass True).  ``max_seqlen``: the longest sequence, a
+    host int (an upper bound works; None costs one host sync).  Returns ``[t, hv, dv]`` in ``v``'s dtype, pads zero.
+
+    >>> _ = torch.manual_seed(0); t, cu = 5, torch.tensor([0, 2, 5])
+    >>> q, k, v, g, beta = torch.randn(t, 1, 4), torch.randn(t, 1, 4), torch.randn(t, 1, 2), -torch.rand(t, 1), torch.rand(t, 1)
+    >>> o = chunk_gated_delta_rule_packed(q, k, v, g, beta, cu, chunk_size=2)
+    >>> alone = chunk_gated_delta_rule_packed(q[2:], k[2:], v[2:], g[2:], beta[2:], torch.tensor([0, 3]), chunk_size=2)
+    >>> o.shape, torch.allclose(o[2:], alone)  # the second sequence does not see the first
+    (torch.Size([5, 1, 2]), True)
+    """
+    for name, x, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+        if check_tensor(name, x).dim() != dims or x.shape[0] != v.shape[0]:
+            raise ValueError(f"{name} must be {dims}-D with the tokens first ([t, ...]), got {tuple(x.shape)}")
+    hk, hv = k.shape[1], v.shape[1]
+    if q.shape != k.shape or hv % hk or g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)} [t, hk, dk]; v {tuple(v.shape)} "
+                         f"[t, hv, dv] with hv a multiple of hk; g {tuple(g.shape)} and beta {tuple(beta.shape)} [t, hv]")
+    check_positive_int("chunk_size", chunk_size, "pass e.g. chunk_size=64")
+    starts, lengths = _starts_lengths(cu_seqlens, cu_seqlens_padded)
+    if max_seqlen is None:
+        max_seqlen = int(lengths.max()) if lengths.numel() else 0  # the one host sync; pass max_seqlen to avoid it
+    s = max(round_up(max_seqlen, chunk_size), chunk_size)
+    t = v.shape[0]
+    if lengths.numel() == 0 or t == 0:
+        return v.new_zeros(v.shape)
+    cdt = torch.promote_types(v.dtype, torch.float32)
+    offset = torch.arange(s, device=v.device)
+    valid = offset < lengths[:, None]  # [n, s]
+    index = (starts[:, None] + offset).clamp_(max=t - 1)  # [n, s]
+
+    def padded(x: Tensor) -> Tensor:  # [t, *] -> [n, s, *], zero beyond each sequence's end
+        x = x.to(cdt)[index]
+        return torch.where(valid.view(*valid.shape, *([1] * (x.dim() - 2))), x, 0)
+
+    qs, ks = padded(q), padded(k)
+    if hv != hk:
+        qs, ks = qs.repeat_interleave(hv // hk, dim=2), ks.repeat_interleave(hv // hk, dim=2)
+    if use_qk_l2norm_in_kernel:
+        qs, ks = l2norm(qs), l2norm(ks)
+    qs = qs * (qs.shape[-1] ** -0.5 if scale is None else scale)
+    o = _chunk_scan(qs, ks, padded(v), padded(g), padded(beta), chunk_size)  # [n, s, hv, dv]
+    seq, pos, real = sequence_rows(cu_seqlens, t, cu_seqlens_padded)
+    out = o[seq, pos.clamp(max=s - 1)]  # gathered back: the backward is a scatter of rows that never collide
+    return torch.where(real[:, None, None], out, 0).to(v.dtype)
+
+
+def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int) -> Tensor:
+    """transformers' chunked scan, batched over sequences: ``q, k: [n, s, h, dk]``, ``v: [n, s, h, dv]``,
+    ``g, beta: [n, s, h]`` with ``s`` a multiple of ``chunk``; the state of every sequence starts at zero."""
+    n, s, h, dk = k.shape
+    dv = v.shape[-1]
+    # [n, h, chunks, chunk, *]
+    q, k, v = (x.transpose(1, 2).reshape(n, h, s // chunk, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).reshape(n, h, s // chunk, chunk) for x in (g, beta))
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(-1)  # log decay from the chunk's start to each position
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [.., i, j]: j -> i
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower-triangular once the diagonal is added (UT transform)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    state = q.new_zeros(n, h, dk, dv)
+    outs = []
+    for i in range(s // chunk):  # the chunks of the longest sequence, every sequence at once
+        v_new = new_v[:, :, i] - k_cum[:, :, i] @ state
+        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    return torch.stack(outs, 2).reshape(n, h, s, dv).transpose(1, 2)
+
+
+def _starts_lengths(cu_seqlens: Tensor, cu_seqlens_padded: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``[n]`` int64 first rows and real lengths of the sequences."""
+    check_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [n+1] (0 first), got shape {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.long)
+    bounds = cu if cu_seqlens_padded is None else check_tensor("cu_seqlens_padded", cu_seqlens_padded).to(torch.long)
+    if bounds.shape != cu.shape:
+        raise ValueError(f"cu_seqlens_padded has shape {tuple(bounds.shape)} but cu_seqlens {tuple(cu.shape)}; "
+                         "pass both for the same n sequences (ThdInfo.cu_seqlens and .cu_seqlens_padded)")
+    return bounds[:-1], cu[1:] - cu[:-1]
