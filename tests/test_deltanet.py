@@ -5,6 +5,8 @@ whole ragged batch packed, and every sequence's rows must equal its lone run.  L
 convolution, below, at and above the chunk size; layouts cover THD and THD aligned (``seq_align=8``: pads between
 sequences), packed and unpacked with ``packfwd.plan_thd`` / ``to_thd`` / ``from_thd``.  Negative controls show the
 checks can fail: a convolution or a state that runs across the boundary differs at the next sequence's first tokens.
+Also: Qwen3.5's layer (flat projections), gradients, batch invariance bit for bit, and a fullgraph compile (no host
+sync once ``max_seqlen`` is given).
 
 transformers computes the delta rule, the gated norm and the decay in float32 whatever the input dtype.  To compare
 in float64, :func:`_hf64` loads a copy of transformers' ``modeling_qwen3_next`` with those upcasts lifted to float64
@@ -29,23 +31,24 @@ from packfwd.models.mixers.deltanet_ops import causal_conv1d_packed, chunk_gated
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
-def _hf64():
-    """transformers' ``modeling_qwen3_next`` with its float32 upcasts made float64 (see the module docstring)."""
-    name = "transformers.models.qwen3_next._modeling_qwen3_next_f64"
+def _hf64(original):
+    """A copy of transformers' modeling module ``original`` with its float32 upcasts made float64 (see the module
+    docstring)."""
+    name = original.__name__.replace(".modeling_", "._f64_modeling_")
     if name in sys.modules:
         return sys.modules[name]
-    source = open(hf.__file__).read()
+    source = open(original.__file__).read()
     assert source.count(".to(torch.float32") >= 4 and source.count("A_log.float()") == 1, "transformers changed"
     source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-    spec = importlib.util.spec_from_loader(name, loader=None, origin=hf.__file__)
+    spec = importlib.util.spec_from_loader(name, loader=None, origin=original.__file__)
     module = importlib.util.module_from_spec(spec)
-    module.__package__, module.__file__ = "transformers.models.qwen3_next", hf.__file__
+    module.__package__, module.__file__ = original.__package__, original.__file__
     sys.modules[name] = module  # before exec: transformers reads its classes' annotations from sys.modules
-    exec(compile(source, hf.__file__, "exec"), module.__dict__)
+    exec(compile(source, original.__file__, "exec"), module.__dict__)
     return module
 
 
-HF64 = _hf64()
+HF64 = _hf64(hf)
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,64 @@ def test_layer_gqa_heads_and_dict_weights():
     weights = {name: p.detach() for name, p in layer.named_parameters()}
     y = gated_deltanet_packed(packed, weights, DeltaNetShape.from_hf(config), info.cu_seqlens, chunk_size=4)
     torch.testing.assert_close(packfwd.from_thd(y, info), _hf_alone(layer, x, mask), rtol=1e-10, atol=1e-10)
+
+
+def test_layer_qwen3_5_flat_projections():
+    """Qwen3.5's layer: the same operators, its q/k/v/z/b/a projections flat instead of grouped per key head."""
+    q35 = _hf64(pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5"))
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                               num_hidden_layers=1, layer_types=["linear_attention"])
+    torch.manual_seed(4)
+    layer = q35.Qwen3_5GatedDeltaNet(config, 0).double()
+    with torch.no_grad():
+        layer.norm.weight.uniform_(0.5, 1.5)
+        layer.dt_bias.normal_()
+    x, mask = _batch((2, 13, 9), seed=4)
+    packed, info = packfwd.to_thd(x, mask, seq_align=8)
+    y = gated_deltanet_packed(packed, layer, config, info.cu_seqlens, cu_seqlens_padded=info.cu_seqlens_padded,
+                              chunk_size=8)
+    torch.testing.assert_close(packfwd.from_thd(y, info), _hf_alone(layer, x, mask), rtol=1e-10, atol=1e-10)
+
+
+def test_batch_invariant_bitwise():
+    """A sequence's rows do not depend on its neighbours, bit for bit (float32): its chunks start at its first token
+    whatever else is packed, and pads past its end never reach it."""
+    lengths = (37, 100, 5, 64)
+    q, k, v, g, beta = _qkvgb(sum(lengths), 2, 4, 16, 16, dtype=torch.float32, seed=5)
+    packed = chunk_gated_delta_rule_packed(q, k, v, g, beta, _cu(lengths), 64, use_qk_l2norm_in_kernel=True)
+    rows = slice(37, 137)
+    alone = chunk_gated_delta_rule_packed(q[rows], k[rows], v[rows], g[rows], beta[rows], torch.tensor([0, 100]), 64,
+                                          use_qk_l2norm_in_kernel=True)
+    assert torch.equal(packed[rows], alone)
+    x, weight = torch.randn(sum(lengths), 6), torch.randn(6, 4)
+    assert torch.equal(causal_conv1d_packed(x, weight, None, _cu(lengths))[rows],
+                       causal_conv1d_packed(x[rows], weight, None, torch.tensor([0, 100])))
+
+
+def test_layer_compiles_fullgraph():
+    """With ``max_seqlen`` given the layer has no host sync: ``torch.compile(fullgraph=True)`` traces it forward and
+    backward (aot_eager, as tests/test_compile_layer.py does) and equals eager."""
+    layer, config = _layer(seed=6)
+    layer = layer.float()
+    lengths = (3, 10, 17)
+    x = torch.randn(sum(lengths), 32)
+    cu = _cu(lengths)
+
+    def run(h):
+        return gated_deltanet_packed(h, layer, config, cu, max_seqlen=17, chunk_size=8)
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (torch.compile(run, fullgraph=True, backend="aot_eager"), run):
+        h = x.clone().requires_grad_()
+        out = fn(h)
+        out.square().sum().backward()
+        results.append((out.detach(), h.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_layer_negative_control_one_sequence():

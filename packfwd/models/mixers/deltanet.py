@@ -2,10 +2,11 @@
 reference the CUDA path (fla's varlen kernels) and the Megatron-Core component will be checked against.
 
 Given the layer's weights as transformers names them (``Qwen3NextGatedDeltaNet``: ``in_proj_qkvz``, ``in_proj_ba``,
-``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``), :func:`gated_deltanet_packed` computes, for
+``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``; or Qwen3.5's ``Qwen3_5GatedDeltaNet``, whose projections
+are ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), :func:`gated_deltanet_packed` computes, for
 ``hidden: [t, hidden_size]`` packed as ``cu_seqlens`` says::
 
-    q, k, v, z, b, a = in_proj_qkvz(x), in_proj_ba(x)      grouped per key head, as transformers splits them
+    q, k, v, z, b, a = in_proj_qkvz(x), in_proj_ba(x)      Qwen3-Next: grouped per key head (Qwen3.5: flat)
     q, k, v = silu(causal_conv([q k v]))                   restarted at every sequence
     o = delta_rule(q, k, v, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))   per-sequence zero state
     out = out_proj(rms_norm(o) * norm.weight * silu(z))
@@ -30,8 +31,9 @@ from .deltanet_ops import causal_conv1d_packed, chunk_gated_delta_rule_packed
 
 __all__ = ["DeltaNetShape", "gated_deltanet_packed", "gated_rms_norm"]
 
-_WEIGHTS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
-            "out_proj.weight")
+_SHARED = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+_NEXT = ("in_proj_qkvz.weight", "in_proj_ba.weight")  # Qwen3-Next: grouped per key head
+_QWEN35 = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")  # Qwen3.5: flat
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,11 @@ def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -
 def gated_deltanet_packed(hidden: Tensor, weights, config, cu_seqlens: Tensor, *,
                           cu_seqlens_padded: Tensor | None = None, max_seqlen: int | None = None,
                           chunk_size: int = 64) -> Tensor:
-    """The Gated DeltaNet layer over packed ``hidden: [t, hidden_size]``: ``[t, hidden_size]``, each sequence as
+    """The Gated DeltaNet layer (Qwen3-Next's or Qwen3.5's) over packed ``hidden: [t, hidden_size]``: ``[t, hidden_size]``, each sequence as
     if alone (its convolution and state start at its first token), pad rows zero before ``out_proj`` (so zero out).
 
-    ``weights``: a transformers ``Qwen3NextGatedDeltaNet`` (its parameters are used, so gradients reach them) or a
-    mapping with its parameter names.  ``config``: a :class:`DeltaNetShape` or a transformers config.
+    ``weights``: a transformers ``Qwen3NextGatedDeltaNet`` or ``Qwen3_5GatedDeltaNet`` (its parameters are used, so
+    gradients reach them) or a mapping with its parameter names.  ``config``: a :class:`DeltaNetShape` or a transformers config.
     ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``: Megatron-Core's (``ThdInfo``'s); see
     :mod:`~packfwd.models.mixers.deltanet_ops`.
 
@@ -132,17 +134,23 @@ def gated_deltanet_packed(hidden: Tensor, weights, config, cu_seqlens: Tensor, *
 
 def _weights(weights) -> Mapping[str, Tensor]:
     w = dict(weights.named_parameters()) if isinstance(weights, torch.nn.Module) else dict(weights)
-    missing = [name for name in _WEIGHTS if name not in w]
+    names = _SHARED + (_QWEN35 if "in_proj_qkv.weight" in w else _NEXT)
+    missing = [name for name in names if name not in w]
     if missing:
-        raise KeyError(f"weights lack {missing}; pass a transformers Qwen3NextGatedDeltaNet or a dict with its "
-                       f"parameter names {list(_WEIGHTS)}")
+        raise KeyError(f"weights lack {missing}; pass a transformers Qwen3NextGatedDeltaNet or Qwen3_5GatedDeltaNet, "
+                       f"or a dict with its parameter names ({list(_SHARED + _NEXT)}, or Qwen3.5's {list(_QWEN35)})")
     return w
 
 
 def _project(x: Tensor, w: Mapping[str, Tensor], shape: DeltaNetShape):
-    """transformers' ``fix_query_key_value_ordering``: the projections are grouped per key head ``[q k v z]`` and
-    ``[b a]``; returns ``q, k: [t, key_dim]``, ``v: [t, value_dim]``, ``z: [t, hv, dv]``, ``b, a: [t, hv]``."""
+    """``q, k: [t, key_dim]``, ``v: [t, value_dim]``, ``z: [t, hv, dv]``, ``b, a: [t, hv]``.  Qwen3-Next (transformers'
+    ``fix_query_key_value_ordering``): the projections are grouped per key head, ``[q k v z]`` and ``[b a]``.
+    Qwen3.5: one projection each, flat (``[q | k | v]``)."""
     t, hk, r = x.shape[0], shape.num_k_heads, shape.num_v_heads // shape.num_k_heads
+    if "in_proj_qkv.weight" in w:
+        q, k, v = F.linear(x, w["in_proj_qkv.weight"]).split([shape.key_dim, shape.key_dim, shape.value_dim], -1)
+        z = F.linear(x, w["in_proj_z.weight"]).view(t, shape.num_v_heads, shape.head_v_dim)
+        return q, k, v, z, F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"])
     qkvz = F.linear(x, w["in_proj_qkvz.weight"]).view(t, hk, 2 * shape.head_k_dim + 2 * r * shape.head_v_dim)
     ba = F.linear(x, w["in_proj_ba.weight"]).view(t, hk, 2 * r)
     q, k, v, z = qkvz.split([shape.head_k_dim, shape.head_k_dim, r * shape.head_v_dim, r * shape.head_v_dim], -1)
