@@ -19,8 +19,11 @@ MCORE   ?= megatron-core==0.19.2
 MCORE_FLOOR        ?= megatron-core==0.16.1
 TRANSFORMERS_FLOOR ?= transformers==5.17.0
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-# pytest-xdist: two workers (CI has 2 cores), a test file's tests on one worker (module fixtures are built once)
+# pytest-xdist: two workers (CI has 2 cores), a test file's tests on one worker (module fixtures are built once).
+# Only for the suite: the kernel tests and the notebooks took longer with workers than without (each worker's start).
 XDIST   ?= -n 2 --dist loadfile
+# --no-compile: no .pyc for every installed file (torch alone has thousands); Python writes those it imports
+PIP     = -m pip install -q --no-compile
 
 # The first interpreter of version $(1) that runs: python$(1) on PATH, then pyenv's.
 find_python = $(firstword $(foreach p,python$(1) $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python3),\
@@ -35,17 +38,17 @@ PYTHON311 ?= $(call find_python,3.11)
 define install
 	@test -n "$(2)" || { echo "no Python $(3) found: install it (pyenv install $(3)) or name it: make PYTHON$(subst .,,$(3))=/path/to/python$(3)"; exit 1; }
 	test -x $(1)/bin/python || $(2) -m venv $(1)
-	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python $(PIP) --upgrade pip
 	if $(1)/bin/python -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; \
-	then $(1)/bin/python -m pip install -q --extra-index-url $(CPU_INDEX) "$(TORCH)"; \
+	then $(1)/bin/python $(PIP) --extra-index-url $(CPU_INDEX) "$(TORCH)"; \
 	else echo "$(CPU_INDEX) does not answer: $(TORCH) from this machine's wheels or PyPI"; \
-	     $(1)/bin/python -m pip install -q "$(TORCH)"; fi
+	     $(1)/bin/python $(PIP) "$(TORCH)"; fi
 	$(1)/bin/python -c "import torch; print('torch', torch.__version__, 'CUDA build (run on the CPU)' if torch.version.cuda else 'CPU build')"
-	$(1)/bin/python -m pip install -q -e ".[test]" $(4)
+	$(1)/bin/python $(PIP) -e ".[test]" $(4)
 	# verl's own packing functions: a reference for tests and benchmarks only (it needs just torch + megatron-core)
 	# mbridge (verl's HF <-> Megatron-Core bridge): tests/test_bridge.py checks packfwd's weight mapping against it
 	# (pure Python; it needs only megatron-core, transformers, safetensors and einops, which it imports)
-	$(1)/bin/python -m pip install -q --no-deps "verl==0.9.1" "mbridge==0.15.1" "einops>=0.6"
+	$(1)/bin/python $(PIP) --no-deps "verl==0.9.1" "mbridge==0.15.1" "einops>=0.6"
 	$(1)/bin/python -c "import sys; from importlib.metadata import version as v; print('python', sys.version.split()[0], *(f'{p} {v(p)}' for p in ('torch', 'megatron-core', 'transformers')))"
 	touch $(1)/.packfwd-installed
 endef
@@ -85,8 +88,8 @@ lint: .venv-3.12/.packfwd-installed
 
 test-main: .venv-3.12/.packfwd-installed
 	$(PY) -m pytest -q $(XDIST) tests packfwd
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) $(KERNEL_TESTS)
-	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(PY) -m pytest -q $(XDIST) --nbmake notebooks; fi
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(PY) -m pytest -q --nbmake notebooks; fi
 
 test-floor: .venv/.packfwd-installed
 	$(FLOOR) -m pytest -q $(XDIST) tests packfwd $(addprefix --ignore=,$(FLOOR_SKIP))
@@ -94,7 +97,7 @@ test-floor: .venv/.packfwd-installed
 # The thorough Hypothesis profile: many more examples per property (minutes, not seconds).
 test-thorough: .venv-3.12/.packfwd-installed
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q $(XDIST) tests
-	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) $(KERNEL_TESTS)
+	HYPOTHESIS_PROFILE=thorough TRITON_INTERPRET=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 
 bench: .venv/.packfwd-installed
 	$(FLOOR) benchmarks/run_all.py
