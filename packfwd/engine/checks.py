@@ -70,7 +70,7 @@ def takes(processor, name: str) -> bool:
 
 
 def checked_call(check_group, layout, prepare):
-    """``prepare()``: a forward's validation and planning, returning a dict with its ``"plan"``.  Without
+    """``prepare()``: a forward's validation and planning, returning its step (with its ``plan``).  Without
     ``check_group`` an error is raised at once; with it every rank of the group first compares the outcome
     (``packfwd.parallel.check_across_ranks``: the same error on every rank, or the same plan everywhere)."""
     error = got = None
@@ -83,7 +83,7 @@ def checked_call(check_group, layout, prepare):
     if check_group is not None:
         from ..parallel import check_across_ranks
 
-        fingerprint = () if error is not None else layout.fingerprint(got["plan"])
+        fingerprint = () if error is not None else layout.fingerprint(got.plan)
         check_across_ranks(check_group, error=error, values=fingerprint, what="batches")
     return got
 

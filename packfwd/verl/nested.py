@@ -74,7 +74,7 @@ def gptmodel_forward_model_engine(
     sequence, hung on the backward as verl's model does (``packfwd.verl.mtp``).
 
     >>> import torch
-    >>> from packfwd.models import ensure_model_parallel
+    >>> from packfwd.models.runtime import ensure_model_parallel
     >>> from packfwd.testing import OneHotModel as Toy   # one-hot "logits" of the ids, under any packing
     >>> ensure_model_parallel()               # verl's workers initialise Megatron's parallel state
     >>> ids = torch.nested.nested_tensor([torch.tensor([3, 4]), torch.tensor([2, 1, 4])], layout=torch.jagged)

@@ -60,7 +60,7 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     on the backward as verl's model does (``packfwd.verl.mtp``), in THD and BSHD.
 
     >>> import torch
-    >>> from packfwd.models import ensure_model_parallel
+    >>> from packfwd.models.runtime import ensure_model_parallel
     >>> from packfwd.testing import OneHotModel as Toy   # one-hot "logits" of the ids, under any packing
     >>> ensure_model_parallel()               # verl's workers initialise Megatron's parallel state
     >>> ids = torch.tensor([[0, 3, 4], [2, 1, 0]]); mask = ids != 0
