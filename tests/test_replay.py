@@ -299,3 +299,30 @@ def test_micro_batches_slice_the_routing_like_every_per_token_input():
     assert got.rows == list(range(ids.shape[0]))
     assert torch.equal(got.outputs["routed_experts"], recorded)
     torch.testing.assert_close(got.outputs["logits"], want["logits"], atol=1e-6, rtol=1e-6)
+
+
+def test_pipeline_stages_replay_their_own_layers():
+    """Two pipeline stages in one process: each stage replays its own MoE layers' share of the record (stage 0
+    the first, stage 1 the rest) and the last stage's logits are the whole model's replay; a stage before the
+    last refuses to record (its record could not reach the caller)."""
+    from .test_parallel_families import moe_model
+
+    hf = moe_model(layers=4)  # Qwen3-MoE, layer 1 dense: stage 0 routes at layer 0, stage 1 at layers 2 and 3
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", record_routing=True)
+    with torch.no_grad():
+        recorded = forward(from_hf(hf), ids, mask)["routed_experts"]
+        hf = updated(hf)
+        want = make_forward("thd")(from_hf(hf), ids, mask, routed_experts=recorded)
+        stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
+        split = sum(1 for m in stages[0].modules() if type(m).__name__ == "PackedRouter")
+        assert 0 < split < recorded.shape[2]
+        plain = make_forward("thd")
+        hidden = plain(stages[0], ids, mask, routed_experts=recorded[:, :, :split])
+        stages[1].set_input_tensor(hidden)
+        got = plain(stages[1], ids, mask, routed_experts=recorded[:, :, split:])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        with pytest.raises(ValueError, match="routed_experts has shape"):  # the whole record on one stage
+            plain(stages[0], ids, mask, routed_experts=recorded)
+        with pytest.raises(ValueError, match="record_routing=True on a pipeline stage before the last"):
+            forward(stages[0], ids, mask)
