@@ -326,3 +326,42 @@ def test_pipeline_stages_replay_their_own_layers():
             plain(stages[0], ids, mask, routed_experts=recorded)
         with pytest.raises(ValueError, match="record_routing=True on a pipeline stage before the last"):
             forward(stages[0], ids, mask)
+
+
+def _ep_worker(rank: int, world: int, hf, batches, records):
+    """EP=2: this rank's batch (its own shape) recorded, then replayed with the one process's record."""
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel(ep_size=2)
+    model = from_hf(hf, ep_size=2, ep_rank=rank)
+    ids, mask = batches[rank]
+    forward = make_forward("thd", record_routing=True)
+    with torch.no_grad():
+        record = forward(model, ids, mask)["routed_experts"]
+        replay = forward(model, ids, mask, routed_experts=records[rank])
+    return dict(record=record, replay=replay["routed_experts"], logits=replay["logits"])
+
+
+def test_ep2_over_gloo_equals_one_process():
+    """Expert parallelism (each rank holds half the experts, its own batch of its own shape): each rank's record is
+    the one process's, and replaying another record (the one process's after a router update) gives its logits."""
+    import copy
+
+    from packfwd.testing import run_local
+
+    hf = hf_model("mixtral")
+    batches = [ragged_batch(), ragged_batch(seed=5)]
+    batches[1] = (batches[1][0][:3, :7], batches[1][1][:3, :7])
+    forward = make_forward("thd", record_routing=True)
+    with torch.no_grad():
+        own = [forward(from_hf(hf), ids, mask)["routed_experts"] for ids, mask in batches]
+        other = updated(copy.deepcopy(hf))
+        records = [forward(from_hf(other), ids, mask)["routed_experts"] for ids, mask in batches]
+        want = [make_forward("thd")(from_hf(hf), ids, mask, routed_experts=r) for (ids, mask), r in
+                zip(batches, records)]
+    assert not all(torch.equal(a, b) for a, b in zip(own, records))  # the other record moves some tokens
+    ranks = run_local(_ep_worker, 2, hf, batches, records, backend="gloo", timeout=300)
+    for rank, got in enumerate(ranks):
+        assert torch.equal(got["record"], own[rank])
+        assert torch.equal(got["replay"], records[rank])
+        torch.testing.assert_close(got["logits"], want[rank], atol=1e-5, rtol=1e-5)
