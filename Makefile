@@ -22,8 +22,10 @@ CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # pytest-xdist: two workers (CI has 2 cores), a test file's tests on one worker (module fixtures are built once).
 # Only for the suite: the kernel tests and the notebooks took longer with workers than without (each worker's start).
 XDIST   ?= -n 2 --dist loadfile
-# --no-compile: no .pyc for every installed file (torch alone has thousands); Python writes those it imports
-PIP     = -m pip install -q --no-compile
+# pip compiles every installed file to .pyc (about 15 s for torch, transformers and megatron-core): keep it, since
+# with PYTHONDONTWRITEBYTECODE set (as on this project's machines) Python would otherwise compile each module anew
+# in every process, and the suite starts hundreds (ranks, scripts): --no-compile made `make test` twice as slow
+PIP     = -m pip install -q
 
 # The first interpreter of version $(1) that runs: python$(1) on PATH, then pyenv's.
 find_python = $(firstword $(foreach p,python$(1) $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python3),\
