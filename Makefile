@@ -4,7 +4,7 @@
 #   .venv-3.12  Python 3.12, torch 2.13.0, megatron-core 0.19.2 (the version every GPU number in RESULTS ran on),
 #               the newest transformers: ruff, the whole suite, the kernels in Triton's interpreter, the notebooks.
 #   .venv       Python 3.11, torch 2.13.0, megatron-core 0.16.1, transformers 5.17.0 (pyproject's floors; the newest
-#               megatron-core for 3.11): the suite again, less FLOOR_SKIP.  `make demo` and the benchmarks use it.
+#               megatron-core for 3.11): FLOOR_TESTS, the tests of the APIs those versions change.  `make demo` and the benchmarks use it.
 #
 # torch: the CPU build where one can be had.  pip is asked for $(TORCH) with $(CPU_INDEX) as an extra index when
 # that index answers (a stock machine), and the CPU build there wins (2.13.0+cpu sorts above 2.13.0).  Where it does
@@ -71,12 +71,11 @@ KERNEL_TESTS := tests/gpu/test_gather_kernel.py tests/gpu/test_plan_kernel.py te
                 tests/gpu/test_rope_kernel.py tests/gpu/test_slot_sum_kernel.py \
                 tests/gpu/test_zero_groups_kernel.py
 
-# The floor run leaves out what the main run covers and the floor versions cannot change: the tests that touch
-# neither Megatron-Core nor transformers (the packing transforms and their torch.compile, the plots, the CLI,
-# run_local's launcher), the README's and docs' code blocks, and the benchmarks' smoke runs.
-FLOOR_SKIP := tests/test_benchmarks_smoke.py tests/test_bshd_labels_nested.py tests/test_bucket.py tests/test_cli.py \
-              tests/test_functional.py tests/test_gather_op.py tests/test_launch.py tests/test_nemo_rl_packing_ref.py \
-              tests/test_padding.py tests/test_plan_methods.py tests/test_plot.py tests/test_readme.py tests/test_thd.py
+# The floor run: the tests that exercise the Megatron-Core and transformers APIs whose versions it pins (model
+# building and conversion for every family, MoE routing, MTP, the verl drop-in, TP/CP/SP over gloo), about a minute
+# and a half; the whole suite runs on the main environment.  A fuller floor run: make test-floor FLOOR_TESTS=tests
+FLOOR_TESTS ?= tests/test_models.py tests/test_families.py tests/test_hf_interop.py tests/test_moe.py \
+               tests/test_mtp.py tests/test_verl_mtp.py tests/test_verl_dropin.py
 
 # The multi-process tests' ranks fork from a server that imported these once (packfwd.testing.run_local): each rank
 # then starts in a fraction of a second instead of importing Megatron-Core and transformers anew.
@@ -94,7 +93,7 @@ test-main: .venv-3.12/.packfwd-installed
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then $(PY) -m pytest -q --nbmake notebooks; fi
 
 test-floor: .venv/.packfwd-installed
-	$(FLOOR) -m pytest -q $(XDIST) tests packfwd $(addprefix --ignore=,$(FLOOR_SKIP))
+	$(FLOOR) -m pytest -q $(XDIST) $(FLOOR_TESTS)
 
 # The thorough Hypothesis profile: many more examples per property (minutes, not seconds).
 test-thorough: .venv-3.12/.packfwd-installed
