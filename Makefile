@@ -72,10 +72,13 @@ KERNEL_TESTS := tests/gpu/test_gather_kernel.py tests/gpu/test_plan_kernel.py te
                 tests/gpu/test_zero_groups_kernel.py
 
 # The floor run: the tests that exercise the Megatron-Core and transformers APIs whose versions it pins (model
-# building and conversion for every family, MoE routing, MTP, the verl drop-in, TP/CP/SP over gloo), about a minute
-# and a half; the whole suite runs on the main environment.  A fuller floor run: make test-floor FLOOR_TESTS=tests
+# building and conversion for every family, MoE routing and EP, MTP, the verl drop-in and mbridge, the parallel
+# state with TP/CP/SP/PP/EP over gloo), about 70 s; the whole suite runs on the main environment.  A fuller floor
+# run: make test-floor FLOOR_TESTS=tests
 FLOOR_TESTS ?= tests/test_models.py tests/test_families.py tests/test_hf_interop.py tests/test_moe.py \
-               tests/test_mtp.py tests/test_verl_mtp.py tests/test_verl_dropin.py
+               tests/test_mtp.py tests/test_verl_mtp.py tests/test_verl_dropin.py tests/test_moe_ep.py \
+               tests/test_parallel_families.py tests/test_context_parallel.py tests/test_deepseek_v3.py \
+               tests/test_glm4_moe.py tests/test_distributed.py tests/test_bridge.py
 
 # The multi-process tests' ranks fork from a server that imported these once (packfwd.testing.run_local): each rank
 # then starts in a fraction of a second instead of importing Megatron-Core and transformers anew.
