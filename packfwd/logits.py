@@ -46,7 +46,7 @@ included; the matmuls are cuBLAS's either way.
 no gradient.  The logits processors compute every row and mask (no host sync); the fused linear computes the
 selected rows only (one host sync to learn their count), which is where the head's work goes.
 
-One module past 300 lines: the row-block and vocab-block autograd functions share their block math
+One module: the row-block and vocab-block autograd functions share their block math
 (``_block_stats``, ``_block_grad``, the group reductions) and their argument checks; split, the math would be
 read in two places.  The fused linear's sequence-parallel gather and row selection sit beside it, as its inputs.
 """

@@ -31,7 +31,7 @@ from the first (89-91 % of the copy; benchmarks/RESULTS.md).  It is tested on th
 interpreter, on the CPU (``tests/gpu/test_gather_kernel.py``).
 
 One file holds the whole gather (dispatch, torch path, custom op with its autograd and vmap rules, the kernel
-and its launcher), so it runs past 300 lines: splitting it would scatter one mechanism.
+and its launcher): splitting it would scatter one mechanism.
 """
 
 from __future__ import annotations

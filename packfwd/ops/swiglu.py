@@ -23,8 +23,8 @@ row after the activation (``(swiglu(fc1) * probs[:, None]).to(dtype)``); two mor
 product and its cast forward; the broadcast product and the row sum of the scale's gradient backward), the
 output and d/dy the composition's bits.
 
-One file holds both forms, plain and scaled, so it runs past 300 lines: the scaled kernels share the plain ones'
-tile, exp and launch helpers, and their tests compare the two.
+One file holds both forms, plain and scaled: the scaled kernels share the plain ones' tile, exp and launch
+helpers, and their tests compare the two.
 
 ``swiglu(y)`` is the entry point: the kernels (``SwiGLUKernel``, over the launchers ``forward`` and ``backward``;
 the kernels follow them) for a CUDA tensor with Triton installed, else the torch reference ``reference``.

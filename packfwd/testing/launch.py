@@ -11,8 +11,8 @@ pickled ``fn`` and ``args`` go to a file in a private temporary directory, which
 ``FileStore`` rendezvous (no TCP port picked in advance, so nothing another process can take in between); the
 directory is removed when the call ends.
 
-(Over 300 lines on purpose: spawning, the result pipes, the watchdog and the reaping make the no-hang guarantee
-together, and read best in one file.)
+One file on purpose: spawning, the result pipes, the watchdog and the reaping make the no-hang guarantee
+together, and read best in one place.
 """
 
 from __future__ import annotations

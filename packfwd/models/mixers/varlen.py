@@ -33,8 +33,8 @@ reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2
 
 :class:`packfwd.models.mixers.attention.CoreAttention` runs packfwd's models' attention through :func:`varlen_attention`.
 This file imports neither Megatron-Core nor the optional kernels until they are used (a ``CoreAttention`` looks
-them up when built, so that a compiled forward only reads what they found).  (A little over 300 lines: the
-kernels' signatures and the head-dim padding they need for multi-head latent attention belong with the backends.)
+them up when built, so that a compiled forward only reads what they found).  The kernels' signatures and the
+head-dim padding they need for multi-head latent attention belong with the backends.
 """
 
 from __future__ import annotations
