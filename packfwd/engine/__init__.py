@@ -8,7 +8,8 @@ Also here: the layout adapters it packs with (:mod:`~packfwd.engine.adapters`), 
 Public: ``Engine`` and what it passes around (``Batch``, ``Step``, ``Result``), the ``Extension`` protocol; the
 adapters ``Thd`` and ``Bshd``; ``model_facts`` / ``ModelFacts``, ``is_value_model``, ``is_moe``, ``empty_output``;
 ``text_call`` (the model keywords of a text batch) and ``router_padding`` (the model's ``padding_mask``: the
-layout's pads, kept from an MoE model's routers).  Imports no Megatron-Core and
+layout's pads, kept from an MoE model's routers); ``seq_major`` (the layout's token order to the model's ``[s, b]``
+row order and back).  Imports no Megatron-Core and
 no ``packfwd.models``: the models' padded-rows call runs on it.
 """
 
@@ -20,6 +21,7 @@ from .core import Extension as Extension
 from .core import Result as Result
 from .core import Step as Step
 from .core import router_padding as router_padding
+from .core import seq_major as seq_major
 from .core import text_call as text_call
 from .facts import ModelFacts as ModelFacts
 from .facts import empty_output as empty_output
@@ -28,4 +30,4 @@ from .facts import is_value_model as is_value_model
 from .facts import model_facts as model_facts
 
 __all__ = ["Batch", "Bshd", "Engine", "Extension", "ModelFacts", "Result", "Step", "Thd", "empty_output", "is_moe",
-           "is_value_model", "model_facts", "router_padding", "text_call"]
+           "is_value_model", "model_facts", "router_padding", "seq_major", "text_call"]

@@ -33,7 +33,7 @@ from torch import Tensor
 from .checks import bind_processor, check_ids, check_results, checked_call
 from .facts import ModelFacts, check_cp, check_every_ep_rank_runs, empty_output, is_moe, model_facts
 
-__all__ = ["Batch", "Engine", "Extension", "Result", "Step", "router_padding", "text_call"]
+__all__ = ["Batch", "Engine", "Extension", "Result", "Step", "router_padding", "seq_major", "text_call"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,3 +291,18 @@ def router_padding(model, pads: Callable[[], Tensor], given: Tensor | None = Non
                          "True at the slots to keep from the routers")
     given = given.to(torch.bool)
     return given if pads is None else given | pads
+
+
+def seq_major(x: Tensor, b: int, *, inverse: bool = False) -> Tensor:
+    """A per-token ``[t, ...]`` tensor from the layout's token order (``[b, s]``, row after row) to the model's
+    hidden-state order (``[s, b]``: what Megatron-Core's layers, routers and output layer see, and what sequence
+    parallelism splits), or back with ``inverse``.  THD has ``b = 1``: nothing moves.
+
+    >>> seq_major(torch.arange(6), 2).tolist(), seq_major(seq_major(torch.arange(6), 2), 2, inverse=True).tolist()
+    ([0, 3, 1, 4, 2, 5], [0, 1, 2, 3, 4, 5])
+    """
+    if b == 1:
+        return x
+    t, rest = x.shape[0], x.shape[1:]
+    shape = (t // b, b) if inverse else (b, t // b)
+    return x.reshape(*shape, *rest).transpose(0, 1).reshape(t, *rest)

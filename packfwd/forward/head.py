@@ -129,11 +129,11 @@ def _unbind(processor):
 
 
 def _reorder(x, t: int, b: int, *, to_seq: bool):
-    """A per-token ``[t, ...]`` tensor from ``[b, s]`` token order to ``[s, b]`` (``to_seq``) or back; anything
-    else unchanged.  THD has ``b = 1``: nothing moves."""
-    if b == 1 or not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != t:
+    """A per-token ``[t, ...]`` tensor in ``[s, b]`` order (``to_seq``) or back
+    (:func:`packfwd.engine.seq_major`); anything else unchanged."""
+    from ..engine import seq_major
+
+    if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[0] != t:
         return x
-    rest = x.shape[1:]
-    shape = (b, t // b) if to_seq else (t // b, b)
-    return x.reshape(*shape, *rest).transpose(0, 1).reshape(t, *rest)
+    return seq_major(x, b, inverse=not to_seq)
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .._validate import unwrap
-from ..engine import Extension
+from ..engine import Extension, seq_major
 from ..models.mlp.aux_loss import check_stage_routing, model_aux_loss, stage_routing_sums
 from ..models.mlp.moe import routing_stats
 
@@ -55,11 +55,8 @@ class MoeAuxLoss(Extension):
         carried = step.batch.options.get("moe_routing")
         if carried is None:
             return None
-        mask = step.call.get("padding_mask")  # True at slots kept from the routers
-        routed = step.plan.source.total if mask is None else (~mask.bool()).sum()
-        config = unwrap(step.model).config
-        if config.sequence_parallel and config.tensor_model_parallel_size > 1:
-            return carried  # each TP rank routes its own slice: no per-rank count to compare with
+        mask = step.call.get("padding_mask")  # True at slots kept from the routers (an MoE model always has one)
+        routed = (~_router_rows(mask.reshape(-1).bool(), step)).sum()  # this rank's share under SP, as its routers
         tokens = carried[-1]
         ok = (tokens.remainder(torch.as_tensor(routed, dtype=tokens.dtype, device=tokens.device).clamp(min=1)) == 0)
         message = ("moe_routing= counts routed tokens that are not a whole number of this batch's real tokens per MoE "
@@ -108,7 +105,7 @@ class RoutingReplay(Extension):
         found = _routers(step.model)
         targets = [None] * len(found)
         if given is not None:
-            rows = _router_rows(self._sanitised(given, step), step, found[0])  # [n_local, L, k]
+            rows = _router_rows(self._sanitised(given, step), step)  # [n_local, L, k]
             targets = [rows[:, i] for i in range(len(found))]
 
         @contextlib.contextmanager
@@ -128,7 +125,7 @@ class RoutingReplay(Extension):
             rows = torch.zeros(0, layers, k, dtype=torch.long, device=step.ids.device)
         else:
             rows = torch.stack([h.recorded for h in hooks], dim=1)  # [n_local, L, k], the routers' row order
-            rows = _token_rows(rows, step, _routers(step.model)[0])
+            rows = _token_rows(rows, step)
         return out, {"routed_experts": step.unpack(rows + 1) - 1}  # -1 at padding
 
     def hand_on(self, out, step):
@@ -155,38 +152,36 @@ def _routers(model) -> list:
     return routers(getattr(gpt, "decoder", gpt))
 
 
-def _order(step) -> tuple[int, int]:
-    """``(b, s)`` of the model's hidden states ``[s, b, h]``: the packed ids' ``[b, s]`` (THD ``[1, t]``)."""
-    if step.ids is None:  # a later stage given no ids: THD
-        return 1, step.plan.local_tokens
-    return tuple(step.ids.shape[:2])
+def _batch_rows(step) -> int:
+    """``b`` of the model's hidden states ``[s, b, h]``: the packed ids' rows (THD: 1)."""
+    return 1 if step.ids is None else step.ids.shape[0]
 
 
-def _sp(router) -> tuple[int, int, object]:
-    """``(tp size, tp rank, group)`` of the router's sequence-parallel split (1, 0, None without one)."""
-    if not router.config.sequence_parallel or router.tp_group is None or router.tp_group.size() == 1:
+def _sp(model) -> tuple[int, int, object]:
+    """``(tp size, tp rank, group)`` of the model's sequence-parallel split (1, 0, None without one)."""
+    gpt = unwrap(model)
+    group = getattr(getattr(gpt, "pg_collection", None), "tp", None)
+    if not gpt.config.sequence_parallel or group is None or group.size() == 1:
         return 1, 0, None
-    return router.tp_group.size(), router.tp_group.rank(), router.tp_group
+    return group.size(), group.rank(), group
 
 
-def _router_rows(packed: Tensor, step, router) -> Tensor:
-    """``[t', ...]`` in the layout's token order -> the router's rows: ``[s, b]`` order, this TP rank's share."""
-    b, s = _order(step)
-    rows = packed.reshape(b, s, *packed.shape[1:]).transpose(0, 1).reshape(b * s, *packed.shape[1:])
-    tp, rank, _ = _sp(router)
+def _router_rows(packed: Tensor, step) -> Tensor:
+    """``[t', ...]`` in the layout's token order -> the routers' rows: ``[s, b]`` order, this TP rank's share."""
+    rows = seq_major(packed, _batch_rows(step))
+    tp, rank, _ = _sp(step.model)
     n = rows.shape[0] // tp
     return rows[rank * n:(rank + 1) * n]
 
 
-def _token_rows(rows: Tensor, step, router) -> Tensor:
+def _token_rows(rows: Tensor, step) -> Tensor:
     """The inverse of :func:`_router_rows`: every TP rank's share gathered, back to the token order."""
-    tp, _, group = _sp(router)
+    tp, _, group = _sp(step.model)
     if tp > 1:
         parts = [torch.empty_like(rows) for _ in range(tp)]
         torch.distributed.all_gather(parts, rows.contiguous(), group=group)
         rows = torch.cat(parts)
-    b, s = _order(step)
-    return rows.reshape(s, b, *rows.shape[1:]).transpose(0, 1).reshape(b * s, *rows.shape[1:])
+    return seq_major(rows, _batch_rows(step), inverse=True)
 
 
 def _check_routed(given, batch, layers: int, config) -> None:

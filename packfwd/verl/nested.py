@@ -161,9 +161,7 @@ def _mtp_options(model, input_ids, args) -> dict:
         label = torch.nested.nested_tensor_from_jagged(label[keep], input_ids.offsets())
     mask = engine_loss_mask(input_ids, args["loss_mask"], args.get("response_attention_mask"))
     return {"mtp_labels": shift_in_sequence(label, None, 1, -100),
-            "mtp_loss_mask": shift_in_sequence(mask.to(torch.bool) if not mask.is_nested else
-                                               torch.nested.nested_tensor_from_jagged(mask.values().bool(),
-                                                                                      mask.offsets()), None, 1, False)}
+            "mtp_loss_mask": shift_in_sequence(mask, None, 1, 0)}  # mtp_targets reads it as bool
 
 
 def _thd_call(step, *, par, vision, pad_token_id, mtp_norm, packed_ids) -> dict:
