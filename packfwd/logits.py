@@ -53,6 +53,7 @@ read in two places.  The fused linear's sequence-parallel gather and row selecti
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -60,7 +61,8 @@ from torch import Tensor
 
 from .ops.logprob import save_row_stats
 
-__all__ = ["entropy", "fused_log_probs_and_entropy", "log_probs", "log_probs_and_entropy", "vocab_parallel"]
+__all__ = ["RowSelection", "entropy", "fused_log_probs_and_entropy", "log_probs", "log_probs_and_entropy",
+           "select_rows", "selected_logits", "vocab_parallel"]
 
 # Entries of one float32 work block: 2**26 * 4 B = 256 MiB.  At most two such buffers live at once, far below
 # the [t, v] float32 buffers they replace, while each kernel stays big enough to hide its launch (at v = 128k a
@@ -130,13 +132,16 @@ def entropy(logits: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, 
 @vocab_parallel
 def log_probs_and_entropy(
     logits: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None, token_mask=None,
-    real_tokens=None,
+    real_tokens=None, sum_pi_squared: bool = False,
 ) -> dict[str, Tensor]:
     """Both :func:`log_probs` and :func:`entropy` in one pass: ``{"log_probs": [t], "entropy": [t]}``.
 
     A logits processor as is.  Entropy is computed for every token, ignored labels included (mask it yourself, or
-    pass ``token_mask``).  Its fused form, from the hidden states and the output weight, is
-    :func:`fused_log_probs_and_entropy` (``make_forward(..., head="fused")`` takes it).
+    pass ``token_mask``; ``make_forward`` scores only the tokens with a label by default).  Its fused form, from
+    the hidden states and the output weight, is :func:`fused_log_probs_and_entropy` (``make_forward(...,
+    head="fused")`` takes it).  ``sum_pi_squared=True`` adds ``"sum_pi_squared" [t]``: ``sum_i p_i^2`` of
+    ``p = softmax(logits / temperature)`` per token (verl's optimal-token baseline reads it; 0 where
+    ``token_mask`` is False).  It carries no gradient: a backward through it raises (detach it in a loss).
 
     >>> import torch
     >>> out = log_probs_and_entropy(torch.zeros(3, 8), torch.tensor([0, 5, -100]),
@@ -145,12 +150,13 @@ def log_probs_and_entropy(
     (tensor([-2.0794, -2.0794,  0.0000]), tensor([2.0794, 2.0794, 2.0794]))
     """
     return _chunked(logits, labels, temperature, tp_group, chunk_size, True, token_mask=token_mask,
-                    real_tokens=real_tokens)
+                    real_tokens=real_tokens, sum_pi_squared=sum_pi_squared)
 
 
 def fused_log_probs_and_entropy(
     hidden: Tensor, weight: Tensor, labels: Tensor, *, temperature=1.0, tp_group=None, chunk_size=None,
-    token_mask=None, sequence_parallel: bool = False, real_tokens=None,
+    token_mask=None, sequence_parallel: bool = False, real_tokens=None, token_count: int | None = None,
+    sum_pi_squared: bool = False,
 ) -> dict[str, Tensor]:
     """:func:`log_probs_and_entropy` of ``logits = hidden @ weight.T`` without materialising ``[t, v]`` logits.
 
@@ -168,8 +174,11 @@ def fused_log_probs_and_entropy(
     sequence parallelism splits them (rank ``r`` holds rows ``r * t / tp ...``); it is all-gathered over
     ``tp_group`` here and its gradient reduce-scattered back (each rank's part of the sum over vocab shards).
     ``labels``, ``temperature``, ``token_mask`` and the results then describe all ``t`` tokens, on every rank.
-    ``token_mask``: ``[t]`` bool or None; only the selected rows are computed (one host sync for their count);
-    the others give 0 and no gradient.  ``temperature`` and ``real_tokens``: as in :func:`log_probs`.
+    ``token_mask``: ``[t]`` bool or None; only the selected rows are computed, the others give 0 and no gradient.
+    ``token_count`` (a host int, with ``token_mask``): the rows go into that many slots, with no host sync
+    (:func:`select_rows`; more selected tokens than slots raise); without it, one host sync reads their count.
+    ``temperature`` and ``real_tokens``: as in :func:`log_probs`.  ``sum_pi_squared=True`` adds
+    ``"sum_pi_squared"``, as in :func:`log_probs_and_entropy`.
     With the Triton kernels and the default ``chunk_size``, blocks are whole multiples of the kernels' step (a
     short remainder joins the last block), so a token's numbers do not depend on how many tokens come with it.
 
@@ -202,28 +211,117 @@ def fused_log_probs_and_entropy(
     _check_label_range(labels, v_local * _group_size(group))
     checked = _checked_tokens(token_mask, real_tokens, t, hidden.device)
     inv_t = _inverse_temperature(temperature, t, _compute_dtype(hidden.dtype), hidden.device, checked)
-    rows = _selected_rows(token_mask, t, hidden.device)
-    if rows is not None:  # only the wanted tokens go through the head
-        hidden, labels, inv_t = hidden.index_select(0, rows), labels[rows], inv_t.index_select(0, rows)
+    want_sq = _check_flag("sum_pi_squared", sum_pi_squared)
+    rows = None
+    if token_mask is not None:  # only the wanted tokens go through the head; free slots compute a harmless row
+        rows = select_rows(_check_token_mask(token_mask, t, hidden.device), token_count)
+        hidden = rows.take(hidden)
+        labels = torch.where(rows.valid, rows.take(labels), -100)
+        inv_t = torch.where(rows.valid, rows.take(inv_t), 1.0)
+    elif token_count is not None:
+        raise TypeError("token_count is the number of slots for the tokens token_mask selects; pass token_mask too")
     chunk = _check_chunk(chunk_size, max(1, _BLOCK_ELEMENTS // max(hidden.shape[0], 1)), align=128)
     kernel = _use_head_kernel(hidden)
     blocks = _vocab_blocks(v_local, min(chunk, v_local), aligned=kernel and chunk_size is None)
-    logp, ent = _FusedLinear.apply(hidden, weight, inv_t, labels, group, blocks, unit, not sequence_parallel, kernel)
-    if rows is not None:
-        logp, ent = (x.new_zeros(t).index_copy(0, rows, x) for x in (logp, ent))
-    return {"log_probs": logp, "entropy": ent}
+    out = _FusedLinear.apply(hidden, weight, inv_t, labels, group, blocks, unit, not sequence_parallel, kernel,
+                             want_sq)
+    names = ("log_probs", "entropy", "sum_pi_squared")[: 2 + want_sq]
+    return {k: (v if rows is None else rows.put(v)) for k, v in zip(names, out)}
 
 
 # the fused form of the processor: the same numbers from (hidden, weight); make_forward(..., head="fused") calls it
 log_probs_and_entropy.fused = fused_log_probs_and_entropy
 
 
-def _selected_rows(token_mask, t: int, device):
-    """Rows of the tokens ``token_mask`` selects (``[n]`` int64), or None for all; one host sync on CUDA."""
-    if token_mask is None:
-        return None
-    mask = _check_token_mask(token_mask, t, device)
-    return torch.nonzero(mask)[:, 0]
+def selected_logits(hidden: Tensor, weight: Tensor, rows: RowSelection, *, tp_group=None,
+                    sequence_parallel: bool = False) -> Tensor:
+    """The output layer on the selected rows only: ``hidden[rows] @ weight.T`` -> ``[slots, v_local]`` in the
+    weight's dtype, with the gradients a vocab-parallel output layer gives (``make_forward``'s scored logits head).
+
+    hidden: ``[t, hdim]`` (``[t / tp, hdim]`` with ``sequence_parallel``: all-gathered over ``tp_group`` first,
+    its gradient reduce-scattered back); weight: ``[v_local, hdim]``, this rank's vocab rows; rows: a
+    :func:`select_rows` selection of the ``t`` tokens.  Under ``tp_group`` without sequence parallelism the hidden
+    gradient is all-reduced over the group (each rank's vocab slice adds its part), as Megatron's
+    ``ColumnParallelLinear`` does.
+
+    >>> import torch
+    >>> h, w = torch.randn(4, 3), torch.randn(5, 3)
+    >>> sel = select_rows(torch.tensor([True, False, False, True]))
+    >>> torch.equal(selected_logits(h, w, sel), (h @ w.T)[[0, 3]])
+    True
+    """
+    group = _check_group(tp_group)
+    if sequence_parallel and group is not None:
+        hidden = _GatherRows.apply(hidden, group)
+    picked = rows.take(hidden.to(weight.dtype))
+    if group is not None and not sequence_parallel:
+        picked = _ReduceGradient.apply(picked, group)
+    return picked @ weight.T
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSelection:
+    """The tokens a ``[t]`` bool mask selects, gathered into ``slots`` rows of a fixed count (:func:`select_rows`).
+
+    ``rows [slots]``: the token each slot holds (a free slot, past the selected count, repeats the first selected
+    token, so it computes a real row whose numbers are dropped); ``valid [slots]``: the slot holds a selected
+    token; ``mask [t]``: the selection; ``slot [t]``: each selected token's slot.  ``take(x [t, ...])`` gives
+    ``[slots, ...]``; ``put(y [slots, ...])`` gives ``[t, ...]`` with 0 at the tokens not selected (its gradient
+    reaches the selected slots only)."""
+
+    rows: Tensor
+    valid: Tensor
+    mask: Tensor
+    slot: Tensor
+
+    def take(self, x: Tensor) -> Tensor:
+        """``x [t, ...]`` -> ``[slots, ...]``: the selected tokens' rows."""
+        return x.index_select(0, self.rows)
+
+    def put(self, y: Tensor) -> Tensor:
+        """``y [slots, ...]`` -> ``[t, ...]``: each selected token's row, exactly 0 elsewhere."""
+        keep = self.mask.reshape(-1, *([1] * (y.dim() - 1)))
+        return torch.where(keep, y.index_select(0, self.slot), 0)
+
+
+def select_rows(mask: Tensor, slots: int | None = None) -> RowSelection:
+    """The rows ``mask [t]`` (bool) selects, in ``slots`` fixed slots: gathers and scatters only, no host sync.
+
+    ``slots``: a host int at least the selected count (e.g. the scored tokens a planner counted); None reads the
+    count back (one host sync on CUDA).  More selected tokens than slots raise a ValueError on the CPU and an
+    asynchronous device assert on CUDA (never a silently dropped token).
+
+    >>> import torch
+    >>> sel = select_rows(torch.tensor([False, True, False, True]), slots=3)
+    >>> sel.rows.tolist(), sel.valid.tolist()
+    ([1, 3, 1], [True, True, False])
+    >>> sel.put(sel.take(torch.tensor([10.0, 11.0, 12.0, 13.0]))).tolist()
+    [0.0, 11.0, 0.0, 13.0]
+    """
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        raise TypeError(f"select_rows takes a [t] bool mask, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    t = mask.shape[0]
+    count = mask.sum()
+    if slots is None:
+        slots = int(count)  # the one host sync
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+        raise TypeError(f"slots (token_count / scored_tokens) must be a host int >= 0, got {slots!r}")
+    message = ("more tokens are scored than the slots given (token_count= / scored_tokens=): pass at least the "
+               "number of tokens with a label >= 0 inside the loss mask")
+    if mask.device.type == "cpu":
+        if int(count) > slots:
+            raise ValueError(f"{int(count)} tokens selected, {slots} slots: {message}")
+    else:
+        torch._assert_async(count <= slots, message[:250])
+    slots = max(min(slots, t), 1)  # no more slots than tokens; one at least: put() gathers from it
+    pos = torch.cumsum(mask, 0) - 1  # each selected token's slot
+    keep = mask & (pos < slots)
+    ar = torch.arange(t, device=mask.device)
+    # unique targets (the unselected tokens write past the slots): a deterministic scatter, no duplicates
+    rows = torch.zeros(slots + t, dtype=torch.long, device=mask.device).scatter_(0, torch.where(keep, pos, slots + ar), ar)
+    valid = torch.arange(slots, device=mask.device) < count
+    rows = torch.where(valid, rows[:slots], rows[0])
+    return RowSelection(rows, valid, mask, pos.clamp(0, slots - 1))
 
 
 def _check_token_mask(token_mask, t: int, device, name: str = "token_mask", true: str = "compute this token") -> Tensor:
@@ -255,7 +353,7 @@ def _use_head_kernel(hidden: Tensor) -> bool:
 
 
 def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, kernel=None,
-             token_mask=None, real_tokens=None) -> dict[str, Tensor]:
+             token_mask=None, real_tokens=None, sum_pi_squared=False) -> dict[str, Tensor]:
     """``kernel``: None picks the Triton kernels where they apply (:func:`_use_kernel`); False forces torch."""
     logits = _check_float("logits", logits, 2, "[t, v]")
     t, v = logits.shape
@@ -278,6 +376,8 @@ def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, ke
     else:
         logp, ent = _RowBlocks.apply(logits, inv_t, labels, group, chunk, want_entropy, unit)
     out = {"log_probs": logp, "entropy": ent} if want_entropy else {"log_probs": logp}
+    if _check_flag("sum_pi_squared", sum_pi_squared):
+        out["sum_pi_squared"] = _RowSquares.apply(logits, inv_t, group, chunk)
     if mask is not None:  # every row computed, the others masked: no host sync
         out = {k: torch.where(mask, v, 0.0) for k, v in out.items()}
     return out
@@ -334,6 +434,34 @@ class _RowBlocks(torch.autograd.Function):
         return grad, dinv, None, None, None, None, None
 
 
+class _RowSquares(torch.autograd.Function):
+    """``sum_i p_i^2`` per row of ``logits [t, v_local]`` (vocab-wide over ``group``), blocks of ``chunk`` rows:
+    one more read of the logits; no gradient (a backward through it raises)."""
+
+    @staticmethod
+    def forward(ctx, logits, inv_t, group, chunk):
+        parts = []
+        for r in range(0, logits.shape[0], chunk):
+            raw, inv = logits[r : r + chunk], inv_t[r : r + chunk]
+            mb, q = _merge_squares(None, raw, inv)
+            parts.append((mb, q, torch.exp(_shifted(raw, mb, inv, False)).sum(dim=-1)))
+        if not parts:
+            return inv_t.new_zeros(0)
+        mb, q, s = (torch.cat(x) for x in zip(*parts))
+        if group is not None:
+            import torch.distributed as dist
+
+            top = mb.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            s = s * torch.exp((mb - top) * inv_t)
+            return _sum_pi_squared(mb, q, top, _all_reduce_sum(s, group), inv_t, group)
+        return q / (s * s)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(_NO_SQ_GRAD)
+
+
 class _FusedLinear(torch.autograd.Function):
     """(log_probs, entropy) of ``hidden @ weight.T`` over vocab ``blocks`` ([(start, stop)], :func:`_vocab_blocks`);
     saves only ``[t]`` vectors.
@@ -343,16 +471,20 @@ class _FusedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, inv_t, labels, group, blocks, unit, reduce_hidden, kernel):
+    def forward(ctx, hidden, weight, inv_t, labels, group, blocks, unit, reduce_hidden, kernel, want_sq):
         v_local = weight.shape[0]
         start = _vocab_start(group, v_local)
+        squares = None  # (max, sum exp(2 z)) for sum_pi_squared, folded block by block
         if kernel:
             from .ops import linear_logprob as K
 
             m, s, e, label_raw = K.new_stats(hidden.shape[0], hidden.device, True)
             inv32 = inv_t.detach().float().contiguous()
             for col, stop in blocks:
-                K.accumulate_stats(hidden @ weight[col:stop].T, inv32, labels, start + col, m, s, e, label_raw)
+                raw = hidden @ weight[col:stop].T
+                K.accumulate_stats(raw, inv32, labels, start + col, m, s, e, label_raw)
+                squares = _merge_squares(squares, raw, inv_t) if want_sq else None
+                del raw
             hit = (labels >= start) & (labels < start + v_local)
             stats = m, s, e, torch.where(hit, (label_raw - m) * inv_t, 0.0), hit
         else:
@@ -362,19 +494,24 @@ class _FusedLinear(torch.autograd.Function):
                 idx, hit = _label_columns(labels, start + col, raw.shape[1])
                 block = _block_stats(raw, inv_t, idx, hit, True, unit)
                 stats = block if stats is None else _merge(stats, block, inv_t)
+                squares = _merge_squares(squares, raw, inv_t) if want_sq else None
                 del raw
         m, s, mean_z, logp, ent = _finish(*_reduce_over_group(*stats, inv_t, group), labels >= 0)
         ctx.save_for_backward(hidden, weight, inv_t, labels, m, s, mean_z)
         ctx.group, ctx.blocks, ctx.unit, ctx.reduce_hidden, ctx.kernel = group, blocks, unit, reduce_hidden, kernel
         ctx.set_materialize_grads(False)
-        return logp, ent
+        if not want_sq:
+            return logp, ent
+        return logp, ent, _sum_pi_squared(*squares, m, s, inv_t, group).detach()
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, g_sq=None):
+        if g_sq is not None:
+            raise RuntimeError(_NO_SQ_GRAD)
         hidden, weight, inv_t, labels, m, s, mean_z = ctx.saved_tensors
         g_logp, g_ent = _upstream(g_logp, g_ent, labels)
         if g_logp is None and g_ent is None:
-            return (None,) * 9
+            return (None,) * 10
         need_h, need_w, need_dinv = ctx.needs_input_grad[:3]
         v_local = weight.shape[0]
         start = _vocab_start(ctx.group, v_local)
@@ -407,7 +544,31 @@ class _FusedLinear(torch.autograd.Function):
             grad_h = (_all_reduce_sum(grad_h, ctx.group) if ctx.reduce_hidden else grad_h).to(hidden.dtype)
         if need_dinv:
             dinv = _all_reduce_sum(dinv, ctx.group)
-        return grad_h, grad_w, dinv, None, None, None, None, None, None
+        return grad_h, grad_w, dinv, None, None, None, None, None, None, None
+
+
+_NO_SQ_GRAD = ("sum_pi_squared carries no gradient (a statistic, as verl's optimal-token baseline reads it); use "
+               "sum_pi_squared.detach() in a loss")
+
+
+def _merge_squares(acc, raw: Tensor, inv_t: Tensor):
+    """Fold a block ``raw [r, k]`` into ``(max raw, sum exp(2 (raw - max) inv_t))`` per row (``acc`` None: the
+    first block)."""
+    mb = raw.amax(dim=-1).to(inv_t.dtype)
+    mb = torch.where(torch.isfinite(mb), mb, 0.0)  # a block of -inf logits only adds 0
+    q = torch.exp(2 * _shifted(raw, mb, inv_t, False)).sum(dim=-1)
+    if acc is None:
+        return mb, q
+    m0, q0 = acc
+    top = torch.maximum(m0, mb)
+    return top, q0 * torch.exp(2 * (m0 - top) * inv_t) + q * torch.exp(2 * (mb - top) * inv_t)
+
+
+def _sum_pi_squared(mq: Tensor, q: Tensor, m: Tensor, s: Tensor, inv_t: Tensor, group) -> Tensor:
+    """``sum_i p_i^2 = sum exp(2 z) / s^2`` from the folded squares ``(mq, q)`` and the statistics' final max ``m``
+    and sum ``s`` (vocab-wide: the group's shares of ``q`` are rescaled to ``m`` and summed)."""
+    q = q * torch.exp(2 * (mq - m) * inv_t)
+    return _all_reduce_sum(q, group) / (s * s)
 
 
 def _vocab_blocks(v_local: int, chunk: int, aligned: bool) -> list[tuple[int, int]]:
@@ -453,6 +614,20 @@ class _GatherRows(torch.autograd.Function):
         out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
         dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
         return out, None
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Identity forward; the backward all-reduces the gradient over ``group`` (the input of a vocab-parallel matmul,
+    whose every rank adds its vocab slice's part)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_sum(grad.clone(), ctx.group), None
 
 
 _ADDMM_OUT_DTYPE = [True]  # cleared if this torch / device has no addmm(out_dtype=)
@@ -708,6 +883,12 @@ def _check_temperature_values(temperature: Tensor, ok: Tensor, checked: Tensor |
         value = temperature.reshape(-1)[where].item() if temperature.dim() else temperature.item()
         place = f"token {where}" if temperature.dim() else "the scalar tensor"
         raise ValueError(f"temperature is {value} at {place}: {message}")
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def _check_chunk(chunk_size, default: int, align: int) -> int:

@@ -75,6 +75,7 @@ class Step:
     packed: dict
     call: dict = dataclasses.field(default_factory=dict)
     state: dict = dataclasses.field(default_factory=dict)
+    selection: Any = None  # the scored tokens the head computes (``Engine.scoring``), or None for every token
 
     @property
     def attention_mask(self) -> Tensor | None:
@@ -157,7 +158,9 @@ class Engine:
     vocabulary slice as it is (verl's processors reduce over TP themselves), not checked and given the model's TP
     group (:func:`~packfwd.engine.checks.bind_processor`); ``facts_fix``: what a mismatch's message tells the caller
     to do.  ``check_group``: every rank of it validates and plans, then all agree before the model runs.
-    ``squeeze_value``: a value model's ``[..., 1]`` output comes back as ``[b, s]`` (False: as the model gives it)."""
+    ``squeeze_value``: a value model's ``[..., 1]`` output comes back as ``[b, s]`` (False: as the model gives it).
+    ``scoring``: which tokens the head computes (``packfwd.forward.scored.Scoring``: the scored ones, 0 at the
+    others), or None for every token."""
 
     layout: Any
     processor: Callable | None = None
@@ -174,6 +177,7 @@ class Engine:
     facts_fix: str | None = None
     check_group: Any = None
     squeeze_value: bool = True
+    scoring: Any = None
 
     def __call__(self, model, batch: Batch) -> Result:
         step = checked_call(self.check_group, self.layout, lambda: self.prepare(model, batch))
@@ -223,6 +227,8 @@ class Engine:
         call.update(batch.model_inputs)
         if self.head is not None:
             call.update(self.head.model_kwargs)
+        if self.scoring is not None:
+            step.selection = self.scoring.select(step, call, self.head)
         mask = router_padding(model, lambda: self.layout.padding_mask(plan), call.get("padding_mask"))
         if mask is not None:
             call["padding_mask"] = mask
@@ -249,6 +255,8 @@ class Engine:
     def heads(self, out, step: Step) -> dict:
         """Step 4's head and step 5: ``{"logits": ...}`` (a value model's ``[b, s]``), or the processor's outputs,
         in the caller's layout."""
+        if step.selection is not None:  # scored tokens only: 0 at the others
+            return {k: step.unpack(v) for k, v in self.scoring.heads(out, step, self.head, self.rows).items()}
         if self.head is not None and not step.empty:  # the fused head: out holds the hidden states [s, b, h]
             results, t = self.head.run(step.processor, step.model, step.facts, out, step.args)
             return {k: step.unpack(v) for k, v in check_results(results, t).items()}

@@ -51,6 +51,7 @@ from .deterministic import guarded, invariant_seq_align
 from .head import fused_head
 from .moe import MoeAuxLoss, RoutingReplay
 from .mtp import Mtp
+from .scored import Scoring, check_scoring
 from .vision import vision_call
 
 __all__ = ["ForwardLayout", "make_forward"]
@@ -118,6 +119,7 @@ def make_forward(
     record_routing: bool = False,
     deterministic: bool = False,
     batch_invariant: bool = False,
+    scored_only: bool = True,
 ) -> Callable:
     """A pure ``forward(model, input_ids, attention_mask, position_ids=None, multi_modal_inputs=None, *,
     seqlens=None, **processor_args)`` (see the module docstring).
@@ -163,6 +165,16 @@ def make_forward(
     forward takes ``routed_experts=`` of that shape (any integer dtype): router replay, each real token of MoE layer
     ``l`` goes to those experts with the weights the current router gives them (values at padding ignored); with
     ``record_routing`` it records what it replayed.  See :class:`packfwd.forward.moe.RoutingReplay`.
+
+    **Scored tokens only** (``scored_only=True``, the default): with a logits processor, a token whose label is
+    ignored (``labels < 0``, e.g. -100), or outside ``loss_mask`` (a ``[b, s]`` forward argument) or the
+    processor's ``token_mask``, skips the vocab projection and the log-softmax on either head; **every output of
+    the processor is exactly 0 there** (entropy too) and sends no gradient; at the scored tokens values and
+    gradients are the full head's.  ``scored_tokens`` (a host int: the scored tokens of the batch, or more) sizes
+    the work with no host sync; without it the forward reads the count once when it plans from the device mask,
+    and computes every row (masked) when ``seqlens`` or ``plan`` promise no sync: see
+    :mod:`packfwd.forward.scored`.  A value model, a forward without a processor and one given neither labels
+    nor a mask are unchanged; ``scored_only=False`` scores every token (``loss_mask`` is then refused).
 
     ``batch_invariant=True`` (CUDA, THD, ``tp_size=1``): a sequence's outputs are the same bits whatever it is
     packed with; ``deterministic=True``: the parameter gradients of a batch are the same bits run after run.  Each
@@ -216,15 +228,20 @@ def make_forward(
         raise ValueError("head='fused' with mtp=True: the fused head asks the model for its final hidden states "
                          "(return_hidden=True), which skips the output layer that every MTP depth's logits come "
                          "from; use head='logits' with mtp=True")
+    if not isinstance(scored_only, bool):
+        raise TypeError(f"scored_only must be a bool, got {type(scored_only).__name__}")
     extensions = (RoutingReplay(record_routing),) + (MoeAuxLoss(),) * moe_aux_loss + (Mtp(),) * mtp
     engine = Engine(layout, processor=logits_processor, head=fused, extensions=extensions,
                     call=vision_call if vision else text_call, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank,
-                    cp_group=cp_group, check_group=check_group)
+                    cp_group=cp_group, check_group=check_group,
+                    scoring=Scoring(hidden=not mtp) if scored_only else None)
     bare = logits_processor is None and not (moe_aux_loss or mtp or record_routing)  # the logits alone, not a dict
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
-                seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, routed_experts=None, **processor_args):
+                seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, routed_experts=None, loss_mask=None,
+                scored_tokens=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
+        check_scoring(loss_mask, scored_tokens, logits_processor, scored_only, processor_args)
         if plan is not None and vision:
             raise TypeError(_NO_VISION_PLAN)
         if moe_routing is not None and not moe_aux_loss:
@@ -236,7 +253,8 @@ def make_forward(
                             "drop mtp_loss_mask")
         batch = Batch(input_ids, attention_mask, position_ids, seqlens=seqlens, plan=plan, inputs=processor_args,
                       model_inputs=dict(multi_modal_inputs or {}),
-                      options=dict(moe_routing=moe_routing, mtp_loss_mask=mtp_loss_mask, routed_experts=routed_experts))
+                      options=dict(moe_routing=moe_routing, mtp_loss_mask=mtp_loss_mask, routed_experts=routed_experts,
+                                   loss_mask=loss_mask, scored_tokens=scored_tokens))
         result = engine(model, batch)
         if result.outputs is None:  # a stage before the last: hidden states (and routing sums) for the next one
             return result.hand_on
