@@ -181,6 +181,8 @@ def _bool(x: Any, name: str, t: int) -> Tensor:
     if not isinstance(x, Tensor) or x.dim() != 1 or x.shape[0] != t:
         raise ValueError(f"{name} must be per token ([b, s] like input_ids, or [b] per sequence); got "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+    if name == "token_mask" and x.dtype != torch.bool:  # the processor's own argument: its rule
+        raise TypeError(f"token_mask must be a bool tensor [t] (True: compute this token), got {x.dtype}")
     return x if x.dtype == torch.bool else x != 0
 
 
