@@ -23,6 +23,7 @@ keep their global order.  Pure and deterministic: host numbers in, host numbers 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -31,6 +32,7 @@ import numpy as np
 from .._validate import check_positive_int
 from ..layout import display, rules
 from . import pack
+from .buckets import BUCKET_STEPS, bucket_shapes
 from .ranks import deal_to_ranks, pipeline_order, repartition_ranks
 from .refine import REFINE_ALL_MAX_ITEMS, refine
 
@@ -68,6 +70,7 @@ class MicroBatchPlan:
     cp_size: int
     seq_align: int
     group_size: int = 1  # sequences 0..g-1, g..2g-1, ... each in one micro-batch
+    bucket_steps: int = BUCKET_STEPS  # token sizes a micro-batch is padded to under CUDA graphs (buckets())
 
     def __repr__(self) -> str:  # for people: the shape of the plan and its balance, not every index
         return display.block("MicroBatchPlan", _summary(self))
@@ -86,6 +89,20 @@ class MicroBatchPlan:
     def rows(self, dp_rank: int) -> list[int]:
         """The global indices rank ``dp_rank`` runs, ascending (the rows its outputs come back in)."""
         return sorted(i for mb in self.micro_batches[dp_rank] for i in mb)
+
+    def buckets(self, dp_rank: int) -> list[tuple[int, int]]:
+        """``(rows, tokens)`` per micro-batch of rank ``dp_rank``: the fixed shape the step pads it to when it runs
+        as CUDA graphs (:mod:`packfwd.micro.buckets`: canvas rows, padded tokens per CP rank; ``(0, 0)`` for an
+        empty one).  At most ``bucket_steps`` token sizes, each micro-batch padded by less than
+        ``max_tokens / bucket_steps`` tokens.
+
+        >>> plan = plan_micro_batches([700, 300, 900, 60], max_tokens=1024)
+        >>> plan.tokens, plan.buckets(0)                  # padded to multiples of 1024 / 16 tokens
+        ([[960, 1000]], [(2, 960), (2, 1024)])
+        """
+        return bucket_shapes(self.micro_batches[dp_rank], self.tokens[dp_rank], max_tokens=self.max_tokens,
+                             seq_align=self.seq_align, tp_size=self.tp_size, cp_size=self.cp_size,
+                             steps=self.bucket_steps)
 
     def restore(self, outputs: Sequence[Sequence[Sequence[Any]]]) -> list:
         """Per-sequence results back in global order.
@@ -174,6 +191,7 @@ def plan_micro_batches(
     min_micro_batches: int = 1,
     micro_batches_multiple_of: int = 1,
     group_size: int = 1,
+    bucket_steps: int = BUCKET_STEPS,
 ) -> MicroBatchPlan:
     """Plan the micro-batches of a global batch (see the module docstring for the footprint and the algorithm).
 
@@ -186,6 +204,8 @@ def plan_micro_batches(
     ``micro_batches_multiple_of`` (virtual pipelines need one).  ``group_size``: sequences ``0..g-1``,
     ``g..2g-1``, ... each stay together in one micro-batch (a reward model's chosen/rejected pairs: verl's
     ``force_group_size``); the budget holds for the group packed with the rest of its micro-batch.
+    ``bucket_steps``: how finely :meth:`MicroBatchPlan.buckets` sizes the CUDA graphs' buckets (more: less padding,
+    more graphs).
 
     >>> plan = plan_micro_batches([7, 3, 9, 1, 6, 2], max_tokens=10, dp_size=2)
     >>> plan.num_micro_batches, plan.micro_batches, plan.tokens
@@ -215,9 +235,11 @@ def plan_micro_batches(
 
     lower = max(-(-int(padded.sum()) // cap) if cap else 0, int(np.count_nonzero(2 * padded > cap)))
     count = rules.round_up(max(least, -(-lower // dp)), step)
+    steps = check_positive_int("bucket_steps", bucket_steps, "pass e.g. 16 (token sizes of the graphs' buckets)")
     bin_of, count = pack.pack(weights, padded, ranks=dp, count=count, step=step, cap=cap,
                               cost_is_size=isinstance(cost, str) and cost == "tokens")
-    return _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout, group)
+    plan = _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout, group)
+    return plan if steps == BUCKET_STEPS else dataclasses.replace(plan, bucket_steps=steps)
 
 
 def _assemble(bin_of, weights, padded, lengths, dp, count, max_tokens, layout, group) -> MicroBatchPlan:

@@ -49,6 +49,7 @@ from ..forward.factory import ForwardLayout
 from ..engine.facts import check_every_ep_rank_runs
 from . import pipeline
 from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
+from .graphs import StepGraphs, graphed_step, storage_of, why_eager
 from .plan import MicroBatchPlan
 
 __all__ = ["StepResult", "agree_micro_batch_count", "run_micro_batches", "sequence_weights"]
@@ -73,6 +74,7 @@ def run_micro_batches(
     loss_tokens: Sequence[int] | None = None,
     normalize: str = "token_mean",
     multi_modal_inputs: Sequence[Mapping[str, Tensor] | None] | None = None,
+    graphs: bool | StepGraphs = True,
     **processor_args,
 ) -> StepResult | None:
     """Run rank ``dp_rank``'s micro-batches of ``plan`` (see the module docstring).
@@ -99,6 +101,11 @@ def run_micro_batches(
     (the loss is already normalised over the global batch: Megatron must not divide it by the micro-batch count).
     Every rank of ``pp_group`` passes the same batch and plan; the result comes back on the rank that holds the
     last stage, None on the others.
+
+    ``graphs`` (CUDA): each micro-batch is padded to its bucket (``plan.buckets(dp_rank)``) and its forward and
+    backward replayed from CUDA graphs captured once per bucket and kept in ``forward.step_graphs`` (a
+    :class:`~packfwd.micro.graphs.StepGraphs`; pass your own to hold it elsewhere, ``graphs=False`` for the plain
+    eager step).  Where graphs cannot work (the CPU; see :mod:`packfwd.micro.graphs`) the eager step runs, unchanged.
     """
     if schedule not in ("packfwd", "megatron"):
         raise ValueError(f"schedule={schedule!r}; pass 'packfwd' or 'megatron'")
@@ -127,18 +134,62 @@ def run_micro_batches(
 
         run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
         return run(forward, model, list(mbs), pp_group, loss_fn, batch_masks)
+    bucketed = _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processor_args)
+    if bucketed is not None:
+        shapes = iter([shape for shape, mb in zip(plan.buckets(dp_rank), plan.micro_batches[dp_rank]) if mb])
+        canvas = {"width": input_ids.shape[1], "batch": {k for k, v in processor_args.items() if isinstance(v, Tensor)
+                                                         and v.dim() > 0 and v.shape[0] == input_ids.shape[0]}}
+        params, storage = [p for p in model.parameters() if p.requires_grad], storage_of(model)
     total, pieces, done = None, [], []
     for mb in mbs:
         with torch.set_grad_enabled(loss_fn is not None):
-            out = forward(model, *mb.args, **mb.kwargs)
-            if loss_fn is not None:
-                loss = mb.loss(loss_fn, out)
-                if loss.requires_grad:
-                    loss.backward()
-                total = loss.detach() if total is None else total + loss.detach()  # stays on the device
-        pieces.append(detach_outputs(out))
+            if bucketed is not None:
+                out, loss = graphed_step(bucketed, forward, model, mb, next(shapes), canvas, loss_fn, params, storage)
+            else:
+                out, loss = _eager_step(forward, model, mb, loss_fn)
+            if loss is not None:
+                total = loss if total is None else total + loss  # stays on the device
+        pieces.append(out)
         done.append(mb)
     return step_result(pieces, done, torch.zeros(()) if total is None else total, batch_masks)
+
+
+def _eager_step(forward, model, mb, loss_fn):
+    """One micro-batch as it is: the forward, then with ``loss_fn`` its share of the loss and the backward."""
+    out = forward(model, *mb.args, **mb.kwargs)
+    loss = None
+    if loss_fn is not None:
+        loss = mb.loss(loss_fn, out)
+        if loss.requires_grad:
+            loss.backward()
+        loss = loss.detach()
+    return detach_outputs(out), loss
+
+
+def _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processor_args) -> StepGraphs | None:
+    """The step's :class:`StepGraphs`, or None for the eager step (``graphs=False``, or graphs cannot work here:
+    the reason is kept in ``StepGraphs.reason``, and said once on a CUDA device)."""
+    if graphs is False:
+        return None
+    if graphs is True:
+        held = getattr(forward, "step_graphs", None)
+        if held is None and input_ids.is_cuda and getattr(forward, "engine", None) is not None:
+            held = StepGraphs()
+            forward.step_graphs = held  # the forward holds its graphs: no global cache
+        graphs = held
+        if graphs is None:
+            return None
+    elif not isinstance(graphs, StepGraphs):
+        raise TypeError(f"graphs must be True, False or a packfwd.micro.StepGraphs, got {type(graphs).__name__}")
+    reason = why_eager(forward, model, input_ids, multi_modal_inputs=multi_modal_inputs,
+                       processor_args=processor_args, cuda=graphs.capture)
+    graphs.reason = reason
+    if reason is not None:
+        if input_ids.is_cuda:
+            graphs.warn_once(f"packfwd: run_micro_batches runs the eager step: {reason} (graphs=False says so)")
+        return None
+    return graphs
+
 
 
 def sequence_weights(loss_counts: Sequence[int], normalize: str = "token_mean") -> list[float]:

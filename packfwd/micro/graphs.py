@@ -1,0 +1,390 @@
+"""``run_micro_batches``' fast path: each micro-batch padded to its bucket (:mod:`packfwd.micro.buckets`) and its
+forward and backward replayed from CUDA graphs captured once per bucket; the cache is a :class:`StepGraphs` the
+caller holds (by default the forward's ``forward.step_graphs``).
+
+**What is captured.**  The model's forward on the bucket's static inputs (the padded rows of ``input_ids``, the
+positions, the processor's arguments, and a bucket plan, ``packfwd.layout.bucket``), and as a second graph its
+backward: the parameters' gradients of the forward's outputs, given the outputs' gradients.  The loss is *not*
+captured: ``loss_fn`` runs eagerly on the real rows of the replayed outputs, with the step's own masks and weights,
+so the loss and its normalisation are those of the eager step by construction, and no Python value of the loss
+(a coefficient, a schedule) is frozen into a graph.  The replayed backward hands the parameters' gradients to
+autograd, which accumulates them into ``.grad`` as an eager backward does, hooks included (a DDP's gradient
+hooks run as usual); the optimizer may update the parameters in place between steps.
+
+**Padding.**  The bucket adds empty rows (no real token) and spare sequences after the real ones (no real token
+attends to them, their outputs are never read); only the real rows' outputs reach the loss and the result.  A real
+token's result changes only by the rounding of a GEMM of another row count.
+
+**The first micro-batch of a bucket** runs the same padded step eagerly (the warm-up: kernels compiled, cuDNN plans
+built), the second captures the graphs and replays them, the rest replay.  A capture that fails (an operation that
+synchronises with the host, a model that calls Python per step) is abandoned with one warning and that bucket stays
+eager; nothing captured half-way is ever replayed.  Where graphs cannot work at all the step runs today's eager path
+unchanged (:func:`why_eager`: the CPU, pipelines, vision inputs, tensor/context/expert parallelism, a forward with
+MTP, the MoE aux loss or routing replay, a model with module hooks, a DDP or FSDP wrapper, a forward that is not
+``make_forward``'s).
+
+**Checked at every replay** (host ints): each parameter's and buffer's storage is where it was at capture (a
+parameter replaced rather than updated in place is captured again), and the bucket's key: its shapes, the model,
+its train/eval mode, grad mode, autocast and torch's deterministic mode, every non-tensor argument's value.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+import weakref
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from ..layout import rules
+from ..layout.bucket import Bucket, _clone, copy_plan_
+
+__all__ = ["StepGraphs", "graphed_step", "why_eager"]
+
+
+class StepGraphs:
+    """The CUDA graphs of ``run_micro_batches``' micro-batch steps, one pair (forward, backward) per bucket.
+
+    ``run_micro_batches(..., graphs=True)`` (the default) keeps one on the forward (``forward.step_graphs``); pass
+    your own to hold it elsewhere, ``graphs=False`` for today's eager path.  ``capture=False``: the padded bucket
+    step runs eagerly (what the graphs replay, for comparing and debugging).  ``max_graphs``: buckets kept; past it
+    every graph is dropped and captured again as needed.  All graphs share one memory pool.
+
+    After a step: ``memory_bytes`` (what the captures reserved: the graphs' activations and outputs, held while the
+    object lives), ``captured`` / ``replayed`` / ``eager`` (micro-batch counts since made), ``reason`` (why the
+    last step ran eagerly; None when it ran bucketed).  :meth:`clear` frees the graphs.
+
+    >>> graphs = StepGraphs()
+    >>> graphs
+    StepGraphs(capture=True, buckets=0, captured=0, replayed=0, eager=0, memory=0.00 GiB)
+    """
+
+    def __init__(self, *, capture: bool = True, max_graphs: int = 16):
+        if not isinstance(capture, bool):
+            raise TypeError(f"capture must be True or False, got {capture!r}")
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs={max_graphs!r}; pass a positive int (buckets kept)")
+        self.capture, self.max_graphs = capture, max_graphs
+        self.captured = self.replayed = self.eager = 0
+        self.memory_bytes = 0
+        self.reason: str | None = None
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._pool = None
+        self._stream = None
+        self._warned: set = set()
+
+    def __repr__(self) -> str:
+        return (f"StepGraphs(capture={self.capture}, buckets={len(self._entries)}, captured={self.captured}, "
+                f"replayed={self.replayed}, eager={self.eager}, memory={self.memory_bytes / 2**30:.2f} GiB)")
+
+    def clear(self) -> None:
+        """Drop every graph and its memory pool (the next micro-batch of each bucket warms up again)."""
+        self._entries.clear()
+        self._pool = None
+        self.memory_bytes = 0
+
+    def warn_once(self, message: str) -> None:
+        """One warning per distinct message over this object's life."""
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=4)
+
+
+def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, multi_modal_inputs=None,
+              processor_args: Mapping[str, Any] | None = None, cuda: bool = True) -> str | None:
+    """Why this step cannot run bucketed (None: it can): host checks only.  ``cuda=False``: the bucketed step
+    without graphs (``StepGraphs(capture=False)``), which runs on any device."""
+    from ..forward.moe import RoutingReplay
+    from ..forward.mtp import Mtp
+
+    if pp_group is not None:
+        return "pipeline parallelism (pp_group=)"
+    if multi_modal_inputs is not None:
+        return "a vision forward (multi_modal_inputs=)"
+    engine, spec = getattr(forward, "engine", None), getattr(forward, "layout", None)
+    if not _is_make_forward(forward) or engine is None or spec is None or not callable(getattr(forward, "plan", None)):
+        return "the forward is not one make_forward made (its plan= path is what the graphs replay)"
+    if spec.data_format != "thd" or spec.tp_size != 1 or spec.cp_size != 1:
+        return f"the forward's layout ({spec.data_format}, tp_size={spec.tp_size}, cp_size={spec.cp_size}): graphs " \
+               "take THD without tensor or context parallelism"
+    if any(isinstance(e, Mtp) or (isinstance(e, RoutingReplay) and e.record) or type(e).__name__ == "MoeAuxLoss"
+           for e in engine.extensions) or "routed_experts" in (processor_args or {}):
+        return "the forward records or replays routing, or has MTP or the MoE aux loss"
+    if not isinstance(model, torch.nn.Module):
+        return "the model is not one torch.nn.Module"
+    config = getattr(model, "config", None)
+    for name in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                 "pipeline_model_parallel_size"):
+        if (getattr(config, name, 1) or 1) > 1:
+            return f"the model's {name}={getattr(config, name)}"
+    if "DistributedDataParallel" in type(model).__name__ or "FSDP" in type(model).__name__:
+        return f"the model is wrapped ({type(model).__name__}): its per-step Python would be frozen into a graph"
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+            return f"module {name or type(model).__name__!r} has hooks, which a graph would run only at capture"
+    if any(type(p) is not torch.nn.Parameter and type(p) is not Tensor for p in model.parameters()):
+        return "the model has parameters of another tensor type (DTensor, ...)"
+    if cuda and (input_ids.device.type != "cuda" or any(p.device.type != "cuda" for p in model.parameters())):
+        return "the batch or the model is not on a CUDA device"
+    return None
+
+
+def _is_make_forward(forward) -> bool:
+    """``forward`` is make_forward's own function (or its deterministic guard around it), not a caller's wrapper."""
+    own = _own_codes()
+    f = forward
+    while getattr(f, "__code__", None) is own["guard"]:
+        f = f.__wrapped__
+    return getattr(f, "__code__", None) is own["forward"]
+
+
+def _own_codes() -> dict:
+    if not _OWN:
+        from ..forward.deterministic import guarded
+        from ..forward.factory import make_forward
+
+        plain = make_forward("thd")
+        _OWN.update(forward=plain.__code__, guard=guarded(plain, deterministic=True, batch_invariant=False).__code__)
+    return _OWN
+
+
+_OWN: dict = {}
+
+
+def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int], canvas: dict, loss_fn, params: list,
+                 storage: tuple):
+    """One micro-batch ``mb`` (:class:`~packfwd.micro.batches.MicroBatchInputs`) through its bucket ``shape``
+    ``(rows, tokens)``: returns ``(outputs of its real rows, detached copies; loss or None)`` like the eager
+    step.  ``canvas``: ``{"width": s, "batch": the names of processor arguments cut per row}``; ``params``: the
+    parameters that take gradients; ``storage``: every parameter's and buffer's data pointer (checked at replay)."""
+    grad = loss_fn is not None
+    rows, tokens = shape
+    ids, mask, positions = mb.args
+    b = ids.shape[0]
+    key = _key(model, rows, tokens, canvas, grad, ids, positions, mb.kwargs)
+    entry = graphs._entries.get(key)
+    if entry is not None and (entry.model() is not model or entry.storage != storage):
+        graphs._entries.pop(key)  # parameters replaced, or another model at the same id: capture again
+        entry = None
+    if entry is None:
+        if len(graphs._entries) >= graphs.max_graphs:
+            graphs.warn_once(f"packfwd: more than max_graphs={graphs.max_graphs} buckets; the CUDA graphs are "
+                             "dropped and captured again (StepGraphs(max_graphs=...) keeps more)")
+            graphs.clear()
+        entry = graphs._entries[key] = _Entry(model, forward, rows, mb, canvas, storage)
+    graphs._entries.move_to_end(key)
+    entry.params = params
+    bucket = Bucket(tokens=tokens, max_seqlen=rules.round_up(canvas["width"], forward.layout.seq_align))
+    entry.load(mb, forward.plan(entry.ids, _padded_mask(mask, rows), bucket=bucket,
+                                seqlens=list(mb.kwargs["seqlens"]) + [0] * (rows - b)))
+    capture = graphs.capture and ids.is_cuda
+    if capture and graphs._stream is None:
+        graphs._stream = torch.cuda.Stream()
+    if capture and entry.graphs is None and entry.warm and not entry.failed:
+        _capture(graphs, entry, params, grad)
+    if entry.graphs is not None:
+        graphs.replayed += 1
+    else:
+        graphs.eager += 1
+    if not capture or entry.warm:
+        result = _run(entry, b, params, grad, mb, loss_fn)
+    else:  # the warm-up, on the stream the capture will use
+        stream = graphs._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            result = _run(entry, b, params, grad, mb, loss_fn)
+        torch.cuda.current_stream().wait_stream(stream)
+    entry.warm = True
+    return result
+
+
+def _run(entry, b: int, params: list, grad: bool, mb, loss_fn):
+    """Replay (or run eagerly) the bucket's forward, the loss on the real rows, its backward."""
+    if grad:
+        flat = _Replay.apply(entry, *params)
+    else:
+        with torch.no_grad():
+            flat = entry.forward(grad=False)
+    out = _unflatten(entry.names, [o[:b] for o in flat])
+    loss = None
+    if grad:
+        loss = mb.loss(loss_fn, out)
+        if loss.requires_grad:
+            loss.backward()
+        loss = loss.detach()
+    kept = {k: v.detach().clone() for k, v in out.items()} if isinstance(out, Mapping) else out.detach().clone()
+    return kept, loss
+
+
+class _Replay(torch.autograd.Function):
+    """The bucket's forward as one autograd node: forward replays (or runs) it, backward replays (or runs) the
+    parameters' gradients of its outputs and returns them, for autograd to accumulate into ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, entry, *params):
+        flat = entry.forward(grad=True)
+        ctx.entry = entry
+        ctx.diff = [o.requires_grad for o in flat]
+        out = tuple(o.detach() for o in flat)
+        ctx.mark_non_differentiable(*[o for o, d in zip(out, ctx.diff) if not d])
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entry = ctx.entry
+        given = [g for g, d in zip(grads, ctx.diff) if d]
+        return (None, *entry.backward(given))
+
+
+class _Entry:
+    """One bucket: its static inputs and plan, and how it runs (eagerly, or from its two graphs)."""
+
+    def __init__(self, model, forward, rows: int, mb, canvas: dict, storage: tuple):
+        self.model, self.forward_fn, self.storage = weakref.ref(model), forward, storage
+        ids, _, positions = mb.args
+        width = canvas["width"]
+        self.ids = ids.new_zeros(rows, width)
+        self.positions = None if positions is None else positions.new_zeros(_rows_shape(positions, rows))
+        self.kwargs = {k: (v.new_zeros(rows, *v.shape[1:]) if k in canvas["batch"] else v.clone())
+                       if isinstance(v, Tensor) else v for k, v in mb.kwargs.items() if k != "seqlens"}
+        self.plan = self.names = self.params = None
+        self.graphs = None  # (forward graph, backward graph, static outputs, static output grads, static grads)
+        self.warm = self.failed = False
+        self._live = None
+
+    def load(self, mb, plan) -> None:
+        """Copy the micro-batch's rows (zeros after them) and its bucket plan into the static inputs."""
+        ids, _, positions = mb.args
+        b = ids.shape[0]
+        _copy_rows(self.ids, ids, b, 0)
+        if positions is not None:
+            _copy_rows(self.positions, positions, b, 1 if positions.dim() == 3 else 0)
+        for k, static in self.kwargs.items():
+            if isinstance(static, Tensor):
+                v = mb.kwargs[k]
+                if static.shape == v.shape:
+                    static.copy_(v)
+                else:
+                    _copy_rows(static, v, b, 0)
+        if self.plan is None:
+            self.plan = _clone(plan)
+        else:
+            copy_plan_(self.plan, plan)
+
+    def body(self) -> list:
+        out = self.forward_fn(self.model(), self.ids, plan=self.plan, position_ids=self.positions, **self.kwargs)
+        self.names = list(out) if isinstance(out, Mapping) else None
+        return list(out.values()) if isinstance(out, Mapping) else [out]
+
+    def forward(self, grad: bool) -> list:
+        if self.graphs is not None:
+            self.graphs[0].replay()
+            return self.graphs[2]
+        if not grad:
+            return self.body()
+        with torch.enable_grad():  # autograd.Function.forward runs with grad mode off
+            self._live = self.body()
+        return self._live
+
+    def backward(self, given: list) -> tuple:
+        if self.graphs is not None:
+            _, bwd, _, static_grads_out, static_grads = self.graphs
+            for static, g in zip(static_grads_out, given):
+                static.copy_(g) if g is not None else static.zero_()
+            bwd.replay()
+            return static_grads
+        flat, self._live = self._live, None
+        diff = [o for o in flat if o.requires_grad]
+        given = [torch.zeros_like(o) if g is None else g for o, g in zip(diff, given)]
+        return _grads(diff, given, self.params)
+
+
+def _grads(outputs: list, grads_out: list, params: list) -> tuple:
+    got = torch.autograd.grad(outputs, params, grads_out, allow_unused=True)
+    return tuple(got)
+
+
+def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> None:
+    """Capture the entry's forward (and backward) graphs in the shared pool; on failure, warn and stay eager."""
+    if graphs._pool is None:
+        graphs._pool = torch.cuda.graph_pool_handle()
+    stream = graphs._stream
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    caller = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(fwd, pool=graphs._pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.set_grad_enabled(grad):
+                outs = entry.body()
+        statics = None
+        if grad:
+            diff = [o for o in outs if o.requires_grad]
+            grads_out = [torch.empty_like(o) for o in diff]
+            with torch.cuda.graph(bwd, pool=graphs._pool, stream=stream, capture_error_mode="thread_local"):
+                statics = _grads(diff, grads_out, params)
+        else:
+            grads_out = []
+        outs = [o.detach() for o in outs]
+    except Exception as e:  # noqa: BLE001 - any failure: this bucket stays eager, nothing captured is used
+        torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
+        entry.failed = True
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        graphs.reason = f"capture failed: {type(e).__name__}: {first}"
+        graphs.warn_once(f"packfwd: run_micro_batches could not capture the step as a CUDA graph ({graphs.reason}); "
+                         "this bucket runs eagerly (padded); pass graphs=False to run the plain eager step")
+        torch.cuda.synchronize()
+        return
+    entry.graphs = (fwd, bwd if grad else None, outs, grads_out, statics)
+    torch.cuda.synchronize()
+    graphs.memory_bytes += max(0, torch.cuda.memory_reserved() - before)
+    graphs.captured += 1
+
+
+def _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) -> tuple:
+    args = tuple(sorted((k, _signature(v, k in canvas["batch"])) for k, v in kwargs.items() if k != "seqlens"))
+    return (id(model), rows, tokens, canvas["width"], grad, model.training, torch.is_autocast_enabled(),
+            torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else None,
+            torch.are_deterministic_algorithms_enabled(), ids.dtype, _signature(positions, True), args)
+
+
+def _signature(v, per_row: bool):
+    if v is None:
+        return None
+    if isinstance(v, Tensor):
+        return ("tensor", v.dtype, v.device, tuple(v.shape[1:]) if per_row else tuple(v.shape))
+    try:
+        hash(v)
+    except TypeError:
+        return ("object", id(v))  # an unhashable value: only the same object finds its bucket again
+    return ("value", type(v).__name__, v)
+
+
+def _rows_shape(positions: Tensor, rows: int) -> tuple:
+    shape = list(positions.shape)
+    shape[1 if positions.dim() == 3 else 0] = rows
+    return tuple(shape)
+
+
+def _copy_rows(static: Tensor, value: Tensor, b: int, dim: int) -> None:
+    static.narrow(dim, 0, b).copy_(value)
+    static.narrow(dim, b, static.shape[dim] - b).zero_()
+
+
+def _padded_mask(mask: Tensor, rows: int) -> Tensor:
+    out = torch.zeros(rows, mask.shape[1], dtype=torch.bool, device=mask.device)
+    out[: mask.shape[0]] = mask.to(torch.bool)
+    return out
+
+
+def _unflatten(names, flat: list):
+    return flat[0] if names is None else dict(zip(names, flat))
+
+
+def storage_of(model) -> tuple:
+    """Every parameter's and buffer's data pointer: a graph reads them where they were at capture."""
+    return tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
+

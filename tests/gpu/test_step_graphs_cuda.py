@@ -1,0 +1,151 @@
+"""``run_micro_batches``' default path on CUDA: micro-batches padded to their buckets and replayed from CUDA graphs
+(``packfwd.micro.graphs``).  Oracle: the same padded steps run eagerly (``StepGraphs(capture=False)``), which the
+graphs must equal bit for bit (same kernels, torch's deterministic mode so the flash backward is too): the loss,
+every output row and every parameter gradient, over two steps (the first warms up and captures each bucket, the
+second only replays), forward + backward and forward-only.  Against the plain eager step (``graphs=False``, other
+GEMM row counts) within bf16 rounding.  Also: the default keeps its graphs on the forward and reports their memory;
+parameters updated in place (an optimizer) or replaced are seen by the replays; a processor that synchronises with
+the host cannot be captured: one warning, and the bucket's eager step gives the same bits.
+
+    PYTHONPATH=. python -m pytest -q tests/gpu/test_step_graphs_cuda.py
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+S = 384
+
+
+@pytest.fixture
+def deterministic():
+    from packfwd.forward.deterministic import enabled
+
+    with enabled(batch_invariant=False):
+        yield
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from packfwd.models import from_hf
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512))
+    return from_hf(hf, device="cuda", params_dtype=torch.bfloat16)
+
+
+def batch(seed, n=24):
+    """RL-like rows: left-padded prompts, right-padded responses; labels, a response mask, advantages."""
+    import packfwd as pf
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, S // 4, (n,), generator=g)
+    response = torch.randint(1, 3 * S // 4, (n,), generator=g)
+    col = torch.arange(S)[None]
+    mask = (col >= S // 4 - prompt[:, None]) & (col < S // 4 + response[:, None])
+    ids = torch.randint(1, 512, (n, S), generator=g) * mask
+    labels = pf.next_token_labels(ids, mask)
+    loss_mask = (labels >= 0) & (col >= S // 4)
+    seqlens = mask.sum(1).tolist()
+    return ids.cuda(), mask.cuda(), labels.cuda(), loss_mask.cuda(), torch.randn(n, generator=g).cuda(), seqlens
+
+
+def step(forward, model, plan, data, graphs, grad=True):
+    from packfwd.micro import run_micro_batches
+
+    ids, mask, labels, loss_mask, adv, _ = data
+    model.zero_grad(set_to_none=True)
+    kw = dict(loss_fn=lambda o, adv: -o["log_probs"] * adv[:, None], loss_args={"adv": adv}, loss_mask=loss_mask) \
+        if grad else {}
+    with torch.set_grad_enabled(grad):
+        out = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, graphs=graphs, labels=labels, **kw)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same(a, b, what):
+    (oa, ga), (ob, gb) = a, b
+    assert torch.equal(oa.loss, ob.loss), f"{what}: loss {oa.loss} vs {ob.loss}"
+    for k in oa.outputs:
+        assert torch.equal(oa.outputs[k], ob.outputs[k]), f"{what}: output {k} differs"
+    assert ga.keys() == gb.keys(), what
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), f"{what}: the gradient of {n} differs"
+
+
+def setup():
+    import packfwd as pf
+    from packfwd.logits import log_probs_and_entropy
+    from packfwd.micro import plan_micro_batches
+
+    model = llama()
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy)
+    data = batch(1)
+    plan = plan_micro_batches(data[-1], max_tokens=2048, **forward.layout.plan_args)
+    assert plan.num_micro_batches >= 3 and len(set(plan.buckets(0))) >= 2, (plan.tokens, plan.buckets(0))
+    return model, forward, data, plan
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["fwd+bwd", "forward-only"])
+def test_graphs_equal_the_padded_eager_step_bit_for_bit(grad, deterministic):
+    from packfwd.micro import StepGraphs
+
+    model, forward, data, plan = setup()
+    eager = step(forward, model, plan, data, StepGraphs(capture=False), grad)
+    graphs = StepGraphs()
+    first = step(forward, model, plan, data, graphs, grad)  # warm-up and capture of each bucket
+    second = step(forward, model, plan, data, graphs, grad)  # replays only
+    assert graphs.captured == len(set(s for s in plan.buckets(0) if s[0])), graphs
+    assert graphs.replayed >= plan.num_micro_batches, graphs
+    assert graphs.memory_bytes > 0, graphs
+    assert_same(first, eager, "first step")
+    assert_same(second, eager, "replayed step")
+    plain = step(forward, model, plan, data, False, grad)  # other GEMM row counts: bf16 rounding apart
+    real = data[1]
+    diff = (plain[0].outputs["log_probs"] - second[0].outputs["log_probs"])[real].abs()
+    assert diff.max() < 5e-2, f"graphed vs plain log-probs: {diff.max()}"
+    if grad:
+        assert torch.isclose(plain[0].loss, second[0].loss, rtol=2e-2, atol=1e-3), (plain[0].loss, second[0].loss)
+
+
+def test_default_keeps_graphs_on_the_forward_and_sees_parameter_updates(deterministic):
+    from packfwd.micro import StepGraphs
+
+    model, forward, data, plan = setup()
+    step(forward, model, plan, data, True)
+    step(forward, model, plan, data, True)
+    graphs = forward.step_graphs
+    assert isinstance(graphs, StepGraphs) and graphs.reason is None and graphs.replayed > 0, graphs
+    print(f"graphs: {graphs}")
+    with torch.no_grad():  # an optimizer's in-place update, then a parameter replaced outright
+        for p in model.parameters():
+            p.mul_(0.9)
+        first = next(model.parameters())
+        first.data = first.data.clone() * 1.1
+    got = step(forward, model, plan, data, True)
+    want = step(forward, model, plan, data, StepGraphs(capture=False))
+    assert_same(got, want, "after the update")
+
+
+def test_a_processor_that_syncs_falls_back_with_one_warning(deterministic):
+    import packfwd as pf
+    from packfwd.logits import log_probs_and_entropy
+    from packfwd.micro import StepGraphs
+
+    model, _, data, plan = setup()
+
+    def syncing(logits, labels):
+        out = log_probs_and_entropy(logits, labels)
+        if float(labels.max()) < 0:  # a host read: not capturable
+            raise AssertionError("no label")
+        return out
+
+    forward = pf.make_forward("thd", logits_processor=syncing)
+    graphs = StepGraphs()
+    with pytest.warns(UserWarning, match="could not capture"):
+        got = [step(forward, model, plan, data, graphs) for _ in range(2)][-1]
+    assert graphs.captured == 0 and graphs.reason.startswith("capture failed"), graphs
+    assert_same(got, step(forward, model, plan, data, StepGraphs(capture=False)), "fallback")

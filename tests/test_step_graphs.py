@@ -1,0 +1,160 @@
+"""The step's buckets and its graphed path, on the CPU (``packfwd.micro.buckets``, ``packfwd.micro.graphs``).
+
+Strategy: the bucket shapes are checked as properties over random plans (each micro-batch fits its bucket, padded
+by less than ``max_tokens / bucket_steps`` tokens, at most ``bucket_steps`` sizes, one row count per rank, sizes
+valid for ``plan_thd_bucket``).  The bucketed step is run without graphs (``StepGraphs(capture=False)``: the same
+padded rows, spare sequences and autograd node that the CUDA graphs replay) against the plain eager step in
+float64: outputs, losses under each normalisation and gradients agree to rounding, so padding never changes a
+real token's result nor the loss normalisation.  The default on the CPU is today's eager path, bit for bit, and
+every case graphs cannot take is named.  The graphs themselves: ``tests/gpu/test_step_graphs_cuda.py``.
+"""
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import packfwd as pf
+from packfwd.logits import log_probs_and_entropy
+from packfwd.micro import StepGraphs, plan_micro_batches, run_micro_batches
+from packfwd.micro.graphs import why_eager
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_buckets_fit_with_bounded_padding_and_few_shapes(seed):
+    rng = np.random.default_rng(seed)
+    tp, cp = [(1, 1), (2, 1), (2, 2), (1, 4)][seed % 4]
+    lengths = rng.integers(1, 900, size=int(rng.integers(20, 200))).tolist()
+    steps = [16, 8, 4][seed % 3]
+    plan = plan_micro_batches(lengths, max_tokens=1024, dp_size=2, tp_size=tp, cp_size=cp, bucket_steps=steps)
+    align = plan.seq_align
+    period = math.lcm(align, tp * cp)
+    unit = -(-(1024 * cp // period * period) // steps)
+    for r in range(plan.dp_size):
+        shapes = plan.buckets(r)
+        rows = {s[0] for s, mb in zip(shapes, plan.micro_batches[r]) if mb}
+        assert len(rows) == 1  # one row count per rank
+        sizes = {s[1] for s, mb in zip(shapes, plan.micro_batches[r]) if mb}
+        assert len(sizes) <= steps
+        for (n, t), mb, used in zip(shapes, plan.micro_batches[r], plan.tokens[r]):
+            if not mb:
+                assert (n, t) == (0, 0)
+                continue
+            assert n >= len(mb) and n & (n - 1) == 0  # a power of two, every row fits
+            assert used <= t <= 1024 and (t - used) * cp < unit + period, (t, used, unit)
+            assert t * cp % period == 0  # plan_thd_bucket's rule for Bucket.tokens
+            pf.layout.bucket.plan_thd_bucket(  # the bucket holds the micro-batch's own layout
+                torch.arange(1000)[None] < torch.tensor([lengths[i] for i in mb])[:, None],
+                pf.layout.bucket.Bucket(t * cp, -(-1000 // align) * align), tp_size=tp, cp_size=cp, seq_align=align)
+
+
+def test_bucket_steps_is_checked():
+    with pytest.raises(ValueError, match="bucket_steps"):
+        plan_micro_batches([3, 4], max_tokens=8, bucket_steps=0)
+
+
+def _setup(dtype=torch.float64):
+    import transformers
+
+    from packfwd.models import from_hf
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).to(dtype)
+    model = from_hf(hf, params_dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    seqlens = torch.randint(1, 16, (10,), generator=g).tolist()
+    ids = torch.randint(1, 128, (10, 16), generator=g)
+    start = torch.randint(0, 3, (10,), generator=g)  # some rows left-padded
+    col = torch.arange(16)[None]
+    mask = (col >= start[:, None]) & (col < (start + torch.tensor(seqlens)).clamp(max=16)[:, None])
+    seqlens = mask.sum(1).tolist()
+    labels = pf.next_token_labels(ids, mask)
+    loss_mask = (labels >= 0) & (col >= 3)
+    adv = torch.randn(10, generator=g, dtype=dtype)
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy)
+    plan = plan_micro_batches(seqlens, max_tokens=40, **forward.layout.plan_args)
+    return model, forward, plan, dict(ids=ids, mask=mask, labels=labels, loss_mask=loss_mask, adv=adv)
+
+
+def _step(model, forward, plan, d, graphs, normalize="token_mean", grad=True):
+    model.zero_grad(set_to_none=True)
+    kw = dict(loss_fn=lambda o, adv: -o["log_probs"] * adv[:, None] + 0.1 * o["entropy"], loss_args={"adv": d["adv"]},
+              loss_mask=d["loss_mask"], normalize=normalize) if grad else {}
+    with torch.set_grad_enabled(grad):
+        out = run_micro_batches(forward, model, plan, d["ids"], d["mask"], dp_rank=0, graphs=graphs,
+                                labels=d["labels"], **kw)
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("normalize", ["token_mean", "sequence_mean", "sum"])
+def test_bucketed_step_equals_the_eager_step(normalize):
+    model, forward, plan, d = _setup()
+    plain, plain_grads = _step(model, forward, plan, d, False, normalize)
+    graphs = StepGraphs(capture=False)
+    seen = []
+    original = forward.plan
+    forward.plan = lambda *a, **k: seen.append(k["bucket"]) or original(*a, **k)  # the bucket plans it made
+    got, grads = _step(model, forward, plan, d, graphs, normalize)
+    forward.plan = original
+    assert graphs.reason is None and graphs.eager == plan.num_micro_batches == len(seen) >= 2, graphs
+    assert [b.tokens for b in seen] == [t for _, t in plan.buckets(0)]
+    assert any(t > used for (_, t), used in zip(plan.buckets(0), plan.tokens[0])), "no bucket adds padding"
+    torch.testing.assert_close(got.loss, plain.loss, rtol=1e-12, atol=1e-14)
+    for k in plain.outputs:
+        torch.testing.assert_close(got.outputs[k], plain.outputs[k], rtol=1e-12, atol=1e-13)
+    assert grads.keys() == plain_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], plain_grads[n], rtol=1e-10, atol=1e-13)
+    # the same bucketed step again: the static inputs are refilled, nothing of the first step is kept
+    again, again_grads = _step(model, forward, plan, d, graphs, normalize)
+    assert torch.equal(again.loss, got.loss) and all(torch.equal(again_grads[n], grads[n]) for n in grads)
+    # control: these tolerances see a change of one part in a million in the loss's inputs
+    d2 = dict(d, adv=d["adv"] * 1.000001)
+    other, _ = _step(model, forward, plan, d2, graphs, normalize)
+    assert not torch.allclose(other.loss, plain.loss, rtol=1e-12, atol=1e-14)
+
+
+def test_bucketed_forward_only_equals_the_eager_forward():
+    model, forward, plan, d = _setup(torch.float32)
+    plain, _ = _step(model, forward, plan, d, False, grad=False)
+    got, _ = _step(model, forward, plan, d, StepGraphs(capture=False), grad=False)
+    for k in plain.outputs:
+        torch.testing.assert_close(got.outputs[k], plain.outputs[k], rtol=1e-5, atol=1e-5)
+
+
+def test_the_default_on_the_cpu_is_the_eager_step_bit_for_bit():
+    model, forward, plan, d = _setup(torch.float32)
+    default, default_grads = _step(model, forward, plan, d, True)
+    off, off_grads = _step(model, forward, plan, d, False)
+    assert torch.equal(default.loss, off.loss)
+    assert all(torch.equal(default.outputs[k], off.outputs[k]) for k in off.outputs)
+    assert all(torch.equal(default_grads[n], off_grads[n]) for n in off_grads)
+    assert getattr(forward, "step_graphs", None) is None  # nothing captured, nothing held on the CPU
+    graphs = StepGraphs()  # asked for graphs on the CPU: the eager step, and why
+    mine, _ = _step(model, forward, plan, d, graphs)
+    assert torch.equal(mine.loss, off.loss) and graphs.eager == 0 and "CUDA" in graphs.reason
+    with pytest.raises(TypeError, match="graphs must be"):
+        _step(model, forward, plan, d, "yes")
+
+
+def test_what_graphs_cannot_take_is_named():
+    model, forward, _, d = _setup(torch.float32)
+    ids = d["ids"]
+    assert why_eager(forward, model, ids, cuda=False) is None
+    wrapped = functools.wraps(forward)(lambda *a, **k: forward(*a, **k))
+    assert "make_forward" in why_eager(wrapped, model, ids, cuda=False)
+    assert "layout" in why_eager(pf.make_forward("bshd"), model, ids, cuda=False)
+    assert "routing" in why_eager(pf.make_forward("thd", record_routing=True), model, ids, cuda=False)
+    assert "pipeline" in why_eager(forward, model, ids, pp_group=object(), cuda=False)
+    assert "CUDA" in why_eager(forward, model, ids)
+    handle = model.decoder.layers[0].register_forward_hook(lambda *a: None)
+    try:
+        assert "hooks" in why_eager(forward, model, ids, cuda=False)
+    finally:
+        handle.remove()
+    det = pf.make_forward("thd", deterministic=True)  # make_forward's own guard is not a caller's wrapper
+    assert why_eager(det, model, ids, cuda=False) is None
