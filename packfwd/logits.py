@@ -313,15 +313,15 @@ def select_rows(mask: Tensor, slots: int | None = None) -> RowSelection:
             raise ValueError(f"{int(count)} tokens selected, {slots} slots: {message}")
     else:
         torch._assert_async(count <= slots, message[:250])
-    slots = max(min(slots, t), 1)  # no more slots than tokens; one at least: put() gathers from it
+    slots = max(min(slots, t), 1) if t else 0  # no more slots than tokens; one at least: put() gathers from it
     pos = torch.cumsum(mask, 0) - 1  # each selected token's slot
     keep = mask & (pos < slots)
     ar = torch.arange(t, device=mask.device)
     # unique targets (the unselected tokens write past the slots): a deterministic scatter, no duplicates
     rows = torch.zeros(slots + t, dtype=torch.long, device=mask.device).scatter_(0, torch.where(keep, pos, slots + ar), ar)
     valid = torch.arange(slots, device=mask.device) < count
-    rows = torch.where(valid, rows[:slots], rows[0])
-    return RowSelection(rows, valid, mask, pos.clamp(0, slots - 1))
+    rows = torch.where(valid, rows[:slots], rows[:1])
+    return RowSelection(rows, valid, mask, pos.clamp(0, max(slots - 1, 0)))
 
 
 def _check_token_mask(token_mask, t: int, device, name: str = "token_mask", true: str = "compute this token") -> Tensor:

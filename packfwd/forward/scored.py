@@ -15,8 +15,8 @@ int, so nothing reads the device:
 
 * the caller's count, ``scored_tokens=`` (``run_micro_batches`` passes the loss tokens of each micro-batch,
   which it counts once per step): no host sync;
-* else, when the forward plans from the device mask anyway (no ``seqlens=``, no ``plan=``) or runs on the CPU:
-  the count read back once, before the model runs (one more sync on CUDA);
+* else, when the forward plans from the mask anyway (no ``seqlens=``, no ``plan=``): the count read back once,
+  before the model runs (one more host sync on CUDA);
 * else (``seqlens=`` or ``plan=`` given, no count: the caller asked for no host sync): every row computed and
   the outputs masked, as with a plain ``token_mask`` (the same numbers, no saving).
 
@@ -92,7 +92,7 @@ class Scoring:
         for m in masks:
             mask = mask & m
         count = step.batch.options.get("scored_tokens")
-        if count is None and (mask.device.type == "cpu" or (step.batch.seqlens is None and step.batch.plan is None)):
+        if count is None and step.batch.seqlens is None and step.batch.plan is None:
             count = int(mask.sum())  # a host sync on CUDA: the forward planned from the device mask already
         if count is None:
             return Selection(mask, None)
