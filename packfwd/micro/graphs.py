@@ -154,16 +154,25 @@ _OWN: dict = {}
 
 
 def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int], canvas: dict, loss_fn, params: list,
-                 storage: tuple):
+                 storage: tuple, counts=None):
     """One micro-batch ``mb`` (:class:`~packfwd.micro.batches.MicroBatchInputs`) through its bucket ``shape``
     ``(rows, tokens)``: returns ``(outputs of its real rows, detached copies; loss or None)`` like the eager
     step.  ``canvas``: ``{"width": s, "batch": the names of processor arguments cut per row}``; ``params``: the
-    parameters that take gradients; ``storage``: every parameter's and buffer's data pointer (checked at replay)."""
+    parameters that take gradients; ``storage``: every parameter's and buffer's data pointer (checked at replay);
+    ``counts`` (a forward that scores the loss tokens only): each sequence's loss tokens, as the eager step passes
+    them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up to a
+    quarter of the bucket (a fixed number of head rows per bucket, at most 4 per token size)."""
     grad = loss_fn is not None
     rows, tokens = shape
     ids, mask, positions = mb.args
     b = ids.shape[0]
-    key = _key(model, rows, tokens, canvas, grad, ids, positions, mb.kwargs)
+    kwargs = mb.kwargs
+    if counts is not None:
+        quarter = -(-tokens // 4)
+        scored = min(tokens, -(-sum(counts[i] for i in mb.indices) // quarter) * quarter)
+        kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
+        canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
+    key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs)
     entry = graphs._entries.get(key)
     if entry is not None and (entry.model() is not model or entry.storage != storage):
         graphs._entries.pop(key)  # parameters replaced, or another model at the same id: capture again
@@ -173,11 +182,11 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
             graphs.warn_once(f"packfwd: more than max_graphs={graphs.max_graphs} buckets; the CUDA graphs are "
                              "dropped and captured again (StepGraphs(max_graphs=...) keeps more)")
             graphs.clear()
-        entry = graphs._entries[key] = _Entry(model, forward, rows, mb, canvas, storage)
+        entry = graphs._entries[key] = _Entry(model, forward, rows, mb.args, kwargs, canvas, storage)
     graphs._entries.move_to_end(key)
     entry.params = params
     bucket = Bucket(tokens=tokens, max_seqlen=rules.round_up(canvas["width"], forward.layout.seq_align))
-    entry.load(mb, forward.plan(entry.ids, _padded_mask(mask, rows), bucket=bucket,
+    entry.load(mb.args, kwargs, forward.plan(entry.ids, _padded_mask(mask, rows), bucket=bucket,
                                 seqlens=list(mb.kwargs["seqlens"]) + [0] * (rows - b)))
     capture = graphs.capture and ids.is_cuda
     if capture and graphs._stream is None:
@@ -189,19 +198,21 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     else:
         graphs.eager += 1
     if not capture or entry.warm:
-        result = _run(entry, b, params, grad, mb, loss_fn)
+        out, loss = _run(entry, b, params, grad, mb, loss_fn)
     else:  # the warm-up, on the stream the capture will use
         stream = graphs._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            result = _run(entry, b, params, grad, mb, loss_fn)
+            out, loss = _run(entry, b, params, grad, mb, loss_fn)
         torch.cuda.current_stream().wait_stream(stream)
     entry.warm = True
-    return result
+    kept = {k: v.clone() for k, v in out.items()} if isinstance(out, Mapping) else out.clone()  # the statics change
+    return kept, None if loss is None else loss.clone()
 
 
 def _run(entry, b: int, params: list, grad: bool, mb, loss_fn):
-    """Replay (or run eagerly) the bucket's forward, the loss on the real rows, its backward."""
+    """Replay (or run eagerly) the bucket's forward, the loss on the real rows, its backward; the outputs of the
+    real rows (views of the static outputs, detached) and the loss."""
     if grad:
         flat = _Replay.apply(entry, *params)
     else:
@@ -214,8 +225,7 @@ def _run(entry, b: int, params: list, grad: bool, mb, loss_fn):
         if loss.requires_grad:
             loss.backward()
         loss = loss.detach()
-    kept = {k: v.detach().clone() for k, v in out.items()} if isinstance(out, Mapping) else out.detach().clone()
-    return kept, loss
+    return ({k: v.detach() for k, v in out.items()} if isinstance(out, Mapping) else out.detach()), loss
 
 
 class _Replay(torch.autograd.Function):
@@ -226,7 +236,7 @@ class _Replay(torch.autograd.Function):
     def forward(ctx, entry, *params):
         flat = entry.forward(grad=True)
         ctx.entry = entry
-        ctx.diff = [o.requires_grad for o in flat]
+        ctx.diff = entry.diff  # the static outputs of a graph are detached: which ones take gradients, as captured
         out = tuple(o.detach() for o in flat)
         ctx.mark_non_differentiable(*[o for o, d in zip(out, ctx.diff) if not d])
         return out
@@ -241,29 +251,29 @@ class _Replay(torch.autograd.Function):
 class _Entry:
     """One bucket: its static inputs and plan, and how it runs (eagerly, or from its two graphs)."""
 
-    def __init__(self, model, forward, rows: int, mb, canvas: dict, storage: tuple):
+    def __init__(self, model, forward, rows: int, args: tuple, kwargs: dict, canvas: dict, storage: tuple):
         self.model, self.forward_fn, self.storage = weakref.ref(model), forward, storage
-        ids, _, positions = mb.args
+        ids, _, positions = args
         width = canvas["width"]
         self.ids = ids.new_zeros(rows, width)
         self.positions = None if positions is None else positions.new_zeros(_rows_shape(positions, rows))
         self.kwargs = {k: (v.new_zeros(rows, *v.shape[1:]) if k in canvas["batch"] else v.clone())
-                       if isinstance(v, Tensor) else v for k, v in mb.kwargs.items() if k != "seqlens"}
-        self.plan = self.names = self.params = None
+                       if isinstance(v, Tensor) else v for k, v in kwargs.items() if k != "seqlens"}
+        self.plan = self.names = self.params = self.diff = None
         self.graphs = None  # (forward graph, backward graph, static outputs, static output grads, static grads)
         self.warm = self.failed = False
         self._live = None
 
-    def load(self, mb, plan) -> None:
+    def load(self, args: tuple, kwargs: dict, plan) -> None:
         """Copy the micro-batch's rows (zeros after them) and its bucket plan into the static inputs."""
-        ids, _, positions = mb.args
+        ids, _, positions = args
         b = ids.shape[0]
         _copy_rows(self.ids, ids, b, 0)
         if positions is not None:
             _copy_rows(self.positions, positions, b, 1 if positions.dim() == 3 else 0)
         for k, static in self.kwargs.items():
             if isinstance(static, Tensor):
-                v = mb.kwargs[k]
+                v = kwargs[k]
                 if static.shape == v.shape:
                     static.copy_(v)
                 else:
@@ -276,7 +286,9 @@ class _Entry:
     def body(self) -> list:
         out = self.forward_fn(self.model(), self.ids, plan=self.plan, position_ids=self.positions, **self.kwargs)
         self.names = list(out) if isinstance(out, Mapping) else None
-        return list(out.values()) if isinstance(out, Mapping) else [out]
+        flat = list(out.values()) if isinstance(out, Mapping) else [out]
+        self.diff = [o.requires_grad for o in flat]
+        return flat
 
     def forward(self, grad: bool) -> list:
         if self.graphs is not None:
@@ -317,14 +329,14 @@ def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> Non
     fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     caller = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(fwd, pool=graphs._pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(fwd, pool=graphs._pool, stream=stream):
             with torch.set_grad_enabled(grad):
                 outs = entry.body()
         statics = None
         if grad:
             diff = [o for o in outs if o.requires_grad]
             grads_out = [torch.empty_like(o) for o in diff]
-            with torch.cuda.graph(bwd, pool=graphs._pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(bwd, pool=graphs._pool, stream=stream):
                 statics = _grads(diff, grads_out, params)
         else:
             grads_out = []
