@@ -42,6 +42,7 @@ BENCHMARKS = {
     "kernels": ("bench_kernels.py", _file_args("kernels")),
     "invariance": ("bench_invariance.py", _file_args("invariance")),
     "moe": ("bench_moe.py", _file_args("moe")),
+    "deltanet": ("bench_deltanet.py", _file_args("deltanet")),
 }
 
 

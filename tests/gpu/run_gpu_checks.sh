@@ -29,4 +29,5 @@ want bench_step && step bench_step python3 benchmarks/bench_step.py --out "$OUT/
 want bench_moe && step bench_moe python3 benchmarks/bench_moe.py --out "$OUT/moe.json" ${BENCH_MOE_ARGS:-}
 want bench_invariance && step bench_invariance python3 benchmarks/bench_invariance.py --out "$OUT/invariance.json" ${BENCH_INV_ARGS:-}
 want bench_transforms && step bench_transforms python3 benchmarks/bench_transforms.py --out "$OUT/transforms.json" ${BENCH_TR_ARGS:-}
+want bench_deltanet && step bench_deltanet python3 benchmarks/bench_deltanet.py --out "$OUT/deltanet.json" ${BENCH_DN_ARGS:-}
 exit $status

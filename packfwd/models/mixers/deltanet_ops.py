@@ -24,12 +24,15 @@ operators take one rank's whole sequences only.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..._validate import check_positive_int, check_tensor
 from ...layout.rules import round_up
+from . import deltanet_cuda as _cuda
 
 __all__ = ["causal_conv1d_packed", "chunk_gated_delta_rule_packed", "l2norm", "sequence_rows"]
 
@@ -66,7 +69,13 @@ def causal_conv1d_packed(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seql
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"x must be [t, c] and weight [c, w], got {tuple(x.shape)} and {tuple(weight.shape)}; "
                          "for an nn.Conv1d weight [c, 1, w] pass weight.squeeze(1)")
-    _, pos, real = sequence_rows(cu_seqlens, x.shape[0], cu_seqlens_padded)
+    if activation not in ("silu", "swish", None):
+        raise ValueError(f"activation={activation!r} is not supported; pass 'silu' (transformers' hidden_act) or None")
+    seq, pos, real = sequence_rows(cu_seqlens, x.shape[0], cu_seqlens_padded)
+    if _cuda.fla_takes(x, weight, bias, op="conv") and x.shape[0] and cu_seqlens.numel() > 1:
+        starts, lengths = _starts_lengths(cu_seqlens, cu_seqlens_padded)
+        layout = _cuda.chunk_layout(starts, lengths, pos, seq, real, _cuda.CONV_CHUNK)
+        return _cuda.conv1d_fla(x, weight, bias, layout, activation)
     dtype = torch.promote_types(x.dtype, weight.dtype)
     xs = x.to(dtype)
     w = weight.shape[1]
@@ -76,10 +85,8 @@ def causal_conv1d_packed(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seql
         out = out + torch.where((pos >= j)[:, None], shifted, 0) * weight[:, w - 1 - j].to(dtype)
     if bias is not None:
         out = out + bias.to(dtype)
-    if activation in ("silu", "swish"):
+    if activation is not None:
         out = F.silu(out)
-    elif activation is not None:
-        raise ValueError(f"activation={activation!r} is not supported; pass 'silu' (transformers' hidden_act) or None")
     return torch.where(real[:, None], out, 0).to(x.dtype)
 
 
@@ -122,6 +129,20 @@ def chunk_gated_delta_rule_packed(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
                          f"[t, hv, dv] with hv a multiple of hk; g {tuple(g.shape)} and beta {tuple(beta.shape)} [t, hv]")
     check_positive_int("chunk_size", chunk_size, "pass e.g. chunk_size=64")
     starts, lengths = _starts_lengths(cu_seqlens, cu_seqlens_padded)
+    args = (cu_seqlens, cu_seqlens_padded, starts, lengths, chunk_size, max_seqlen, scale, use_qk_l2norm_in_kernel)
+    if _cuda.fla_takes(q, k, v, g, beta, chunk_size=chunk_size) and v.shape[0] and lengths.numel():
+        seq, pos, real = sequence_rows(cu_seqlens, v.shape[0], cu_seqlens_padded)
+        layout = _cuda.chunk_layout(starts, lengths, pos, seq, real, chunk_size)
+        return _cuda.delta_rule_fla(q, k, v, g, beta, layout, chunk_size,
+                                    k.shape[-1] ** -0.5 if scale is None else scale, use_qk_l2norm_in_kernel,
+                                    functools.partial(_delta_rule_torch, args=args))
+    return _delta_rule_torch(q, k, v, g, beta, args=args)
+
+
+def _delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, args: tuple) -> Tensor:
+    """The torch path of :func:`chunk_gated_delta_rule_packed` (``args``: its validated arguments, in order)."""
+    cu_seqlens, cu_seqlens_padded, starts, lengths, chunk_size, max_seqlen, scale, use_qk_l2norm_in_kernel = args
+    hk, hv = k.shape[1], v.shape[1]
     if max_seqlen is None:
         max_seqlen = int(lengths.max()) if lengths.numel() else 0  # the one host sync; pass max_seqlen to avoid it
     s = max(round_up(max_seqlen, chunk_size), chunk_size)
@@ -170,10 +191,13 @@ def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk:
     chunk_decay = cum[..., -1].exp()[..., None, None]
     state = q.new_zeros(n, h, dk, dv)
     outs = []
-    for i in range(s // chunk):  # the chunks of the longest sequence, every sequence at once
-        v_new = new_v[:, :, i] - k_cum[:, :, i] @ state
-        outs.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    # the chunks of the longest sequence, every sequence at once; unbound once, not indexed per step (the backward
+    # of an index writes a whole zero tensor per step: quadratic in the chunks)
+    for new_v_i, k_cum_i, q_i, intra_i, decay_i, k_i in zip(*(x.unbind(2) for x in (new_v, k_cum, q, intra,
+                                                                                    chunk_decay, k))):
+        v_new = new_v_i - k_cum_i @ state
+        outs.append(q_i @ state + intra_i @ v_new)
+        state = state * decay_i + k_i.transpose(-1, -2) @ v_new
     return torch.stack(outs, 2).reshape(n, h, s, dv).transpose(1, 2)
 
 

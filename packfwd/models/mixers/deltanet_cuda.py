@@ -1,0 +1,175 @@
+"""Gated DeltaNet's two sequence operators on CUDA: flash-linear-attention's (fla's) varlen Triton kernels for the
+forward, and for the delta rule a backward of packfwd's own.
+
+:mod:`~packfwd.models.mixers.deltanet_ops` calls this module when :func:`fla_takes` says so: CUDA tensors of
+float32, bfloat16 or float16, fla importable (an optional dependency, imported on first use), and the switch
+``PACKFWD_DELTANET=torch`` not set (it forces the torch path).  Anything else takes the torch path, which is exact.
+
+The layout fla runs on.  fla's varlen kernels split each sequence into chunks and find them through a chunk index
+it builds from ``cu_seqlens`` on the host (a host sync per call).  Here every sequence is instead gathered to a
+chunk-aligned buffer of ``nt = t // chunk + n + 1`` whole chunks, a number known on the host::
+
+    cu_seqlens = [0, 3, 4], chunk 2      a0 a1 a2 | b0          packed, t = 4
+    aligned, nt = 4 chunks               a0 a1 | a2 .  | b0 .  | .  .     fla's cu_seqlens [0, 4, 6, 8]
+
+(``.``: a zero row; the last boundary closes a tail sequence of zero rows that takes the unused chunks).  Sequence
+``i`` starts at chunk ``sum(ceil(len_j / chunk), j < i)``, so its chunk index is built on the device and no call
+syncs.  A sequence keeps its chunks as fla would cut them packed, so
+each sequence's bits are those of running it alone; pad rows (``cu_seqlens_padded``) are never read, and come out
+zero as on the torch path.
+
+The delta rule's backward.  fla's own backward refuses on Hopper with Triton < 3.7.1 (its ``chunk_bwd_dqkwg``
+kernel is miscompiled there), so :class:`_DeltaRule` keeps only the inputs from fla's forward and, in the backward,
+runs the torch path again under autograd: the gradients are those of the torch path bit for bit (the torch path's
+float32 chunk scan, batched over sequences, one loop step per chunk of the longest sequence).  It costs the torch
+path's forward and backward (``benchmarks/bench_deltanet.py`` measures it against fla's forward) and holds the
+inputs only, not fla's intermediates.  Without ``max_seqlen`` the backward makes the torch path's one host sync.
+The convolution's backward is fla's (a Triton kernel that holds on Hopper; tested against the torch path).
+
+fla is wrapped in ``torch.compiler.disable``: a compiled forward breaks its graph around it (``fullgraph=True``
+needs the torch path).  fla's intra-card context parallelism (``FLA_INTRACARD_CP``, inference mode only) splits
+long sequences on its own and must stay off for batch invariance.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ...ops.gather import gather_rows
+
+__all__ = ["CONV_CHUNK", "ChunkLayout", "SWITCH", "chunk_layout", "conv1d_fla", "delta_rule_fla", "fla_takes"]
+
+SWITCH = "PACKFWD_DELTANET"  # environment variable: "torch" forces the torch path on CUDA too
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLA_CHUNKS = (16, 32, 64)  # the chunk sizes fla's gated delta rule takes
+CONV_CHUNK = 64  # the chunk of the layout fla's convolution runs on (its rows per program)
+_MAX_HEAD_DIM = 256  # fla's state kernels tile the key dimension in up to four blocks of 64
+
+
+@functools.lru_cache(maxsize=None)
+def _fla():
+    """fla's ``(chunk_gated_delta_rule, causal_conv1d)``, or None when absent."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:  # not installed, or without Triton
+        return None
+    return chunk_gated_delta_rule, causal_conv1d
+
+
+def fla_takes(*tensors: Tensor | None, op: str = "rule", chunk_size: int = 64) -> bool:
+    """Whether the ``op`` (``"rule"`` or ``"conv"``) over ``tensors`` runs on fla: all on CUDA, floating point of
+    float32 / bfloat16 / float16 (the rule: q, k, v of one dtype, head dims up to 256, ``chunk_size`` 16, 32 or 64;
+    the convolution: one dtype for x, weight and bias), fla importable, and ``PACKFWD_DELTANET`` not ``torch``.
+
+    >>> fla_takes(torch.zeros(2, 1, 4), op="conv")  # a CPU tensor: the torch path
+    False
+    """
+    present = [x for x in tensors if x is not None]
+    if os.environ.get(SWITCH, "").lower() == "torch" or not all(x.is_cuda and x.dtype in _DTYPES for x in present):
+        return False
+    if op == "rule":
+        q, k, v = present[:3]
+        if not (q.dtype == k.dtype == v.dtype and chunk_size in _FLA_CHUNKS and k.shape[-1] <= _MAX_HEAD_DIM
+                and v.shape[-1] <= _MAX_HEAD_DIM):
+            return False
+    elif len({x.dtype for x in present}) != 1:
+        return False
+    return _fla() is not None
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where the rows of a packed ``[t, *]`` buffer go in the chunk-aligned buffer of ``nt * chunk`` rows fla runs
+    on (see the module docstring), all on the device.
+
+    ``index: [nt * chunk]``: the packed row each aligned row reads, -1 for a zero row; ``inverse: [t]``: the
+    aligned row of each packed row, -1 for a pad (which comes out zero); both int64, each the other's inverse (the
+    gathers of :mod:`packfwd.ops.gather`).  ``cu_seqlens: [n + 2]`` int32 and ``chunk_indices: [nt, 2]``: fla's
+    description of the aligned buffer."""
+
+    index: Tensor
+    inverse: Tensor
+    cu_seqlens: Tensor
+    chunk_indices: Tensor
+
+    def gather(self, x: Tensor) -> Tensor:
+        """``x: [t, *]`` -> ``[1, nt * chunk, *]``, zero rows where nothing is read."""
+        return gather_rows([x], self.index, self.inverse).unsqueeze(0)
+
+    def scatter(self, y: Tensor) -> Tensor:
+        """``y: [1, nt * chunk, *]`` -> ``[t, *]``, pad rows zero."""
+        return gather_rows([y[0]], self.inverse, self.index)
+
+
+def chunk_layout(starts: Tensor, lengths: Tensor, pos: Tensor, seq: Tensor, real: Tensor, chunk: int) -> ChunkLayout:
+    """The :class:`ChunkLayout` of ``n`` sequences (``starts, lengths: [n]`` int64, their first packed rows and real
+    lengths) for a packed buffer whose rows have sequence ``seq``, position ``pos`` and realness ``real`` (``[t]``,
+    from :func:`~packfwd.models.mixers.deltanet_ops.sequence_rows`).  Device ops only: no host sync."""
+    t, n = pos.shape[0], starts.shape[0]
+    nt = t // chunk + n + 1  # >= sum(ceil(len / chunk)) + 1: a tail of at least one chunk takes the rest
+    chunks = (lengths + chunk - 1) // chunk
+    first = torch.nn.functional.pad(chunks.cumsum(0), (1, 0))  # [n + 1]: each sequence's first chunk; the tail's
+    row = torch.arange(nt * chunk, device=pos.device)
+    owner = torch.searchsorted(first, row // chunk, right=True) - 1  # in [0, n]; n: the tail
+    offset = row - first[owner] * chunk
+    owner_seq = owner.clamp(max=max(n - 1, 0))
+    filled = (owner < n) & (offset < lengths[owner_seq])
+    index = torch.where(filled, starts[owner_seq] + offset, -1)
+    inverse = torch.where(real, first[seq] * chunk + pos, -1)
+    cu = torch.cat((first * chunk, first.new_full((1,), nt * chunk))).to(torch.int32)
+    block = owner[::chunk]  # fla's chunk index: (sequence, chunk within it) of every chunk, the tail's included
+    chunk_indices = torch.stack((block, torch.arange(nt, device=pos.device) - first[block]), 1).to(torch.int32)
+    return ChunkLayout(index, inverse, cu, chunk_indices)
+
+
+def conv1d_fla(x: Tensor, weight: Tensor, bias: Tensor | None, layout: ChunkLayout, activation: str | None) -> Tensor:
+    """The causal convolution of packed ``x: [t, c]`` (``weight: [c, w]``) by fla's varlen kernel over ``layout``
+    (chunk 64), forward and backward through fla: ``[t, c]``, pad rows zero."""
+    causal_conv1d = _fla()[1]
+    y, _ = causal_conv1d(layout.gather(x), weight, bias, activation=activation, cu_seqlens=layout.cu_seqlens,
+                         chunk_indices=layout.chunk_indices)
+    return layout.scatter(y)
+
+
+def delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, layout: ChunkLayout, chunk: int,
+                   scale: float, l2norm: bool, reference: Callable[..., Tensor]) -> Tensor:
+    """The gated delta rule of packed ``q, k: [t, hk, dk]``, ``v: [t, hv, dv]``, ``g, beta: [t, hv]`` by fla's
+    varlen forward over ``layout``; the backward is autograd of ``reference(q, k, v, g, beta)`` (the torch path,
+    same arguments, same result within rounding).  ``[t, hv, dv]`` in ``v``'s dtype, pad rows zero."""
+    chunk_rule = _fla()[0]
+
+    def run(q, k, v, g, beta):
+        o, _ = chunk_rule(layout.gather(q), layout.gather(k), layout.gather(v), layout.gather(g),
+                          layout.gather(beta), scale=scale, use_qk_l2norm_in_kernel=l2norm,
+                          cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices, chunk_size=chunk)
+        return layout.scatter(o).to(v.dtype)
+
+    return _DeltaRule.apply(q, k, v, g, beta, run, reference)
+
+
+class _DeltaRule(torch.autograd.Function):
+    """``run(q, k, v, g, beta)`` forward (fla's kernels, or in the CPU tests the torch path itself); the backward
+    recomputes ``reference`` (the torch path) under autograd from the saved inputs and returns its gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, run, reference):
+        ctx.save_for_backward(q, k, v, g, beta)
+        ctx.reference = reference
+        return run(q, k, v, g, beta)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+        wanted = [x for x in inputs if x.requires_grad]
+        with torch.enable_grad():
+            out = ctx.reference(*inputs)
+            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        return (*(next(grads) if x.requires_grad else None for x in inputs), None, None)
