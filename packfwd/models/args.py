@@ -3,7 +3,8 @@
 Each field belongs to one owner, which checks it and says what it becomes: the model's own (sizes, norm eps, RoPE
 theta, biases on every linear, embeddings, value head, MTP depths, ``fused``), the token mixer's
 (:mod:`packfwd.models.mixers`: softmax attention's ``num_query_groups``, ``head_dim``, ``qkv_bias``, ``qk_norm``,
-``rotary_percent``, ``rope_scaling_factor``, ``mrope_section``; latent attention's ``mla``) and the MLP's
+``rotary_percent``, ``rope_scaling_factor``, ``mrope_section``, ``attention_windows``, ``attention_sinks``,
+``rope_yarn``; latent attention's ``mla``) and the MLP's
 (:mod:`packfwd.models.mlp`: ``ffn_hidden_size``; ``moe``).  ``__post_init__`` checks the model's fields and asks
 the layer components to check theirs; nothing here branches on a component's kind.  No Megatron-Core.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .families import FAMILIES, family
-from .mixers import Mla, mixer
+from .mixers import Mla, Yarn, mixer
 from .mlp import DENSE, mlp_kind
 
 __all__ = ["ModelArgs"]
@@ -59,6 +60,10 @@ class ModelArgs:
     family: str = "llama"  # the entry of packfwd.models.families.FAMILIES: its HF names and config reading
     moe: Any = None  # a Mixture-of-Experts MLP (Moe; but on moe.dense_layers); None: dense SwiGLU everywhere
     mla: Mla | None = None  # multi-head latent attention (DeepSeek-V3; packfwd.models.mixers.latent); None: softmax
+    attention_windows: tuple[int | None, ...] | None = None  # per layer: a sliding window of W tokens (a query and
+    #  the W - 1 before it, transformers' sliding_window) or None (full); None: every layer full (GPT-OSS)
+    attention_sinks: bool = False  # a learned logit per head in every softmax denominator (GPT-OSS's sinks)
+    rope_yarn: Yarn | None = None  # YaRN RoPE scaling of softmax attention (GPT-OSS)
     fused: bool = True  # packfwd's fused kernels on CUDA (RMSNorm, SwiGLU, THD RoPE; same weights, numbers within
     #  rounding, the torch path elsewhere); False: Megatron-Core's plain modules, for checking
 

@@ -10,7 +10,7 @@ from ..mixers import MLA, Mla, Yarn
 from ..mlp.moe import Moe
 from .entry import Family
 
-__all__ = ["FAMILY", "HF_NAMES", "deepseek_moe_fields", "read_attention", "read_mla", "read_moe"]
+__all__ = ["FAMILY", "HF_NAMES", "deepseek_moe_fields", "read_attention", "read_mla", "read_moe", "read_yarn"]
 
 # The config flag each Moe field is read from (what a refusal names).
 HF_NAMES = dict(num_experts="n_routed_experts", top_k="num_experts_per_tok", ffn_hidden_size="moe_intermediate_size",
@@ -46,22 +46,32 @@ def read_mla(cfg) -> Mla:
                          "qk_rope_head_dim channels; set it to 1.0 (or leave it out)")
     yarn = None
     if kind == "yarn":
-        unknown = sorted(set(params) - _YARN_KEYS)
-        if unknown:
-            raise ValueError(f"rope_parameters keys {unknown} are not read by packfwd's YaRN; drop them")
-        if params.get("factor") is None:
-            raise ValueError("rope_parameters['factor'] is None: packfwd's YaRN needs the scaling factor given "
-                             "(transformers' softmax correction reads it too); set it")
-        yarn = Yarn(factor=float(params["factor"]),
-                    original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                    mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
-                    attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
+        yarn = read_yarn(params)
     elif kind != "default":
         raise ValueError(f"rope_type={kind!r}: packfwd builds DeepSeek-V3's RoPE as 'default' or 'yarn'; use one")
     return Mla(kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank,
                rope_interleave=bool(getattr(cfg, "rope_interleave", True)), yarn=yarn)
+
+
+def read_yarn(params: dict) -> Yarn:
+    """The :class:`Yarn` of a config's ``rope_parameters`` of ``rope_type="yarn"`` (DeepSeek-V3's, GPT-OSS's);
+    ValueError for keys packfwd's YaRN does not read and for a missing ``factor``.
+
+    >>> read_yarn(dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, truncate=False)).truncate
+    False
+    """
+    unknown = sorted(set(params) - _YARN_KEYS)
+    if unknown:
+        raise ValueError(f"rope_parameters keys {unknown} are not read by packfwd's YaRN; drop them")
+    if params.get("factor") is None:
+        raise ValueError("rope_parameters['factor'] is None: packfwd's YaRN needs the scaling factor given "
+                         "(transformers' softmax correction reads it too); set it")
+    return Yarn(factor=float(params["factor"]),
+                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+                attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)))
 
 
 def deepseek_moe_fields(cfg) -> dict | None:

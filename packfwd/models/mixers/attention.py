@@ -4,8 +4,8 @@
 Engine's): ``SelfAttention`` builds it with Megatron's keywords plus the spec's params (the varlen backend and
 the RoPE of THD batches, :mod:`packfwd.models.runtime.spec`), and calls it with the projected query, key and value.  It
 computes attention with :func:`packfwd.models.mixers.varlen.varlen_attention`, and under context parallelism with
-:func:`packfwd.parallel.context_parallel_attention`.  A plain ``torch.nn.Module`` without parameters: this file
-never imports Megatron-Core.
+:func:`packfwd.parallel.context_parallel_attention`.  A plain ``torch.nn.Module`` whose one parameter, with
+sinks (GPT-OSS), is Megatron-Core's ``softmax_offset``: this file never imports Megatron-Core.
 """
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ class CoreAttention(torch.nn.Module):
 
     ``attention_mask`` must be None: the causal mask is implied, and padding is removed by packing.
 
+    Megatron-Core's config fields of GPT-OSS attention are read as its ``DotProductAttention`` reads them: a
+    sliding window (``config.window_size = (w, 0)`` on the layers ``config.window_attn_skip_freq`` marks: a query
+    sees its own sequence's keys at most ``w`` positions back, counted inside that sequence in THD, BSHD and under
+    context parallelism) and sinks (``config.softmax_type``: ``"learnable"``, the parameter ``softmax_offset
+    [heads / tp]`` of one logit per head added to every softmax denominator; ``"off-by-one"``, zeros).  Both are
+    computed by a varlen backend that honours them (:mod:`packfwd.models.mixers.varlen`).
+
     >>> from types import SimpleNamespace
     >>> config = SimpleNamespace(attention_dropout=0.0, window_size=None, kv_channels=8)
     >>> attn = CoreAttention(config, layer_number=1, attn_mask_type=SimpleNamespace(name="causal"))
@@ -63,8 +70,7 @@ class CoreAttention(torch.nn.Module):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"attention_dropout={dropout}: packfwd's core attention has no dropout; set it to 0.0")
-        if getattr(config, "window_size", None) is not None:
-            raise ValueError("packfwd's core attention is full causal attention; set config.window_size=None")
+        self.window = _layer_window(config, layer_number)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None")
         self.layer_number = layer_number
@@ -76,6 +82,11 @@ class CoreAttention(torch.nn.Module):
         # RoPE of THD batches (packfwd.models.mixers.rope.PackedRope, from the layer spec): applied here, with no host
         # sync, instead of Megatron-Core's per-sequence THD RoPE.  None: q and k arrive rotated.
         self.rope = rope
+        offset = _sinks(config)  # a Parameter [heads / tp] (learnable), zeros (off-by-one: a buffer), or None
+        if offset is None or isinstance(offset, torch.nn.Parameter):
+            self.softmax_offset = offset
+        else:
+            self.register_buffer("softmax_offset", offset, persistent=False)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -101,7 +112,8 @@ class CoreAttention(torch.nn.Module):
         cp_size, cp_rank, group = self.cp_place(params)
         if self.rope is not None:
             q, k = self.rope(q, k, cu_q, cp_size, cp_rank, positions=getattr(params, "position_ids", None))
-        attn = functools.partial(varlen_attention, backend=self.backend)
+        attn = functools.partial(varlen_attention, backend=self.backend, window=self.window,
+                                 sinks=self.softmax_offset)
         if cp_size > 1:
             if not causal:
                 raise ValueError("context-parallel attention is causal only; use attn_mask_type=causal")
@@ -134,8 +146,49 @@ class CoreAttention(torch.nn.Module):
             return x.transpose(0, 1).reshape(b * s, *x.shape[2:])
 
         out = varlen_attention(flat(q), flat(k), flat(v), rows, rows, s, s, causal, self.softmax_scale,
-                               backend=self.backend)
+                               backend=self.backend, window=self.window, sinks=self.softmax_offset)
         return out.reshape(b, s, -1).transpose(0, 1)
+
+
+def _layer_window(config, layer_number: int) -> int | None:
+    """The sliding window ``w`` of layer ``layer_number`` (1-based) as Megatron-Core's config gives it
+    (``window_size = (w, 0)`` on the layers ``window_attn_skip_freq`` marks: an int N, every layer but each N-th;
+    a list, 1 for a windowed layer), or None (full causal attention)."""
+    size = getattr(config, "window_size", None)
+    if not size:
+        return None
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if isinstance(skip, int) and not isinstance(skip, bool):
+        windowed = layer_number % skip != 0
+    elif skip is None or isinstance(skip, (list, tuple)):
+        windowed = skip is None or bool(skip[layer_number - 1])
+    else:
+        raise ValueError(f"config.window_attn_skip_freq={skip!r}: pass None, an int or a list of 0/1 per layer")
+    left, right = size
+    if right != 0 or isinstance(left, bool) or not isinstance(left, int) or left < -1:
+        raise ValueError(f"config.window_size={tuple(size)}: packfwd's core attention is causal, its window (w, 0) "
+                         "with w >= 0 (or -1: none); pass one of them or window_size=None")
+    return left if windowed and left >= 0 else None
+
+
+def _sinks(config):
+    """The core attention's sink logits of ``config.softmax_type`` (Megatron-Core's ``DotProductAttention``'s
+    ``softmax_offset``): a parameter of one logit per local head (learnable; initialised by ``config.init_method``
+    when ``config.perform_initialization``), zeros (off-by-one), or None (vanilla)."""
+    kind = getattr(config, "softmax_type", "vanilla")
+    if kind == "vanilla":
+        return None
+    heads = config.num_attention_heads // config.tensor_model_parallel_size
+    if kind == "off-by-one":
+        return torch.zeros(heads, dtype=config.params_dtype)
+    if kind != "learnable":
+        raise ValueError(f"config.softmax_type={kind!r}: pass 'vanilla', 'off-by-one' or 'learnable'")
+    offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+    if config.perform_initialization:
+        config.init_method(offset.data)
+    # split over tensor parallelism by heads, as Megatron-Core's sharded state dict says (grad-norm clipping reads it)
+    offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride = True, 0, 1
+    return offset
 
 
 def _is_causal(mask_type) -> bool:

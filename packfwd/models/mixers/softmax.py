@@ -4,8 +4,12 @@ DeepSeek-V3, as one component (:class:`~packfwd.models.component.Component`).
 It owns these :class:`~packfwd.models.args.ModelArgs` fields, their checks, their Megatron-Core config fields and
 their HF weights: ``num_query_groups`` (kv heads), ``head_dim``, ``qkv_bias`` (a bias on q, k and v only: Qwen2),
 ``qk_norm`` (RMSNorm over ``head_dim`` on q and k before RoPE: Qwen3), ``rotary_percent`` (partial RoPE: GLM-4.5),
-``rope_scaling_factor`` (Llama-3) and ``mrope_section`` (multimodal RoPE: Qwen2-VL).  A family reads them from its
-HF config with :func:`hf_attention_fields`.
+``rope_scaling_factor`` (Llama-3), ``mrope_section`` (multimodal RoPE: Qwen2-VL), and GPT-OSS's
+``attention_windows`` (per layer a sliding window of W tokens or full attention: Megatron-Core's ``window_size =
+(W - 1, 0)`` with ``window_attn_skip_freq`` one flag per layer), ``attention_sinks`` (``softmax_type =
+"learnable"``: the core attention's ``softmax_offset``) and ``rope_yarn`` (YaRN's inverse frequencies in the
+rotary module; its cos/sin factor ``f``, which multiplies q and k alike, folded into the softmax scale as ``f**2``:
+the same scores).  A family reads them from its HF config with :func:`hf_attention_fields` (and its own readers).
 
 Layer spec (names as in the state dict): Megatron-Core's ``SelfAttention`` with packfwd's core attention::
 
@@ -19,12 +23,14 @@ Weights (``ng`` query groups, ``r = heads / ng``, ``d`` head dim; HF under ``mod
     linear_qkv.weight  [ng * (r + 2) * d, hidden]   q_proj, k_proj, v_proj: per group its r query heads, k_g, v_g
     linear_proj.weight [hidden, heads * d]          o_proj (TP: columns)
     q_layernorm.weight [d]                          q_norm (k_layernorm: k_norm; replicated: every head has it)
+    core_attention.softmax_offset [heads]           sinks (TP: its heads)
 """
 
 from __future__ import annotations
 
 from ..component import Component
 from ..mapping import Weight
+from .latent import Yarn, yarn_inv_freq
 from .rotary import check_mrope_section, check_rotary_percent
 
 __all__ = ["SOFTMAX", "SoftmaxAttention", "hf_attention_fields"]
@@ -37,6 +43,7 @@ def _qkv(suffix: str) -> tuple[str, str, str]:
 _QKV_BIAS = lambda args: args.qkv_bias or args.linear_bias  # noqa: E731  (Megatron-Core: add_qkv_bias or all)
 _LINEAR_BIAS = lambda args: args.linear_bias  # noqa: E731
 _QK_NORM = lambda args: args.qk_norm  # noqa: E731
+_SINKS = lambda args: args.attention_sinks  # noqa: E731
 
 # One layer's attention weights: Megatron-Core (under decoder.layers.{j}.) <- HF (under model.layers.{i}.).
 WEIGHTS = (
@@ -46,6 +53,7 @@ WEIGHTS = (
     Weight("self_attention.linear_proj.bias", "self_attn.o_proj.bias", when=_LINEAR_BIAS),
     Weight("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", when=_QK_NORM),
     Weight("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", when=_QK_NORM),
+    Weight("self_attention.core_attention.softmax_offset", "self_attn.sinks", "rows", when=_SINKS),
 )
 
 
@@ -83,7 +91,7 @@ class SoftmaxAttention(Component):
 
     name = "softmax attention"
     fields = ("num_query_groups", "head_dim", "qkv_bias", "qk_norm", "rotary_percent", "rope_scaling_factor",
-              "mrope_section")
+              "mrope_section", "attention_windows", "attention_sinks", "rope_yarn")
     config_class = "TransformerConfig"  # Megatron-Core's config class of a model of this mixer
     rotates_itself = False  # Megatron-Core's _preprocess computes the BSHD angles (MLA's module rotates itself)
 
@@ -105,11 +113,49 @@ class SoftmaxAttention(Component):
             if args.rope_scaling_factor is not None or args.mtp_num_layers:
                 raise ValueError("mrope_section with rope_scaling_factor or mtp_num_layers: multimodal RoPE is built "
                                  "without Llama-3 scaling and without MTP layers; drop one of them")
+        self._check_gpt_oss_fields(args)
+
+    @staticmethod
+    def _check_gpt_oss_fields(args) -> None:
+        """``attention_windows``, ``attention_sinks``, ``rope_yarn`` (GPT-OSS's)."""
+        if not isinstance(args.attention_sinks, bool):
+            raise TypeError(f"ModelArgs.attention_sinks must be True or False, got {args.attention_sinks!r}")
+        if args.rope_yarn is not None:
+            if not isinstance(args.rope_yarn, Yarn):
+                raise TypeError(f"ModelArgs.rope_yarn must be a packfwd.models.mixers.Yarn or None, got "
+                                f"{type(args.rope_yarn).__name__}")
+            if args.rope_scaling_factor is not None or args.mrope_section is not None:
+                raise ValueError("rope_yarn with rope_scaling_factor or mrope_section: one RoPE scaling at a time; "
+                                 "drop one of them")
+        windows = args.attention_windows
+        if windows is None:
+            return
+        windows = tuple(windows)
+        if len(windows) != args.num_layers or any(
+                w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows):
+            raise ValueError(f"ModelArgs.attention_windows={args.attention_windows!r}: pass one entry per layer "
+                             f"({args.num_layers}), each a window of W >= 1 tokens or None (full attention)")
+        if len({w for w in windows if w is not None}) > 1:
+            raise ValueError(f"ModelArgs.attention_windows={windows}: Megatron-Core's config has one window_size for "
+                             "every windowed layer; give them one W")
+        if args.mtp_num_layers and any(w is not None for w in windows):
+            raise ValueError("attention_windows with mtp_num_layers: packfwd builds MTP layers with full attention "
+                             "only; pass mtp_num_layers=0")
+        object.__setattr__(args, "attention_windows", windows)
 
     def config_fields(self, args) -> dict:
-        return dict(num_query_groups=args.query_groups, kv_channels=args.kv_channels, qk_layernorm=args.qk_norm,
-                    add_qkv_bias=args.qkv_bias,
-                    mrope_section=list(args.mrope_section) if args.mrope_section is not None else None)
+        fields = dict(num_query_groups=args.query_groups, kv_channels=args.kv_channels, qk_layernorm=args.qk_norm,
+                      add_qkv_bias=args.qkv_bias,
+                      mrope_section=list(args.mrope_section) if args.mrope_section is not None else None)
+        sizes = {w for w in args.attention_windows or () if w is not None}
+        if sizes:  # Megatron-Core's fields, read by packfwd's core attention as by its DotProductAttention
+            fields.update(window_size=(sizes.pop() - 1, 0),
+                          window_attn_skip_freq=[int(w is not None) for w in args.attention_windows])
+        if args.attention_sinks:
+            fields.update(softmax_type="learnable")
+        if args.rope_yarn is not None:  # cos and sin times f: every score times f**2 (module docstring)
+            fields.update(softmax_scale=args.kv_channels**-0.5 * args.rope_yarn.cos_sin_factor() ** 2)
+        return fields
 
     def tp_widths(self, args) -> tuple[tuple[str, int], ...]:
         return (("num_query_groups", args.query_groups), ("num_attention_heads", args.num_attention_heads))
@@ -154,6 +200,10 @@ class SoftmaxAttention(Component):
                       rope_scaling_factor=args.rope_scaling_factor or 8.0)
         if args.mrope_section is None:
             rotary = PackedRotaryEmbedding(**kwargs)
+            rotary.yarn = args.rope_yarn  # what model_args reads back
+            if args.rope_yarn is not None:  # Megatron-Core's table and PackedRope read these frequencies
+                rotary.inv_freq = yarn_inv_freq(args.rope_yarn, args.rope_theta, rotary.inv_freq.numel() * 2).to(
+                    rotary.inv_freq.device)
             return rotary, PackedRope(rotary, fused=args.fused) if packed else None
         if not packed:
             raise ValueError(

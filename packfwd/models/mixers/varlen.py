@@ -25,6 +25,15 @@ All follow flash-attn's semantics: grouped-query attention when ``h_kv`` divides
 ``seqlen_q != seqlen_k`` the causal mask is aligned to the bottom-right corner (query ``i`` of a sequence sees
 keys ``j <= i + seqlen_k - seqlen_q``); a query that sees no key outputs zeros.
 
+Sliding windows and sinks (GPT-OSS; keyword arguments of :func:`varlen_attention`): ``window=w`` lets a query see
+only the keys at most ``w`` positions before it in its own sequence (flash-attn's ``window_size=(w, 0)``, aligned
+bottom-right as the causal mask is: query ``i`` sees keys ``i + seqlen_k - seqlen_q - w <= j <= i + seqlen_k -
+seqlen_q``; transformers' ``sliding_window`` W is ``w = W - 1``); ``sinks=[h]`` adds ``exp(sinks[head])`` to every
+softmax denominator of that query head (a learned logit with no value: the weights of the real keys sum to less
+than 1).  Only the reference computes them (``BACKEND_FEATURES``): with either given the automatic choice is the
+reference on every device (on CUDA with a one-time warning: it pads to ``max_seqlen``), and a named backend that
+cannot honour them raises.
+
 Automatic choice (``backend=None``): the first CUDA backend present for fp16/bf16 inputs on CUDA, else the
 reference.  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
 reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2`` per head, against
@@ -49,9 +58,11 @@ from torch import Tensor
 
 from packfwd.layout.rules import round_up
 
-__all__ = ["BACKENDS", "available_backends", "varlen_attention", "varlen_attention_reference"]
+__all__ = ["BACKENDS", "BACKEND_FEATURES", "available_backends", "varlen_attention", "varlen_attention_reference"]
 
 BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "reference")
+# What each backend computes beyond plain (causal) attention: a sliding window, per-head sinks (module docstring).
+BACKEND_FEATURES = {"flash_attn": (), "torch_varlen": (), "cudnn": (), "reference": ("window", "sinks")}
 _AUTOMATIC = ("flash_attn", "torch_varlen")  # the CUDA kernels the automatic choice takes, best first
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -108,8 +119,11 @@ def _kernels() -> dict:
     return _KERNELS
 
 
-def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend that runs inputs of ``dtype`` on ``device``: ``backend`` checked, or the automatic choice."""
+def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype, features: tuple[str, ...] = ()) -> str:
+    """The backend that runs inputs of ``dtype`` on ``device``: ``backend`` checked, or the automatic choice;
+    ``features``: what the call needs beyond plain attention (``"window"``, ``"sinks"``: ``BACKEND_FEATURES``)."""
+    if features:
+        return _resolve_features(backend, device, dtype, features)
     usable = available_backends(device)
     if backend is None:
         automatic = [name for name in usable if name in _AUTOMATIC]
@@ -130,6 +144,38 @@ def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> s
             "the inputs to CUDA, or pass backend=None"
         )
     return backend
+
+
+def _resolve_features(backend: str | None, device: torch.device, dtype: torch.dtype, features: tuple[str, ...]) -> str:
+    """The backend of a call with a sliding window or sinks: the first usable one that honours them (None), or
+    ``backend`` when it does; never one that would drop them."""
+    honours = [name for name in available_backends(device) if set(features) <= set(BACKEND_FEATURES[name])]
+    if backend is None:
+        name = honours[0]  # the reference honours every feature
+        if name == "reference" and device.type == "cuda" and not torch.compiler.is_compiling():
+            _warn_reference_features(features)
+        return name
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None (automatic)")
+    if backend not in honours:
+        raise ValueError(f"backend={backend!r} cannot compute attention with {' and '.join(features)} (what each "
+                         f"backend honours: {BACKEND_FEATURES}); pass backend=None or one of {honours}")
+    return backend
+
+
+_WARNED_FEATURES: set = set()
+
+
+def _warn_reference_features(features: tuple[str, ...]) -> None:
+    if features in _WARNED_FEATURES:
+        return
+    _WARNED_FEATURES.add(features)
+    warnings.warn(
+        f"packfwd attention: {' and '.join(features)} on CUDA run on the pure-PyTorch 'reference' backend (no CUDA "
+        "kernel of packfwd's honours them yet), which pads every sequence to max_seqlen (memory and work ~ n * "
+        "max_seqlen**2 per head); exact, but slow for long sequences",
+        stacklevel=3,
+    )
 
 
 _WARNED_DTYPES: set = set()
@@ -160,6 +206,8 @@ def varlen_attention(
     softmax_scale: float | None = None,
     *,
     backend: str | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of packed sequences: ``q: [t_q, h, d]``, ``k: [t_k, h_kv, d]``, ``v: [t_k, h_kv, d_v]`` ->
     ``[t_q, h, d_v]``.
@@ -169,6 +217,8 @@ def varlen_attention(
     (multi-head latent attention): the flash kernels, which take one head dim, then get q, k and v zero-padded to
     the larger one (the scores and the first ``d_v`` output channels unchanged) and the output is cut back.
     ``backend``: see the module docstring; None picks the first of :func:`available_backends` that takes the inputs' dtype.
+    ``window`` (an int >= 0, causal only) and ``sinks`` (``[h]``, one logit per query head): the sliding window and
+    the sinks of the module docstring; None: none.
     Tokens of ``q`` past ``cu_seqlens_q[-1]``: zeros from the reference; the CUDA kernels leave those rows
     unwritten (packfwd's plans end ``cu_seqlens_padded`` at the last token, so its models have none).
 
@@ -180,10 +230,12 @@ def varlen_attention(
     (torch.Size([5, 2, 4]), True)
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    name = _resolve(backend, q.device, q.dtype)
+    features = _check_features(q, causal, window, sinks)
+    name = _resolve(backend, q.device, q.dtype, features)
     if name == "reference":
         return varlen_attention_reference(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            window=window, sinks=sinks,
         )
     if name == "cudnn":
         return _cudnn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
@@ -253,6 +305,9 @@ def varlen_attention_reference(
     max_seqlen_k: int,
     causal: bool = True,
     softmax_scale: float | None = None,
+    *,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Pure-PyTorch varlen attention with flash-attn's semantics (see the module docstring); differentiable.
 
@@ -260,7 +315,9 @@ def varlen_attention_reference(
     all blocks go through one ``scaled_dot_product_attention``: plain causal for causal self-attention (equal
     ``cu_seqlens``: the padding slots of a block come after its real tokens), else masked (real keys, causal
     aligned bottom-right); the work is ``n * max_seqlen_q * max_seqlen_k`` per head.  Tokens of ``q`` past
-    ``cu_seqlens_q[-1]`` get zeros.
+    ``cu_seqlens_q[-1]`` get zeros.  With ``window`` or ``sinks`` (module docstring) the blocks' scores are formed
+    explicitly: the window and causal masks in each sequence's own positions, the sink a last column of each
+    head's scores that the softmax normalises over and the values never read.
 
     >>> import torch
     >>> q = torch.randn(4, 2, 8); k = v = torch.randn(4, 1, 8)          # 2 query heads share 1 kv head
@@ -272,6 +329,7 @@ def varlen_attention_reference(
     True
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    features = _check_features(q, causal, window, sinks)
     t_q, h, d = q.shape
     h_kv, d_v = k.shape[1], v.shape[2]
     n = cu_seqlens_q.numel() - 1
@@ -291,7 +349,9 @@ def varlen_attention_reference(
     if h != h_kv:
         kb, vb = kb.repeat_interleave(h // h_kv, dim=1), vb.repeat_interleave(h // h_kv, dim=1)
 
-    if causal and max_seqlen_q == max_seqlen_k and (cu_seqlens_q is cu_seqlens_k or torch.equal(cu_q, cu_k)):
+    if features:
+        out = _explicit_blocks(qb, kb, vb, valid_q, valid_k, len_q, len_k, causal, scale, window, sinks)
+    elif causal and max_seqlen_q == max_seqlen_k and (cu_seqlens_q is cu_seqlens_k or torch.equal(cu_q, cu_k)):
         # Self-attention: each block's padding slots sit after its real tokens, so plain causal attention over
         # the block is exact for the real queries (they never reach a padding key); padding rows are dropped.
         out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
@@ -322,6 +382,48 @@ def _masked_blocks(qb, kb, vb, valid_q, valid_k, len_q, len_k, causal: bool, sca
     allowed = allowed | (~has_key[:, :, None] & (torch.arange(mk, device=qb.device) == 0))
     out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed[:, None], scale=scale)
     return out * has_key[:, None, :, None]
+
+
+def _explicit_blocks(qb, kb, vb, valid_q, valid_k, len_q, len_k, causal: bool, scale: float, window, sinks) -> Tensor:
+    """Blocks [n, h, M, d] attended with a sliding window and/or sinks, scores formed explicitly: [n, h, Mq, d_v].
+    A query with no key in reach (and no sink) outputs zeros, as flash-attn's; with a sink it outputs zeros too
+    (all its weight on the sink)."""
+    mq, mk = qb.shape[2], kb.shape[2]
+    scores = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [n, h, Mq, Mk]
+    allowed = valid_q[:, :, None] & valid_k[:, None, :]  # [n, Mq, Mk]
+    i = torch.arange(mq, device=qb.device)[None, :, None]
+    j = torch.arange(mk, device=qb.device)[None, None, :]
+    diagonal = i + (len_k - len_q)[:, None, None]  # query i's own position among its keys (bottom-right)
+    if causal:
+        allowed = allowed & (j <= diagonal)
+    if window is not None:
+        allowed = allowed & (j >= diagonal - window)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    if sinks is not None:  # one more column per head: the sink's logit, normalised over and never read
+        column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top)).detach()  # no key and no sink: all -inf
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights[..., :mk], vb)
+    return out / torch.where(total > 0, total, torch.ones_like(total))  # no key, no sink: 0 / 1
+
+
+def _check_features(q: Tensor, causal: bool, window, sinks) -> tuple[str, ...]:
+    """The features a call asks for (``BACKEND_FEATURES``' names), checked."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window={window!r}: pass an int >= 0 (keys at most that many positions before the "
+                             "query) or None")
+        if not causal:
+            raise ValueError("window= with causal=False: packfwd's sliding window is causal (flash-attn's "
+                             "window_size=(window, 0)); pass causal=True")
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (q.shape[1],)
+                              or not sinks.dtype.is_floating_point):
+        raise ValueError(f"sinks must be a float tensor [h] of one logit per query head (h={q.shape[1]}), got "
+                         f"{getattr(sinks, 'shape', type(sinks))}")
+    return (("window",) if window is not None else ()) + (("sinks",) if sinks is not None else ())
 
 
 def _block_rows(cu: Tensor, width: int, total: int) -> tuple[Tensor, Tensor]:

@@ -160,11 +160,33 @@ class GroupedExperts(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor):
         x = permuted_local_hidden_states
+        if self.config.add_bias_linear and tokens_per_expert.device.type == "cpu" and not self.use_grouped(x):
+            return self._biased_forward(x, tokens_per_expert, permuted_probs), None
         if not self.use_grouped(x):
             return super().forward(x, tokens_per_expert, permuted_probs)
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
         return grouped_swiglu_mlp(x.contiguous(), fc1, fc2, tokens_per_expert, permuted_probs), None
+
+    def _biased_forward(self, x: Tensor, tokens_per_expert: Tensor, probs: Tensor) -> Tensor:
+        """Megatron-Core's ``SequentialMLP`` of biased experts (GPT-OSS), op for op, out of place: its expert MLP
+        adds ``linear_fc2``'s bias times the probability in place on the output of a tensor-parallel region, which
+        autograd refuses (megatron-core 0.19.2).  Per expert: ``fc1(x) + b1``, the GLU of the config (clamp, offset,
+        activation: :class:`packfwd.ops.swiglu.SwiGLU`'s torch path, Megatron's ``glu``), times the probability and
+        cast back, ``fc2(.) + b2 * probability``.  The experts are whole (Megatron-Core builds biased experts at
+        expert-TP size 1), so no rank communicates here; ``tokens_per_expert`` are host counts."""
+        from packfwd.ops.swiglu import SwiGLU
+
+        glu = SwiGLU(self.config)
+        glu.kernel = False  # Megatron's own glu op for op (its kernel is plain SwiGLU's)
+        outs = []
+        counts = tokens_per_expert.tolist()  # host values: no sync
+        for expert, rows, scale in zip(self.local_experts, torch.split(x, counts), torch.split(probs, counts)):
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            y = glu(F.linear(rows, fc1.weight) + fc1.bias)
+            y = (y * scale.unsqueeze(-1)).to(rows.dtype)
+            outs.append(F.linear(y, fc2.weight) + fc2.bias.unsqueeze(0) * scale.unsqueeze(-1))
+        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
 
     def use_grouped(self, x: Tensor) -> bool:
         """Whether these experts compute tokens like ``x`` as grouped GEMMs (:attr:`grouped`); the token

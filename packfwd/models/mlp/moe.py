@@ -71,6 +71,10 @@ class Moe:
     scaling_factor: float | None = None  # the routed probabilities times this (routed_scaling_factor)
     router_dtype: str | None = None  # "fp32"/"fp64": the gate weight kept in float32 (at least) and its logits
     #  computed in that dtype (transformers' GLM-4.5 / DeepSeek-V3); None: the model's dtype (Qwen3-MoE, Mixtral)
+    activation: str = "silu"  # the experts' gate activation: "silu" (SwiGLU) or "quick_gelu" (g * sigmoid(1.702 g):
+    #  GPT-OSS's swiglu_alpha), Megatron-Core's activation_func
+    activation_clamp: float | None = None  # gate clamped to at most this, up to [-this, this] (GPT-OSS: swiglu_limit)
+    glu_linear_offset: float = 0.0  # the experts' act(gate) * (up + this) (GPT-OSS: 1)
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", check_moe(vars(self)))
@@ -144,10 +148,29 @@ def check_moe(m: Mapping, names: Mapping[str, str] | None = None) -> tuple[int, 
         raise ValueError(f"{n('normalize_top_k')}={m['normalize_top_k']} with {n('top_k')}={m['top_k']} and sigmoid "
                          "scores: Megatron-Core renormalises the chosen sigmoid scores exactly when more than one "
                          f"expert is chosen; set {n('normalize_top_k')}={m['top_k'] > 1}")
+    _check_activation(m, n)
     if m["expert_bias"] and m["score_function"] != "sigmoid":
         raise ValueError("Moe.expert_bias=True with softmax scores: Megatron-Core adds the routing-only expert bias "
                          "to sigmoid scores only; pass score_function='sigmoid' or expert_bias=False")
     return layers
+
+
+def _check_activation(m: Mapping, n) -> None:
+    """The experts' activation fields: Megatron-Core has one ``activation_func`` (and GLU clamp and offset) for
+    every MLP of a model, so a non-SwiGLU expert leaves no dense layer and no shared expert beside it."""
+    activation, clamp, offset = m.get("activation", "silu"), m.get("activation_clamp"), m.get("glu_linear_offset", 0.0)
+    if activation not in ("silu", "quick_gelu"):
+        raise ValueError(f"{n('activation')}={activation!r}: pass 'silu' (SwiGLU) or 'quick_gelu' "
+                         "(g * sigmoid(1.702 g), Megatron-Core's quick_gelu)")
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or clamp <= 0):
+        raise ValueError(f"{n('activation_clamp')}={clamp!r}: pass a positive number or None (no clamp)")
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise ValueError(f"{n('glu_linear_offset')}={offset!r}: pass a number")
+    if (activation != "silu" or clamp is not None or offset) and (m["dense_layers"] or m["shared_ffn_hidden_size"]):
+        raise ValueError(f"{n('activation')}={activation!r} (clamp {clamp}, offset {offset}) with dense layers "
+                         "or shared experts: Megatron-Core gives every MLP of a model one activation, so packfwd "
+                         "builds a clamped or offset GLU only where every MLP is a routed expert; drop "
+                         f"{n('dense_layers')} and {n('shared_ffn_hidden_size')}")
 
 
 def moe_config_fields(moe: Moe, num_layers: int) -> dict:
@@ -171,7 +194,13 @@ def moe_config_fields(moe: Moe, num_layers: int) -> dict:
     >>> fields["moe_layer_freq"], fields["moe_router_pre_softmax"], fields["moe_ffn_hidden_size"]
     ([0, 1], False, 16)
     """
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
     return dict(
+        activation_func={"silu": F.silu, "quick_gelu": quick_gelu}[moe.activation],
+        activation_func_clamp_value=None if moe.activation_clamp is None else float(moe.activation_clamp),
+        glu_linear_offset=float(moe.glu_linear_offset),
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
@@ -233,7 +262,12 @@ class MixtureOfExperts(Component):
                              f"{args.num_layers}")
 
     def config_fields(self, args) -> dict:
-        return moe_config_fields(args.moe, args.num_layers)
+        fields = moe_config_fields(args.moe, args.num_layers)
+        if args.linear_bias:  # Megatron-Core builds biased experts whole only (build_model refuses other ETPs)
+            fields["expert_tensor_parallel_size"] = 1
+        if args.moe.activation != "silu":  # Megatron-Core's own glu (its config refuses an activation module then;
+            fields["use_te_activation_func"] = False  # packfwd's SwiGLU kernel is plain SwiGLU's only)
+        return fields
 
     def finish_config(self, config, args) -> None:
         """One softmax-routed expert renormalised: the config was made with ``pre_softmax`` (Megatron-Core refuses the

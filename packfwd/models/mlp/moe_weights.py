@@ -42,7 +42,8 @@ import re
 import torch
 from torch import Tensor
 
-__all__ = ["expert_shard", "expert_tp_shard", "experts_from_hf", "experts_to_hf", "merge_expert_shards"]
+__all__ = ["expert_shard", "expert_tp_shard", "experts_from_hf", "experts_to_hf", "interleaved_experts_from_hf",
+           "interleaved_experts_to_hf", "merge_expert_shards"]
 
 def experts_from_hf(sd: Mapping[str, Tensor], hf: str, mg: str, experts: Sequence[int], *, tp_size: int = 1,
                     tp_rank: int = 0) -> dict[str, Tensor]:
@@ -72,6 +73,56 @@ def experts_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str, num_
     experts = [_mlp_to_hf(shards, f"{mg}experts.local_experts.{e}.") for e in range(num_experts)]
     return {hf + "experts.gate_up_proj": torch.stack([torch.cat(gate_up) for *gate_up, _ in experts]),
             hf + "experts.down_proj": torch.stack([down for *_, down in experts])}
+
+
+def interleaved_experts_from_hf(sd: Mapping[str, Tensor], hf: str, mg: str, experts: Sequence[int], *,
+                                tp_size: int = 1, tp_rank: int = 0) -> dict[str, Tensor]:
+    """:func:`experts_from_hf` for GPT-OSS's layout: ``experts.gate_up_proj [E, h, 2f]`` (transposed; gate and up
+    interleaved, ``[..., ::2]`` gate and ``[..., 1::2]`` up) with ``gate_up_proj_bias [E, 2f]`` (interleaved too),
+    ``down_proj [E, f, h]`` with ``down_proj_bias [E, h]``: Megatron-Core's ``linear_fc1`` ``[gate; up]`` rows
+    (weight and bias, TP rank ``tp_rank``'s ``[gate_r; up_r]``), ``linear_fc2`` columns and its whole bias (a
+    row-parallel bias).  New tensors.
+
+    >>> E, f, h = 2, 2, 3
+    >>> sd = {"m.experts.gate_up_proj": torch.randn(E, h, 2 * f), "m.experts.gate_up_proj_bias": torch.randn(E, 2 * f),
+    ...       "m.experts.down_proj": torch.randn(E, f, h), "m.experts.down_proj_bias": torch.randn(E, h)}
+    >>> out = interleaved_experts_from_hf(sd, "m.", "g.", range(E))
+    >>> fc1, w = out["g.experts.local_experts.1.linear_fc1.weight"], sd["m.experts.gate_up_proj"][1]
+    >>> torch.equal(fc1[:f], w[:, ::2].T), torch.equal(fc1[f:], w[:, 1::2].T)   # [gate; up] of expert 1: [2f, h]
+    (True, True)
+    >>> shards = [interleaved_experts_from_hf(sd, "m.", "g.", range(E), tp_size=2, tp_rank=r) for r in (0, 1)]
+    >>> back = interleaved_experts_to_hf(shards, "m.", "g.", E)
+    >>> sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+    True
+    """
+    out = {}
+    for local, e in enumerate(experts):
+        p = f"{mg}experts.local_experts.{local}."
+        gate_up, bias = sd[hf + "experts.gate_up_proj"][e].T, sd[hf + "experts.gate_up_proj_bias"][e]  # [2f, h], [2f]
+        halves = torch.cat([gate_up[0::2], gate_up[1::2]])  # interleaved rows -> [gate; up]
+        out.update(_mlp_from_hf(halves, sd[hf + "experts.down_proj"][e].T, p, tp_size, tp_rank))
+        gate, up = bias[0::2].chunk(tp_size)[tp_rank], bias[1::2].chunk(tp_size)[tp_rank]
+        out[p + "linear_fc1.bias"] = torch.cat([gate, up]).clone()
+        out[p + "linear_fc2.bias"] = sd[hf + "experts.down_proj_bias"][e].clone()
+    return out
+
+
+def interleaved_experts_to_hf(shards: Sequence[Mapping[str, Tensor]], hf: str, mg: str,
+                              num_experts: int) -> dict[str, Tensor]:
+    """The inverse of :func:`interleaved_experts_from_hf` for all ``num_experts`` experts (every TP rank's state
+    dict, in rank order): GPT-OSS's four fused tensors.  New tensors."""
+    gate_up, gate_up_bias, down, down_bias = [], [], [], []
+    for e in range(num_experts):
+        p = f"{mg}experts.local_experts.{e}."
+        gate, up, fc2 = _mlp_to_hf(shards, p)
+        gates, ups = zip(*(s[p + "linear_fc1.bias"].chunk(2) for s in shards))
+        gate_up.append(torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1]).T)  # rows interleaved, transposed
+        gate_up_bias.append(torch.stack([torch.cat(gates), torch.cat(ups)], dim=1).reshape(-1))
+        down.append(fc2.T)
+        down_bias.append(shards[0][p + "linear_fc2.bias"])
+    return {hf + "experts.gate_up_proj": torch.stack(gate_up),
+            hf + "experts.gate_up_proj_bias": torch.stack(gate_up_bias),
+            hf + "experts.down_proj": torch.stack(down), hf + "experts.down_proj_bias": torch.stack(down_bias)}
 
 
 _LOCAL = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -129,6 +180,9 @@ def expert_tp_shard(state: Mapping[str, Tensor], tp_size: int, tp_rank: int) -> 
         if m is not None and m[3] == ".linear_fc1.weight":
             prefix = name[:-len("linear_fc1.weight")]
             out.update(_mlp_from_hf(t, state[prefix + "linear_fc2.weight"], prefix, tp_size, tp_rank))
+            if prefix + "linear_fc1.bias" in state:  # [gate_r; up_r] too (linear_fc2's bias is whole on every rank)
+                gate, up = state[prefix + "linear_fc1.bias"].chunk(2)
+                out[prefix + "linear_fc1.bias"] = torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
     return out
 
 

@@ -175,6 +175,10 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
     of their own count are (routing is per token, the plan's pads are routed nowhere; tested: CP=2 x DP=2, EP=4)."""
     if args.moe is None:
         return 1
+    if args.linear_bias and tp > 1 and etp != 1:
+        raise ValueError(f"tp_size={tp} with biased experts (linear_bias: GPT-OSS): Megatron-Core adds an expert's "
+                         "row-parallel bias on every TP rank of the experts, so it builds biased experts whole only "
+                         "(expert_tensor_parallel_size=1); pass expert_tp_size=1 with ep_size > 1")
     if etp is not None and etp != tp and (etp != 1 or ep == 1):
         raise NotImplementedError(f"ep_size={ep} with expert_tensor_parallel_size={etp} and tp_size={tp}: packfwd "
                                   "builds the experts TP-sharded like the dense MLP, or whole (size 1) under expert "
@@ -243,4 +247,17 @@ def model_args(model: torch.nn.Module) -> ModelArgs:
         moe=getattr(gpt, "moe", None),
         mla=getattr(gpt, "mla", None),
         fused=getattr(gpt, "fused", False),
+        attention_windows=_windows(cfg),
+        attention_sinks=getattr(cfg, "softmax_type", "vanilla") == "learnable",
+        rope_yarn=getattr(getattr(gpt, "rotary_pos_emb", None), "yarn", None),
     )
+
+
+def _windows(cfg) -> tuple[int | None, ...] | None:
+    """``ModelArgs.attention_windows`` of a config (Megatron-Core's ``window_size`` on the layers
+    ``window_attn_skip_freq`` marks, as :func:`~packfwd.models.mixers.softmax.SoftmaxAttention.config_fields`
+    writes them)."""
+    size, layers = getattr(cfg, "window_size", None), getattr(cfg, "window_attn_skip_freq", None)
+    if not size:
+        return None
+    return tuple(size[0] + 1 if flag else None for flag in layers)
