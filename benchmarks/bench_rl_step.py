@@ -1,0 +1,339 @@
+"""Benchmark: a whole RL step as a trainer runs it, on one GPU: a global batch planned into micro-batches and run
+forward + backward, packfwd's default path against verl 0.9.1's dynamic batching and transformers' padded
+micro-batches on the same weights (a Llama of ~1B parameters with random weights, built locally).
+
+The global batches (``--batches``, default ``128x4096 256x2048``): ``n`` rows of ``s`` tokens laid out as verl hands
+them over: a prompt left-padded into the first ``s / 8`` columns (32 to ``s / 8`` tokens), a response right-padded
+after it (exponential with mean ``s / 6``, one in five cut at the generation limit); the loss is ``-mean`` of the
+log-probs of the next token over the response tokens (token-mean over the whole global batch).  Each timed step
+draws a new batch (``--runs`` of them, the same ones for every variant), so a variant that caches per shape pays for
+the shapes a new batch brings.
+
+Variants (``--variants``; one that cannot run is recorded as skipped with its reason, out of memory included, and
+the run goes on):
+
+* ``packfwd``: ``plan_micro_batches(lengths, max_tokens=--max-tokens, cost=("flops", 12 h, 1))`` then
+  ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ...)`` with default arguments: CUDA graphs
+  of each bucket (``forward.step_graphs``), the automatic attention backend, scored tokens only.
+* ``packfwd_eager``: the same with ``graphs=False``.
+* ``verl``: verl 0.9.1's own code: ``rearrange_micro_batches`` (its dynamic batching: micro-batches of at most
+  ``--max-tokens`` real tokens) and per micro-batch ``model_forward_gen()(..., data_format="thd")`` (its THD packing
+  ``preprocess_packed_seqs`` / ``postprocess_packed_seqs``) on the same packfwd model, the log-probs by the same
+  processor on its packed logits, the loss normalised over the global batch as verl does.
+* ``hf_padded``: transformers' ``LlamaForCausalLM`` (sdpa) on micro-batches of ``max_tokens / s`` padded rows in the
+  batch's order (what a trainer without packing runs), the weights packfwd's model was converted from.
+
+Measured per batch, variant and pass (``--passes``: ``fwd+bwd``, ``fwd``: the forward-only log-probs of
+``compute_log_prob``, under ``no_grad``): CUDA events around each whole step from an idle device, planning
+included (median of ``--runs`` after ``--warmup`` steps), real tokens/s, model TFLOP/s and % of a bf16 8192^3 matmul
+measured in the same run, micro-batches, peak allocated and reserved memory, the graphs' memory, the attention
+backend the model runs, the loss (must agree across variants) and the ratio to each other variant.
+
+    PYTHONPATH=.:/tmp/site python3 benchmarks/bench_rl_step.py --out benchmarks/out/rl_step.json
+    python benchmarks/bench_rl_step.py --smoke --out /tmp/rl_step.json      # tiny model on the CPU (CI)
+
+Time on an H100 (estimated): ~1 min to build and warm up, then per batch and variant 1 + ``--runs`` steps of 2-10 s:
+about 4 minutes with the defaults; ``--runs 1``, ``--batches 128x4096`` or ``--passes fwd+bwd`` cut it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from bench_forward import Timer, forward_flops, matmul_tflops  # noqa: E402
+from bench_step import hf_model, next_token_log_probs  # noqa: E402
+from common import GiB, environment, table, write_json  # noqa: E402
+
+import packfwd as pf  # noqa: E402
+from packfwd.logits import log_probs  # noqa: E402
+from packfwd.micro import plan_micro_batches, run_micro_batches  # noqa: E402
+
+VARIANTS = ("packfwd", "packfwd_eager", "verl", "hf_padded")
+PASSES = ("fwd+bwd", "fwd")
+
+
+class Skip(Exception):
+    """A variant that cannot run here: recorded with its reason, the run goes on."""
+
+
+def rl_batch(n: int, s: int, vocab: int, seed: int, device) -> dict:
+    """Left-padded prompts in the first ``s / 8`` columns, right-padded responses after them (module docstring)."""
+    rng = np.random.default_rng(seed)
+    region = max(1, s // 8)
+    prompt = rng.integers(min(32, region), region + 1, n)
+    limit = s - region
+    response = np.where(rng.random(n) < 0.2, limit, rng.exponential(s / 6, n))
+    response = np.clip(np.minimum(response, limit), 1, limit).astype(np.int64)
+    col = torch.arange(s)[None, :]
+    p, r = torch.tensor(prompt)[:, None], torch.tensor(response)[:, None]
+    mask = (col >= region - p) & (col < region + r)
+    ids = torch.randint(1, vocab, (n, s), generator=torch.Generator().manual_seed(seed)) * mask
+    loss_mask = torch.zeros_like(mask)
+    loss_mask[:, :-1] = (col[:, 1:] >= region) & mask[:, 1:]  # token i predicts token i + 1, a response token
+    labels = torch.where(loss_mask, torch.roll(ids, -1, dims=1), -100)
+    counts = loss_mask.sum(1).tolist()
+    to = lambda x: x.to(device)  # noqa: E731
+    return dict(ids=to(ids), mask=to(mask), labels=to(labels), loss_mask=to(loss_mask), lengths=(prompt + response).tolist(),
+                counts=counts, n_loss=sum(counts), positions=to((mask.long().cumsum(1) - 1).clamp(min=0)))
+
+
+# ------------------------------------------------------------------------------------------------ the steps
+
+
+def packfwd_runner(model, args, cfg, graphs: bool):
+    forward = pf.make_forward("thd", logits_processor=next_token_log_probs)
+    cost = ("flops", 12 * args.hidden_size, 1)
+
+    def run(batch, grad):
+        plan = plan_micro_batches(batch["lengths"], max_tokens=cfg.max_tokens, cost=cost, **forward.layout.plan_args)
+        kw = dict(loss_fn=lambda o: -o["log_probs"], loss_mask=batch["loss_mask"], loss_tokens=batch["counts"]) \
+            if grad else {}
+        extra = {} if graphs else {"graphs": False}
+        with torch.set_grad_enabled(grad):
+            res = run_micro_batches(forward, model, plan, batch["ids"], batch["mask"], dp_rank=0,
+                                    labels=batch["labels"], **kw, **extra)
+        return res.loss, plan.num_micro_batches
+
+    run.forward = forward
+    return run
+
+
+def verl_runner(model, cfg):
+    try:
+        from tests.verl_balance_ref import _Lengths, load_verl_balancing
+        from tests.verl_forward_ref import load_verl_forward
+
+        vf, balancing = load_verl_forward(), load_verl_balancing()
+    except Exception as e:  # noqa: BLE001 - verl or its megatron-core pieces missing
+        raise Skip(f"verl is not importable: {type(e).__name__}: {e}") from e
+    if vf is None or balancing is None:
+        raise Skip("verl is not installed (pip install --no-deps verl==0.9.1)")
+    forward = vf.model_forward_gen(False)
+
+    def processor(logits, label, label_mask):  # on verl's packed [1, t, v] logits
+        return {"log_probs": log_probs(logits[0], label[0]).unsqueeze(0)}
+
+    def run(batch, grad):
+        lengths = batch["lengths"]
+        _, parts = balancing.rearrange_micro_batches({"input_ids": _Lengths(lengths)}, cfg.max_tokens)
+        total = torch.zeros((), device=batch["ids"].device)
+        for part in parts:
+            rows = torch.tensor(part, device=batch["ids"].device)
+            ids, mask, labels, lmask, pos = (batch[k].index_select(0, rows) for k in
+                                             ("ids", "mask", "labels", "loss_mask", "positions"))
+            with torch.set_grad_enabled(grad):
+                out = forward(model, ids, mask, pos, {}, logits_processor=processor,
+                              logits_processor_args={"label": labels.clamp(min=0), "label_mask": lmask},
+                              data_format="thd")
+                if grad:
+                    loss = -(out["log_probs"].float() * lmask).sum() / batch["n_loss"]
+                    loss.backward()
+                    total = total + loss.detach()
+        return total, len(parts)
+
+    return run
+
+
+def hf_runner(hf, cfg):
+    def run(batch, grad):
+        ids, mask = batch["ids"], batch["mask"]
+        n, s = ids.shape
+        rows = max(1, cfg.max_tokens // s)
+        total = torch.zeros((), device=ids.device)
+        for start in range(0, n, rows):
+            sl = slice(start, min(start + rows, n))
+            with torch.set_grad_enabled(grad):
+                logits = hf(input_ids=ids[sl], attention_mask=mask[sl], position_ids=batch["positions"][sl]).logits
+                lp = log_probs(logits.reshape(-1, logits.shape[-1]), batch["labels"][sl].reshape(-1).clamp(min=0))
+                lp = lp.view(logits.shape[:2]) * batch["loss_mask"][sl]
+                del logits
+                if grad:
+                    loss = -lp.float().sum() / batch["n_loss"]
+                    loss.backward()
+                    total = total + loss.detach()
+        return total, -(-n // rows)
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def measure(run, module, batches, cfg, timer, grad: bool) -> dict:
+    """``cfg.warmup`` steps (batch seeds 0..), then one timed step per entry of ``batches``."""
+    cuda = cfg.device.type == "cuda"
+    t0 = time.perf_counter()
+    for w in range(cfg.warmup):
+        run(batches["warmup"][w], grad)
+        module.zero_grad(set_to_none=True)
+    warm_s = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses, mbs = [], [], []
+    for batch in batches["timed"]:
+        box = {}
+        times.append(timer(lambda: box.update(zip(("loss", "mbs"), run(batch, grad)))))
+        losses.append(float(box["loss"]))
+        mbs.append(box["mbs"])
+        module.zero_grad(set_to_none=True)
+    out = {"ms": statistics.median(times), "ms_runs": times, "warmup_s": warm_s, "losses": losses,
+           "micro_batches": mbs}
+    if cuda:
+        out["peak_allocated_GiB"] = torch.cuda.max_memory_allocated() / GiB
+        out["peak_reserved_GiB"] = torch.cuda.max_memory_reserved() / GiB
+    return out
+
+
+def layers_for(cfg) -> int:
+    """The layer count: ``--layers``, else 16 (the 1B Llama), fewer on a card with less than 70 GiB free (the four
+    models' weights and gradients, one micro-batch's activations)."""
+    if cfg.layers:
+        return cfg.layers
+    if cfg.smoke or cfg.device.type != "cuda":
+        return 2
+    free, _ = torch.cuda.mem_get_info()
+    return 16 if free >= 70 * GiB else max(2, int(16 * free / (70 * GiB)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model and batches on the CPU (CI): seconds")
+    ap.add_argument("--out", type=Path, default=HERE / "out" / "rl_step.json")
+    ap.add_argument("--batches", nargs="+", default=None, help="global batches as NxS (default 128x4096 256x2048)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="micro-batch budget (default 16384; smoke 96)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 2; smoke 1)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (captures, compilation)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16, fewer on a small card)")
+    cfg = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not cfg.smoke
+    cfg.device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg.max_tokens = cfg.max_tokens or (96 if cfg.smoke else 16384)
+    runs = cfg.runs or (1 if cfg.smoke else 2)
+    shapes = [tuple(int(x) for x in b.lower().split("x")) for b in (cfg.batches or (
+        ["6x48", "8x32"] if cfg.smoke else ["128x4096", "256x2048"]))]
+    timer = Timer(cfg.device)
+
+    from packfwd.models import from_hf
+    from packfwd.models.convert.hf import args_from_hf_config
+    from packfwd.models.mixers.varlen import choose_backend
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ensure_model_parallel()
+    hf = hf_model("llama1b", cfg.smoke, cfg.device, dtype)
+    layers = layers_for(cfg)
+    if layers != hf.config.num_hidden_layers:
+        hf.model.layers = hf.model.layers[:layers]
+        hf.config.num_hidden_layers = layers
+    model = from_hf(hf, device=cfg.device, params_dtype=dtype)
+    args = args_from_hf_config(hf.config)
+    backend = choose_backend(cfg.device, dtype, args.kv_channels)
+    ceiling = matmul_tflops(cfg.device, dtype, timer)
+    print(f"device {environment()['device']}, {layers} layers, attention {backend}, matmul ceiling {ceiling} TFLOP/s",
+          flush=True)
+
+    runners, skipped = {}, {}
+    for name in cfg.variants:
+        try:
+            if name == "packfwd":
+                runners[name] = (packfwd_runner(model, args, cfg, graphs=True), model)
+            elif name == "packfwd_eager":
+                runners[name] = (packfwd_runner(model, args, cfg, graphs=False), model)
+            elif name == "verl":
+                runners[name] = (verl_runner(model, cfg), model)
+            else:
+                runners[name] = (hf_runner(hf.train(), cfg), hf)
+        except Skip as e:
+            skipped[name] = str(e)
+
+    rows = []
+    for n, s in shapes:
+        seeds = {"warmup": range(cfg.warmup), "timed": range(100, 100 + runs)}
+        batches = {k: [rl_batch(n, s, hf.config.vocab_size, 1000 * n + seed, cfg.device) for seed in v]
+                   for k, v in seeds.items()}
+        real = statistics.mean(sum(b["lengths"]) for b in batches["timed"])
+        flops = statistics.mean(forward_flops(args, b["lengths"]) for b in batches["timed"])
+        for pass_ in cfg.passes:
+            grad = pass_ == "fwd+bwd"
+            for name in cfg.variants:
+                row = {"batch": f"{n}x{s}", "pass": pass_, "variant": name, "real_tokens": real}
+                rows.append(row)
+                if name in skipped:
+                    row["skipped"] = skipped[name]
+                    continue
+                run, module = runners[name]
+                try:
+                    row.update(measure(run, module, batches, cfg, timer, grad))
+                except torch.cuda.OutOfMemoryError as e:
+                    row["skipped"] = f"out of memory: {str(e).splitlines()[0][:300]}"
+                except Skip as e:
+                    row["skipped"] = str(e)
+                except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
+                    row["skipped"] = f"failed: {type(e).__name__}: {e}"[:2000]
+                    row["traceback"] = traceback.format_exc()[-4000:]
+                finally:
+                    module.zero_grad(set_to_none=True)
+                    if cuda:
+                        torch.cuda.empty_cache()
+                if "ms" in row:
+                    tflop = flops * (3 if grad else 1) / 1e12
+                    row["tokens/s"] = real / row["ms"] * 1e3
+                    row["TFLOP/s"] = tflop / (row["ms"] / 1e3)
+                    row["% ceiling"] = 100 * row["TFLOP/s"] / ceiling if ceiling else None
+                if name == "packfwd" and getattr(run.forward, "step_graphs", None) is not None:
+                    g = run.forward.step_graphs
+                    row["graphs"] = {"memory_GiB": g.memory_bytes / GiB, "captured": g.captured,
+                                     "replayed": g.replayed, "eager": g.eager, "reason": g.reason}
+                print(f"  {row['batch']} {pass_} {name}: " + (f"{row['ms']:.0f} ms, {row['micro_batches']} "
+                      f"micro-batches, peak {row.get('peak_reserved_GiB')} GiB reserved" if "ms" in row
+                      else row["skipped"][:200]), flush=True)
+    bad = _compare(rows, 1e-4 if dtype == torch.float32 else 2e-2)
+    payload = {"benchmark": "rl_step", "smoke": cfg.smoke, "command": " ".join(sys.argv), "env": environment(),
+               "dtype": str(dtype), "layers": layers, "attention_backend": backend, "matmul_TFLOPs": ceiling,
+               "max_tokens": cfg.max_tokens, "runs": runs, "warmup": cfg.warmup, "rows": rows,
+               "disagreements": bad}
+    write_json(cfg.out, payload)
+    print(table([r for r in rows if "ms" in r], ["batch", "pass", "variant", "ms", "tokens/s", "% ceiling",
+                                                  "micro_batches", "peak_reserved_GiB", "vs packfwd"]))
+    if bad:
+        print(f"variants disagree on the loss: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _compare(rows: list, rtol: float) -> list:
+    """Ratios to packfwd's default row (``vs packfwd``: their time over packfwd's), and the losses checked against
+    packfwd_eager's (or packfwd's) of the same batches."""
+    bad = []
+    for r in rows:
+        if "ms" not in r:
+            continue
+        same = [o for o in rows if o["batch"] == r["batch"] and o["pass"] == r["pass"] and "ms" in o]
+        base = next((o for o in same if o["variant"] == "packfwd"), None)
+        if base is not None:
+            r["vs packfwd"] = r["ms"] / base["ms"]
+        r["ratios"] = {o["variant"]: o["ms"] / r["ms"] for o in same}  # how many times faster than each other
+        ref = next((o for o in same if o["variant"] == "packfwd_eager"), base)
+        if r["pass"] == "fwd+bwd" and ref is not None and not all(
+                math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-2) for a, b in zip(r["losses"], ref["losses"])):
+            bad.append((r["batch"], r["variant"], r["losses"], ref["losses"]))
+    return bad
+
+
+if __name__ == "__main__":
+    sys.exit(main())
