@@ -274,4 +274,27 @@ def make_forward(
     forward.moe_aux_loss = moe_aux_loss  # its middle stages return (hidden, routing sums): packfwd's schedule only
     forward.engine = engine
     forward.plan = plan
+    forward.attention_backend = _attention_backend  # what a model's attention runs (the automatic choice resolved)
     return forward
+
+
+def _attention_backend(model) -> str:
+    """What ``model``'s attention layers run (``forward.attention_backend(model)``): ``backend=None`` resolved on
+    the model's device and dtype, as :func:`packfwd.models.mixers.attention.attention_backends` says it; one name, or
+    each with its layer count (``"cudnn x 12, reference x 12"``: layers with a window or sinks take a backend that
+    honours them).
+
+    >>> import torch
+    >>> from packfwd.models import ModelArgs, build_model
+    >>> model = build_model(ModelArgs(vocab_size=16, hidden_size=8, ffn_hidden_size=16, num_layers=2,
+    ...                               num_attention_heads=2))
+    >>> make_forward("thd").attention_backend(model)      # on the CPU: the reference
+    'reference'
+    """
+    from ..models.mixers.attention import attention_backends
+    from ..models.runtime.gpt import unwrap
+
+    found = attention_backends(unwrap(model))
+    if len(found) <= 1:
+        return next(iter(found), "none")
+    return ", ".join(f"{name} x {n}" for name, n in found.items())

@@ -14,9 +14,9 @@ import functools
 
 import torch
 
-from .varlen import BACKENDS, available_backends, varlen_attention
+from .varlen import BACKENDS, available_backends, choose_backend, varlen_attention
 
-__all__ = ["CoreAttention"]
+__all__ = ["CoreAttention", "attention_backends"]
 
 
 class CoreAttention(torch.nn.Module):
@@ -149,6 +149,35 @@ class CoreAttention(torch.nn.Module):
                                backend=self.backend, window=self.window, sinks=self.softmax_offset)
         return out.reshape(b, s, -1).transpose(0, 1)
 
+
+
+def attention_backends(model: torch.nn.Module) -> dict[str, int]:
+    """What the attention layers of ``model`` run on its parameters' device and dtype: ``{backend: layers}``, each
+    :class:`CoreAttention`'s named backend, or ``backend=None`` resolved as
+    :func:`~packfwd.models.mixers.varlen.choose_backend` resolves it (cuDNN on CUDA once checked, a backend that
+    honours a layer's window or sinks).  ``forward.attention_backend(model)`` says it in words.
+
+    >>> import torch
+    >>> from packfwd.models import ModelArgs, build_model
+    >>> attention_backends(build_model(ModelArgs(vocab_size=16, hidden_size=8, ffn_hidden_size=16, num_layers=2,
+    ...                                          num_attention_heads=2), params_dtype=torch.bfloat16))
+    {'reference': 2}
+    """
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    config = getattr(model, "config", None)
+    if param is None or config is None:
+        return {}
+    d = d_v = getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "multi_latent_attention", False):
+        d, d_v = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
+    out: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, CoreAttention):
+            features = (("window",) if m.window is not None else ()) + (
+                ("sinks",) if m.softmax_offset is not None else ())
+            name = choose_backend(param.device, param.dtype, d, d_v, backend=m.backend, features=features)
+            out[name] = out.get(name, 0) + 1
+    return out
 
 def _layer_window(config, layer_number: int) -> int | None:
     """The sliding window ``w`` of layer ``layer_number`` (1-based) as Megatron-Core's config gives it

@@ -11,8 +11,10 @@ Backends (``backend=`` a name, or None for the best available one for the inputs
 * ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16), when flash-attn is installed.
 * ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16), PyTorch's own flash kernel.
 * ``"cudnn"``: cuDNN's fused attention over ragged offsets (CUDA, fp16/bf16), through the ``nvidia-cudnn-frontend``
-  package's torch op (``cudnn.sdpa_torch``) and the cuDNN torch ships; the optional extra ``packfwd[cudnn]``.  Only
-  when named: the automatic choice never takes it.  One cuDNN graph per distinct ``(n, max_seqlen)`` (forward) and
+  package's torch op (``cudnn.sdpa_torch``) and the cuDNN torch ships; the optional extra ``packfwd[cudnn]``.  The
+  automatic choice takes it where it is faster (:func:`choose_backend`: fp16/bf16, one head dim of at most 128)
+  once it has passed a check on the device (a small attention, forward and backward, against the reference), not
+  under split-K control (batch invariance: cuDNN plans per batch shape).  One cuDNN graph per distinct ``(n, max_seqlen)`` (forward) and
   per token total (backward) is built on first use and cached (``max_seqlen`` is rounded up to a multiple of 64
   here so that batches of similar lengths share one); takes ``d_v != d`` without padding.
 
@@ -34,8 +36,8 @@ than 1).  Only the reference computes them (``BACKEND_FEATURES``): with either g
 reference on every device (on CUDA with a one-time warning: it pads to ``max_seqlen``), and a named backend that
 cannot honour them raises.
 
-Automatic choice (``backend=None``): the first CUDA backend present for fp16/bf16 inputs on CUDA, else the
-reference.  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
+Automatic choice (``backend=None``, :func:`choose_backend`): for fp16/bf16 inputs on CUDA cuDNN's where it is
+faster and has passed its check on the device, else the first flash backend present; else the reference.  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
 reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2`` per head, against
 ``sum(len_i**2)`` for a varlen kernel); a warning says so once per dtype (run the model in bfloat16 to get
 ``torch_varlen`` or ``flash_attn``).
@@ -58,7 +60,8 @@ from torch import Tensor
 
 from packfwd.layout.rules import round_up
 
-__all__ = ["BACKENDS", "BACKEND_FEATURES", "available_backends", "varlen_attention", "varlen_attention_reference"]
+__all__ = ["BACKENDS", "BACKEND_FEATURES", "available_backends", "choose_backend", "cudnn_check", "varlen_attention",
+           "varlen_attention_reference"]
 
 BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "reference")
 # What each backend computes beyond plain (causal) attention: a sliding window, per-head sinks (module docstring).
@@ -119,14 +122,18 @@ def _kernels() -> dict:
     return _KERNELS
 
 
-def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype, features: tuple[str, ...] = ()) -> str:
+def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype, features: tuple[str, ...] = (),
+             head_dims: tuple[int, int] | None = None) -> str:
     """The backend that runs inputs of ``dtype`` on ``device``: ``backend`` checked, or the automatic choice;
-    ``features``: what the call needs beyond plain attention (``"window"``, ``"sinks"``: ``BACKEND_FEATURES``)."""
+    ``features``: what the call needs beyond plain attention (``"window"``, ``"sinks"``: ``BACKEND_FEATURES``);
+    ``head_dims``: ``(d, d_v)`` (None: cuDNN is not considered)."""
     if features:
         return _resolve_features(backend, device, dtype, features)
     usable = available_backends(device)
     if backend is None:
         automatic = [name for name in usable if name in _AUTOMATIC]
+        if dtype in _HALF and head_dims is not None and _cudnn_is_automatic(device, dtype, *head_dims):
+            return "cudnn"
         if dtype in _HALF and automatic:
             return automatic[0]
         # a CUDA device with a flash kernel, which takes fp16/bf16 only (a compiled call cannot warn unbroken)
@@ -176,6 +183,73 @@ def _warn_reference_features(features: tuple[str, ...]) -> None:
         "max_seqlen**2 per head); exact, but slow for long sequences",
         stacklevel=3,
     )
+
+
+def choose_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int, v_head_dim: int | None = None, *,
+                   backend: str | None = None, features: tuple[str, ...] = ()) -> str:
+    """The backend :func:`varlen_attention` runs for inputs of ``dtype`` on ``device`` with these head dims
+    (``backend=None``: the automatic choice; ``features``: ``("window",)``, ``("sinks",)``, what the call needs).
+
+    On CUDA for fp16/bf16: cuDNN's ragged attention when ``nvidia-cudnn-frontend`` is importable, the head dims are
+    one value of at most 128 (the 1B step's attention: 20-22 ms against the flash kernel's 35-39 ms,
+    benchmarks/RESULTS.md) and
+    it has passed :func:`cudnn_check` on the device (run once per device and dtype: it reads a value back, so a
+    first call under CUDA graph capture or ``torch.compile`` takes the flash kernel instead); else the first flash
+    kernel present; else the reference.  Not cuDNN under split-K control (``batch_invariant``: cuDNN plans per
+    batch shape).  A layer with a window or sinks gets a backend that honours them.
+
+    >>> choose_backend("cpu", torch.bfloat16, 128)
+    'reference'
+    """
+    device = torch.device(device)
+    return _resolve(backend, device, dtype, tuple(features), (head_dim, head_dim if v_head_dim is None else v_head_dim))
+
+
+# cudnn_check's verdict per (device, dtype): the automatic choice reads it (a compiled call reads the plain dict).
+_CUDNN_CHECKED: dict = {}
+
+
+def _cudnn_is_automatic(device: torch.device, dtype: torch.dtype, d: int, d_v: int) -> bool:
+    if device.type != "cuda" or d != d_v or d > 128 or d % 8 or _kernels()["cudnn"] is None:
+        return False
+    matmul = torch.backends.cuda.matmul
+    flag = "allow_bf16_reduced_precision_reduction_split_k" if dtype == torch.bfloat16 else \
+        "allow_fp16_reduced_precision_reduction_split_k"
+    if getattr(matmul, flag, True) is False:  # batch invariance asked: no kernel that plans per batch shape
+        return False
+    key = (device.index if device.index is not None else torch.cuda.current_device(), dtype)
+    if key not in _CUDNN_CHECKED:
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return False  # the check reads a value back: not here (an eager call makes it)
+        _CUDNN_CHECKED[key] = cudnn_check(torch.device("cuda", key[0]), dtype)
+    return _CUDNN_CHECKED[key]
+
+
+def cudnn_check(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether cuDNN's ragged attention gives the reference's results on ``device`` (True) or not, or cannot run
+    (False, with one warning): two causal sequences (grouped-query heads), forward and the gradients of q, k, v,
+    within bf16 rounding.  One device read; :func:`choose_backend` calls it once per device and dtype."""
+    device = torch.device(device)
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        cu = torch.tensor([0, 37, 160], dtype=torch.int32, device=device)
+        with torch.inference_mode(False), torch.enable_grad():
+            q, k, v = (torch.randn(160, h, 64, generator=g, device=device, dtype=dtype).requires_grad_()
+                       for h in (4, 2, 2))
+            w = torch.randn(160, 4, 64, generator=g, device=device, dtype=dtype)
+            got = _cudnn(q, k, v, cu, cu, 123, 123, True, None)
+            want = varlen_attention_reference(q, k, v, cu, cu, 123, 123, True)
+            grads = [torch.autograd.grad((o.float() * w.float()).sum(), (q, k, v)) for o in (got, want)]
+        pairs = [(got, want), *zip(*grads)]  # each compared relative to the reference's largest value
+        err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-3)) for a, b in pairs)
+        ok = err < 2e-2
+        reason = f"differs from the reference by {err:.3g} of its largest value"
+    except Exception as e:  # noqa: BLE001 - any failure: the automatic choice keeps the flash kernels
+        ok, reason = False, f"{type(e).__name__}: {str(e).strip()[:200]}"
+    if not ok:
+        warnings.warn(f"packfwd attention: cuDNN's ragged attention failed its check on {device} ({reason}); the "
+                      "automatic choice keeps the flash kernels", stacklevel=2)
+    return ok
 
 
 _WARNED_DTYPES: set = set()
@@ -231,7 +305,7 @@ def varlen_attention(
     """
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     features = _check_features(q, causal, window, sinks)
-    name = _resolve(backend, q.device, q.dtype, features)
+    name = _resolve(backend, q.device, q.dtype, features, (q.shape[-1], v.shape[-1]))
     if name == "reference":
         return varlen_attention_reference(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
