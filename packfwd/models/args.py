@@ -1,10 +1,11 @@
 """The architecture of one decoder in one frozen dataclass (:class:`ModelArgs`: its family's name and its numbers).
 
 Each field belongs to one owner, which checks it and says what it becomes: the model's own (sizes, norm eps, RoPE
-theta, biases on every linear, embeddings, value head, MTP depths, ``fused``), the token mixer's
+theta, biases on every linear, embeddings, value head, MTP depths, ``norm_zero_centered``, ``fused``), the token mixer's
 (:mod:`packfwd.models.mixers`: softmax attention's ``num_query_groups``, ``head_dim``, ``qkv_bias``, ``qk_norm``,
 ``rotary_percent``, ``rope_scaling_factor``, ``mrope_section``, ``attention_windows``, ``attention_sinks``,
-``rope_yarn``; latent attention's ``mla``) and the MLP's
+``rope_yarn``; latent attention's ``mla``; gated attention's ``attention_output_gate``; Gated DeltaNet's
+``linear_attention``, the layers of a hybrid model that have it) and the MLP's
 (:mod:`packfwd.models.mlp`: ``ffn_hidden_size``; ``moe``).  ``__post_init__`` checks the model's fields and asks
 the layer components to check theirs; nothing here branches on a component's kind.  No Megatron-Core.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .families import FAMILIES, family
-from .mixers import Mla, Yarn, mixer
+from .mixers import Mla, Yarn, mixer, mixers
 from .mlp import DENSE, mlp_kind
 
 __all__ = ["ModelArgs"]
@@ -64,6 +65,9 @@ class ModelArgs:
     #  the W - 1 before it, transformers' sliding_window) or None (full); None: every layer full (GPT-OSS)
     attention_sinks: bool = False  # a learned logit per head in every softmax denominator (GPT-OSS's sinks)
     rope_yarn: Yarn | None = None  # YaRN RoPE scaling of softmax attention (GPT-OSS)
+    attention_output_gate: bool = False  # attention output times sigmoid(a gate q_proj also emits) (Qwen3-Next, 3.5)
+    linear_attention: Any = None  # Gated DeltaNet layers (DeltaNet: sizes, which layers); None: none (hybrids)
+    norm_zero_centered: bool = False  # every RMSNorm computes rms_norm(x) * (1 + weight) (Qwen3-Next, Qwen3.5)
     fused: bool = True  # packfwd's fused kernels on CUDA (RMSNorm, SwiGLU, THD RoPE; same weights, numbers within
     #  rounding, the torch path elsewhere); False: Megatron-Core's plain modules, for checking
 
@@ -82,8 +86,12 @@ class ModelArgs:
         if self.mtp_num_layers and self.value_head:
             raise ValueError("a value model (value_head=True) has no vocabulary head to predict tokens with; "
                              "use mtp_num_layers=0")
+        for name in ("norm_zero_centered", "attention_output_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ModelArgs.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_mixer(entry)
-        mixer(self).check(self)
+        for own in mixers(self):  # the model's token mixer, and a hybrid's other one (its linear attention)
+            own.check(self)
         DENSE.check(self)
         if self.moe is not None:
             try:
@@ -95,6 +103,10 @@ class ModelArgs:
 
     def _check_mixer(self, entry) -> None:
         """The token mixer the fields describe is the family's."""
+        if self.linear_attention is not None and entry.linear_attention is None:
+            hybrids = sorted(name for name, f in FAMILIES.items() if f.linear_attention is not None)
+            raise ValueError(f"linear_attention given for family={self.family!r}, which has no linear-attention "
+                             f"layers; pass family={' or '.join(repr(h) for h in hybrids)} or linear_attention=None")
         own = mixer(self)
         if own is entry.attention:
             return

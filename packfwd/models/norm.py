@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FUSED_NORMS", "FusedRMSNorm", "RMSNorm", "norm_class"]
+__all__ = ["FUSED_NORMS", "FusedRMSNorm", "RMSNorm", "ZeroCenteredRMSNorm", "norm_class"]
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -65,6 +65,31 @@ class FusedRMSNorm(RMSNorm):
         super().__init__(config, hidden_size, eps, fused=True)
 
 
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored centred on zero: ``rms_norm(x) * (1 + weight)``, computed in ``x``'s dtype
+    promoted to float32 at least and rounded back once (transformers' ``Qwen3NextRMSNorm``; Megatron-Core's
+    ``layernorm_zero_centered_gamma``).  The weight starts at zero (the identity scale).  Every norm of a model with
+    ``ModelArgs.norm_zero_centered`` (Qwen3-Next, Qwen3.5) is one: the layer norms, QK-norm, the final norm.
+
+    >>> from types import SimpleNamespace
+    >>> norm = ZeroCenteredRMSNorm(SimpleNamespace(params_dtype=torch.float32), hidden_size=2, eps=0.0)
+    >>> norm(torch.tensor([[3.0, 4.0]])).tolist(), norm.weight.tolist()
+    ([[0.8485281467437744, 1.1313709020614624]], [0.0, 0.0])
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(config, hidden_size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        xc = x.to(cdt)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        normed = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (1.0 + self.weight.to(cdt))).to(x.dtype)
+
+
 # The norm each place of a fused model takes: "torch" (:class:`RMSNorm`: torch's rms_norm) or "kernel"
 # (:class:`FusedRMSNorm`: packfwd's Triton kernels, several rows to a program).  The layer norms over the hidden
 # size keep torch's; QK-norm's narrow rows (head_dim) take the kernels.  Measured per place on an H200
@@ -73,8 +98,11 @@ FUSED_NORMS = {"layer": "torch", "qk": "kernel"}
 
 
 def norm_class(args, place: str = "layer"):
-    """The norm class of ``place`` ("layer" or "qk") in a model of ``args``: :class:`FusedRMSNorm` where the model
-    is fused and ``FUSED_NORMS`` picks the kernels there, else :class:`RMSNorm` (module docstring)."""
+    """The norm class of ``place`` ("layer" or "qk") in a model of ``args``: :class:`ZeroCenteredRMSNorm` everywhere
+    in a model with ``norm_zero_centered``; else :class:`FusedRMSNorm` where the model is fused and ``FUSED_NORMS``
+    picks the kernels there, else :class:`RMSNorm` (module docstring)."""
+    if args is not None and getattr(args, "norm_zero_centered", False):
+        return ZeroCenteredRMSNorm
     if args is not None and getattr(args, "fused", False) and FUSED_NORMS[place] == "kernel":
         return FusedRMSNorm
     return RMSNorm

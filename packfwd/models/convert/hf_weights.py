@@ -22,7 +22,7 @@ from torch import Tensor
 from ..args import ModelArgs
 from ..families import family
 from ..mapping import rows_to_hf, rows_to_megatron
-from ..mixers import mixer
+from ..mixers import mixers
 from ..mlp import DENSE
 
 __all__ = ["hf_to_megatron", "megatron_to_hf"]
@@ -141,7 +141,8 @@ def megatron_to_hf(
 def _check_tp(args: ModelArgs, tp_size: int, tp_rank: int) -> None:
     if not isinstance(tp_size, int) or tp_size < 1 or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_size={tp_size!r}, tp_rank={tp_rank!r}: need 0 <= tp_rank < tp_size")
-    for name, value in (("vocab_size", args.vocab_size), *mixer(args).tp_widths(args), *DENSE.tp_widths(args)):
+    widths = (w for m in mixers(args) for w in m.tp_widths(args))
+    for name, value in (("vocab_size", args.vocab_size), *widths, *DENSE.tp_widths(args)):
         if value % tp_size:
             raise ValueError(f"{name}={value} is not divisible by tp_size={tp_size}; pick a tp_size that divides it")
 

@@ -60,6 +60,8 @@ class Family:
     tie_embeddings: bool = False  # when the config does not say (tie_word_embeddings)
     mrope: bool = False  # multimodal RoPE (Qwen2-VL): rope_parameters["mrope_section"]; the text under text_config
     layer_weights: tuple[Weight, ...] = LAYER_NORMS  # the decoder layer's own weights (its components' aside)
+    linear_attention: Component | None = None  # a hybrid's linear-attention mixer, on ModelArgs.linear_attention's
+    #                                            layers (read by read_attention); None: no such layers
 
     def __post_init__(self):
         if self.norm != "rmsnorm":
@@ -103,7 +105,8 @@ class Family:
             family=self.name,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
-            ffn_hidden_size=cfg.intermediate_size,
+            # a model whose every MLP is MoE has no dense width (Qwen3.5-MoE's config): the experts' stands in
+            ffn_hidden_size=getattr(cfg, "intermediate_size", None) or cfg.moe_intermediate_size,
             num_layers=cfg.num_hidden_layers,
             num_attention_heads=cfg.num_attention_heads,
             norm_eps=cfg.rms_norm_eps,

@@ -29,7 +29,7 @@ from torch import Tensor
 from ..._validate import check_tensor
 from .deltanet_ops import causal_conv1d_packed, chunk_gated_delta_rule_packed
 
-__all__ = ["DeltaNetShape", "gated_deltanet_packed", "gated_rms_norm"]
+__all__ = ["DeltaNetShape", "deltanet_mix", "gated_deltanet_packed", "gated_rms_norm"]
 
 _SHARED = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 _NEXT = ("in_proj_qkvz.weight", "in_proj_ba.weight")  # Qwen3-Next: grouped per key head
@@ -115,21 +115,43 @@ def gated_deltanet_packed(hidden: Tensor, weights, config, cu_seqlens: Tensor, *
     if hidden.dim() != 2 or hidden.shape[1] != shape.hidden_size:
         raise ValueError(f"hidden must be [t, {shape.hidden_size}] (packed THD), got {tuple(hidden.shape)}; "
                          "pack a [b, s, h] batch with packfwd.to_thd first")
-    t = hidden.shape[0]
     q, k, v, z, b, a = _project(hidden, w, shape)
-    conv_w = w["conv1d.weight"]
-    qkv = causal_conv1d_packed(torch.cat((q, k, v), -1), conv_w.reshape(conv_w.shape[0], -1), w.get("conv1d.bias"),
-                               cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, activation=shape.activation)
+    o = deltanet_mix(torch.cat((q, k, v), -1), z, b, a, w, shape, cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+                     max_seqlen=max_seqlen, chunk_size=chunk_size)
+    return F.linear(o, w["out_proj.weight"], w.get("out_proj.bias"))
+
+
+def deltanet_mix(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, weights: Mapping[str, Tensor], shape: DeltaNetShape,
+                 cu_seqlens: Tensor, *, cu_seqlens_padded: Tensor | None = None, max_seqlen: int | None = None,
+                 chunk_size: int = 64) -> Tensor:
+    """The layer between its projections, over packed rows: ``qkv: [t, conv_dim]`` (``[q | k | v]``, heads
+    contiguous), ``z: [t, value_dim]``, ``b, a: [t, num_v_heads]`` -> ``[t, value_dim]``, what ``out_proj`` takes
+    (pad rows zero).  ``weights`` holds ``conv1d.weight`` (``[conv_dim, 1, w]``; ``conv1d.bias`` optional),
+    ``A_log``, ``dt_bias`` and ``norm.weight`` (transformers' names; a tensor-parallel rank passes its own heads'
+    with ``shape`` counting its heads).  The one home of the layer's math: :func:`gated_deltanet_packed` and the
+    Megatron-Core module (:mod:`packfwd.models.mixers.gdn`) call it.
+
+    >>> shape = DeltaNetShape(hidden_size=8, num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+    >>> w = {"conv1d.weight": torch.randn(16, 1, 4), "dt_bias": torch.ones(2), "A_log": torch.zeros(2),
+    ...      "norm.weight": torch.ones(4)}
+    >>> deltanet_mix(torch.randn(5, 16), torch.randn(5, 8), torch.randn(5, 2), torch.randn(5, 2), w, shape,
+    ...              torch.tensor([0, 2, 5])).shape
+    torch.Size([5, 8])
+    """
+    t = qkv.shape[0]
+    conv_w = weights["conv1d.weight"]
+    qkv = causal_conv1d_packed(qkv, conv_w.reshape(conv_w.shape[0], -1), weights.get("conv1d.bias"), cu_seqlens,
+                               cu_seqlens_padded=cu_seqlens_padded, activation=shape.activation)
     q, k, v = qkv.split([shape.key_dim, shape.key_dim, shape.value_dim], -1)
     beta = b.sigmoid()
     cdt = torch.promote_types(a.dtype, torch.float32)  # transformers: A_log.float(), a.float() (fp16 safety)
-    g = -w["A_log"].to(cdt).exp() * F.softplus(a.to(cdt) + w["dt_bias"])
+    g = -weights["A_log"].to(cdt).exp() * F.softplus(a.to(cdt) + weights["dt_bias"])
     o = chunk_gated_delta_rule_packed(
         q.reshape(t, shape.num_k_heads, shape.head_k_dim), k.reshape(t, shape.num_k_heads, shape.head_k_dim),
         v.reshape(t, shape.num_v_heads, shape.head_v_dim), g, beta, cu_seqlens, chunk_size,
         cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen, use_qk_l2norm_in_kernel=True)
-    o = gated_rms_norm(o, z, w["norm.weight"], shape.eps)  # [t, hv, dv]
-    return F.linear(o.reshape(t, shape.value_dim), w["out_proj.weight"], w.get("out_proj.bias"))
+    o = gated_rms_norm(o, z.reshape(t, shape.num_v_heads, shape.head_v_dim), weights["norm.weight"], shape.eps)
+    return o.reshape(t, shape.value_dim)
 
 
 def _weights(weights) -> Mapping[str, Tensor]:
@@ -143,17 +165,16 @@ def _weights(weights) -> Mapping[str, Tensor]:
 
 
 def _project(x: Tensor, w: Mapping[str, Tensor], shape: DeltaNetShape):
-    """``q, k: [t, key_dim]``, ``v: [t, value_dim]``, ``z: [t, hv, dv]``, ``b, a: [t, hv]``.  Qwen3-Next (transformers'
+    """``q, k: [t, key_dim]``, ``v, z: [t, value_dim]``, ``b, a: [t, hv]``.  Qwen3-Next (transformers'
     ``fix_query_key_value_ordering``): the projections are grouped per key head, ``[q k v z]`` and ``[b a]``.
     Qwen3.5: one projection each, flat (``[q | k | v]``)."""
     t, hk, r = x.shape[0], shape.num_k_heads, shape.num_v_heads // shape.num_k_heads
     if "in_proj_qkv.weight" in w:
         q, k, v = F.linear(x, w["in_proj_qkv.weight"]).split([shape.key_dim, shape.key_dim, shape.value_dim], -1)
-        z = F.linear(x, w["in_proj_z.weight"]).view(t, shape.num_v_heads, shape.head_v_dim)
-        return q, k, v, z, F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"])
+        return q, k, v, F.linear(x, w["in_proj_z.weight"]), F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"])
     qkvz = F.linear(x, w["in_proj_qkvz.weight"]).view(t, hk, 2 * shape.head_k_dim + 2 * r * shape.head_v_dim)
     ba = F.linear(x, w["in_proj_ba.weight"]).view(t, hk, 2 * r)
     q, k, v, z = qkvz.split([shape.head_k_dim, shape.head_k_dim, r * shape.head_v_dim, r * shape.head_v_dim], -1)
     b, a = ba.split([r, r], -1)
-    return (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, shape.num_v_heads, shape.head_v_dim),
+    return (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), z.reshape(t, -1),
             b.reshape(t, shape.num_v_heads), a.reshape(t, shape.num_v_heads))

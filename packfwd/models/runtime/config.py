@@ -9,7 +9,7 @@ import torch
 
 from ..args import ModelArgs
 from ..families import family
-from ..mixers import mixer
+from ..mixers import mixer, mixers
 from ..mlp import DENSE, mlp_kind
 
 __all__ = ["transformer_config"]
@@ -83,12 +83,13 @@ def transformer_config(
         perform_initialization=init,
         mtp_num_layers=args.mtp_num_layers or None,
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+        layernorm_zero_centered_gamma=args.norm_zero_centered,  # packfwd's norms read it from args (norm.py)
         **config_overrides(device),
     )
-    for component in (attention, *mlps):
+    for component in (*mixers(args), *mlps):
         fields.update(component.config_fields(args))
     config = getattr(configs, attention.config_class)(**fields)
-    for component in (attention, *mlps):
+    for component in (*mixers(args), *mlps):
         if hasattr(component, "finish_config"):  # an MLP kind registered from outside may not have it
             component.finish_config(config, args)
     return config

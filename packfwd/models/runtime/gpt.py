@@ -22,7 +22,7 @@ import torch
 from packfwd._validate import unwrap as unwrap
 
 from ..args import ModelArgs
-from ..mixers import mixer
+from ..mixers import mixers
 from ..mlp import DENSE
 from .config import transformer_config
 from .value import ValueHead as ValueHead
@@ -198,7 +198,8 @@ def _check_expert_parallel(args: ModelArgs, ep: int, tp: int, pp_size: int, sequ
 
 def _check_divisible(args: ModelArgs, tp: int) -> None:
     """Every width tensor parallelism splits (the vocabulary, and each layer component's) divides by ``tp``."""
-    widths = (("vocab_size", args.vocab_size), *mixer(args).tp_widths(args), *DENSE.tp_widths(args))
+    widths = (("vocab_size", args.vocab_size), *(w for m in mixers(args) for w in m.tp_widths(args)),
+              *DENSE.tp_widths(args))
     for name, value in widths:
         if value % tp:
             raise ValueError(f"{name}={value} is not divisible by the tensor-parallel size {tp}; pick a TP size "
@@ -247,6 +248,9 @@ def model_args(model: torch.nn.Module) -> ModelArgs:
         moe=getattr(gpt, "moe", None),
         mla=getattr(gpt, "mla", None),
         fused=getattr(gpt, "fused", False),
+        attention_output_gate=bool(getattr(cfg, "attention_output_gate", False)),
+        linear_attention=getattr(gpt, "linear_attention", None),
+        norm_zero_centered=bool(getattr(cfg, "layernorm_zero_centered_gamma", False)),
         attention_windows=_windows(cfg),
         attention_sinks=getattr(cfg, "softmax_type", "vanilla") == "learnable",
         rope_yarn=getattr(getattr(gpt, "rotary_pos_emb", None), "yarn", None),

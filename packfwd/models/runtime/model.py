@@ -111,6 +111,7 @@ class PackedGPTModel(GPTModel):
             )
         self.rotary_pos_emb = rotary
         self.family, self.moe, self.mla, self.fused = args.family, args.moe, args.mla, args.fused  # for model_args
+        self.linear_attention = args.linear_attention  # for model_args
         self.mixer_rotates = attention.rotates_itself  # BSHD angles computed here even where Megatron-Core's are None
         if args.mrope_section is not None:  # what the constructor's "mrope" branch sets (mrope.py says why not it)
             self.position_embedding_type, self.mrope_section = "mrope", list(args.mrope_section)

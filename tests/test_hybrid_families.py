@@ -1,0 +1,266 @@
+"""The hybrid linear-attention families (Qwen3.5 dense, Qwen3.5-MoE, Qwen3-Next) against transformers.
+
+Strategy: transformers is the oracle, run on each sequence alone (nothing to leak); packfwd runs the whole ragged
+batch (left and right padding, sequences of 1 to 150 tokens: several 64-token chunks of the delta
+rule) in THD, THD aligned (``seq_align=16``: pads between sequences), BSHD (rows compacted) and through
+``model(ids, None, attention_mask)`` (Megatron-Core's calling convention), and every sequence's logits must equal
+its lone run.  Tiny float64 models (hidden 32, 4 layers: 3 Gated DeltaNet, 1 gated full attention, the pattern of
+``layer_types``; Qwen3-Next with a dense layer among its MoE ones), O(1)-scale weights.
+
+transformers computes the delta rule, its gated norm and decay, the zero-centred norms and the router's softmax in
+float32 whatever the model's dtype.  :func:`hf64` loads a copy of each modeling module with those upcasts lifted
+to float64 (``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()``, the router's
+``dtype=torch.float`` -> ``torch.float64``; the RoPE angles keep float32, as packfwd's); one test runs the
+unmodified module in float32 at float32's tolerance, so the lift hides nothing.
+
+Also: conversion both ways bit for bit (whole and from two TP shards); the MoE aux loss equal to transformers'
+load-balancing loss over the real tokens and unchanged by padding; context parallelism refused with its name; and,
+over gloo, TP=2 with sequence parallelism (Qwen3.5, THD and BSHD) and EP=2 (Qwen3.5-MoE) equal to transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from packfwd.forward import make_forward
+from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
+from packfwd.models.convert.hf import args_from_hf_config
+from packfwd.models.convert.hf_weights import hf_to_megatron
+
+from .oracles import assert_equals_hf_per_sequence
+
+transformers = pytest.importorskip("transformers")
+MODULES = {
+    "qwen3_5": ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeTextConfig",
+                    "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM"),
+}
+if not all(hasattr(transformers, cfg) for _, cfg, _ in MODULES.values()):
+    pytest.skip(f"transformers {transformers.__version__} lacks Qwen3.5 / Qwen3-Next", allow_module_level=True)
+
+TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, rms_norm_eps=1e-6)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+           experts_implementation="eager")
+EXTRA = {"qwen3_5": dict(intermediate_size=48), "qwen3_5_moe": MOE,
+         "qwen3_next": dict(MOE, intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)}
+FAMILIES = sorted(MODULES)
+# Megatron-Core's router takes its softmax in float32 (tests/test_moe.py's tolerance); the dense model is exact
+ATOL = {"qwen3_5": dict(atol=1e-10, rtol=0.0), "qwen3_5_moe": dict(atol=2e-5, rtol=1e-5),
+        "qwen3_next": dict(atol=2e-5, rtol=1e-5)}
+
+
+def hf64(name: str):
+    """A copy of transformers' modeling module ``name`` with its float32 upcasts lifted to float64 (module
+    docstring)."""
+    original = importlib.import_module(name)
+    lifted = name.replace(".modeling_", "._f64_modeling_")
+    if lifted in sys.modules:
+        return sys.modules[lifted]
+    source = open(original.__file__).read()
+    keep = "position_ids[..., None].float()"  # the RoPE angles stay float32 (packfwd's are)
+    assert source.count(keep) >= 1 and source.count(".to(torch.float32") >= 4, "transformers changed"
+    source = (source.replace(keep, "@KEEP@").replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+              .replace("dtype=torch.float, dim=-1", "dtype=torch.float64, dim=-1").replace("@KEEP@", keep))
+    spec = importlib.util.spec_from_loader(lifted, loader=None, origin=original.__file__)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__, module.__file__ = original.__package__, original.__file__
+    sys.modules[lifted] = module  # before exec: transformers reads its classes' annotations from sys.modules
+    exec(compile(source, original.__file__, "exec"), module.__dict__)
+    return module
+
+
+def hf_model(family: str, *, lifted: bool = True, seed: int = 0, **extra) -> torch.nn.Module:
+    """The tiny float64 model of ``family`` (module docstring): weights ~ N(0, 1 / fan_in), norms and decays
+    noisy around their starting values."""
+    path, config_name, model_name = MODULES[family]
+    config = getattr(transformers, config_name)(**TINY, **EXTRA[family], **extra)
+    model_cls = getattr(hf64(path) if lifted else importlib.import_module(path), model_name)
+    torch.manual_seed(seed)  # transformers draws A_log from the global generator: the same model in every process
+    model = model_cls(config).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            small = "norm" in name or name.endswith(("A_log", "dt_bias"))
+            p.copy_(p + 0.3 * noise if small else noise * p.shape[-1] ** -0.5)
+    return model.eval()
+
+
+def ragged_batch(seed: int = 0):
+    """Rows: left-padded, several chunks long and right-padded, right-padded, one token, long and left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths_pads = [(5, "left"), (150, "right"), (70, "right"), (1, "left"), (66, "left")]
+    s = 152
+    ids = torch.zeros(len(lengths_pads), s, dtype=torch.long)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (n, side) in enumerate(lengths_pads):
+        cols = slice(s - n, s) if side == "left" else slice(0, n)
+        mask[i, cols] = True
+        ids[i, cols] = torch.randint(1, TINY["vocab_size"], (n,), generator=g)
+    return ids, mask
+
+
+LAYOUTS = [("thd", {}), ("thd", {"seq_align": 16}), ("bshd", {}), ("masked", {})]
+
+
+def _forward(data_format, layout, **kwargs):
+    if data_format == "masked":  # Megatron-Core's calling convention: the padding mask into the model
+        return lambda model, ids, mask: model(ids, None, mask)
+    return make_forward(data_format, **layout, **kwargs)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_models(request):
+    hf = hf_model(request.param)
+    return request.param, hf, from_hf(hf)
+
+
+@pytest.mark.parametrize("data_format, layout", LAYOUTS, ids=lambda x: str(x))
+def test_logits_equal_transformers_per_sequence(family_models, data_format, layout):
+    family, hf, model = family_models
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        logits = _forward(data_format, layout)(model, ids, mask)
+    assert_equals_hf_per_sequence(hf, logits, ids, mask, **ATOL[family], what=f"{family} {data_format} {layout}: ")
+
+
+def test_the_layer_pattern_is_the_configs():
+    hf = hf_model("qwen3_next", layer_types=["linear_attention", "full_attention"] * 2)
+    model = from_hf(hf)
+    kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+    assert kinds == ["PackedGatedDeltaNet", "GatedSelfAttention"] * 2
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        assert_equals_hf_per_sequence(hf, make_forward("thd")(model, ids, mask), ids, mask, **ATOL["qwen3_next"])
+
+
+def test_unmodified_transformers_in_float32():
+    """transformers as shipped (float32 upcasts), the models in float32: equal to float32's rounding."""
+    hf = hf_model("qwen3_5", lifted=False).float()
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        assert_equals_hf_per_sequence(hf, make_forward("thd")(model, ids, mask), ids, mask, atol=2e-4, rtol=1e-4)
+
+
+def test_a_neighbour_changes_nothing_but_a_leak_would():
+    """Negative control: the same rows with other neighbours give the same bits; a model whose convolution runs
+    across sequence starts (cu_seqlens of one sequence) gives other logits at the second sequence."""
+    model = from_hf(hf_model("qwen3_5"))
+    ids, mask = ragged_batch()
+    forward = make_forward("thd")
+    with torch.no_grad():
+        alone = forward(model, ids[1:3], mask[1:3])
+        packed = forward(model, ids, mask)[1:3]
+        assert torch.equal(alone, packed)
+        one = ids[2][mask[2]][None]
+        both = torch.cat([ids[1][mask[1]], ids[2][mask[2]]])[None]
+        joined = model(both, None, None)[0, mask[1].sum():]  # one 220-token sequence: the state runs on
+        assert (joined - model(one, None, None)[0]).abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_convert_back_bit_for_bit(family):
+    hf = hf_model(family)
+    sd = hf.state_dict()
+    back = to_hf_state_dict(from_hf(hf))
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
+    args = args_from_hf_config(hf.config)
+    shards = [hf_to_megatron(sd, args, tp_size=2, tp_rank=r) for r in range(2)]
+    merged = megatron_to_hf(shards, args)
+    assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
+
+
+def _hf_aux_loss(hf, family, ids, mask):
+    lb = importlib.import_module(MODULES[family][0]).load_balancing_loss_func
+    out = hf(ids, attention_mask=mask.long(), output_router_logits=True)
+    return lb(out.router_logits, hf.config.num_experts, hf.config.num_experts_per_tok, mask.long())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_aux_loss_is_transformers_over_real_tokens(family):
+    """transformers' load-balancing loss of the batch (its attention mask drops the pads' router logits), on
+    right-padded rows (which transformers' own padded forward computes as if alone)."""
+    hf = hf_model(family)
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    rows = [1, 2]  # right-padded rows
+    with torch.no_grad():
+        want = _hf_aux_loss(hf, family, ids[rows], mask[rows]).double()
+        for data_format, layout in LAYOUTS[:3]:
+            forward = _forward(data_format, layout, moe_aux_loss=True)
+            got = forward(model, ids[rows], mask[rows])["moe_aux_loss"]
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            padded = torch.nn.functional.pad(ids[rows], (3, 5)), torch.nn.functional.pad(mask[rows], (3, 5))
+            torch.testing.assert_close(forward(model, *padded)["moe_aux_loss"], got, atol=1e-12, rtol=1e-12)
+
+
+def test_context_parallelism_is_refused():
+    from packfwd.models.mixers.gdn import PackedGatedDeltaNet
+    from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.models.runtime.config import transformer_config
+
+    ensure_model_parallel()
+    args = args_from_hf_config(hf_model("qwen3_5").config)
+    config = transformer_config(args, cp_size=2, init=False)
+    with pytest.raises(ValueError, match=r"context parallelism \(cp_size=2\) with Gated DeltaNet"):
+        PackedGatedDeltaNet(config, layer_number=1, deltanet=args.linear_attention)
+
+
+# ------------------------------------------------------------------------------------------------- two ranks
+
+
+def _ranks_worker(rank: int, world: int):
+    """TP=2 + SP (Qwen3.5, THD and BSHD) then EP=2 (Qwen3.5-MoE, THD): {case: this rank's logits}.  The models are
+    made here, the same seeds (the lifted modeling modules cannot be pickled to the children)."""
+    dense, moe = hf_model("qwen3_5"), hf_model("qwen3_5_moe")
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    ids, mask = ragged_batch()
+    out = {}
+    ensure_model_parallel(tp_size=2)
+    model = from_hf(dense, tp_size=2, tp_rank=rank, sequence_parallel=True)
+    with torch.no_grad():
+        for data_format in ("thd", "bshd"):
+            out[f"tp2_sp_{data_format}"] = make_forward(data_format, tp_size=2)(model, ids, mask)
+    ps.destroy_model_parallel()
+    ensure_model_parallel(ep_size=2)
+    model = from_hf(moe, ep_size=2, ep_rank=rank)
+    rows = slice(0, 3) if rank == 0 else slice(3, 5)  # each expert-parallel rank its own batch
+    with torch.no_grad():
+        out["ep2"] = make_forward("thd")(model, ids[rows], mask[rows])
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    from packfwd.testing import run_local
+
+    dense, moe = hf_model("qwen3_5"), hf_model("qwen3_5_moe")
+    return dense, moe, run_local(_ranks_worker, 2, backend="gloo", timeout=300)
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_tp2_with_sequence_parallelism(two_ranks, data_format):
+    dense, _, ranks = two_ranks
+    ids, mask = ragged_batch()
+    logits = torch.cat([r[f"tp2_sp_{data_format}"] for r in ranks], -1)  # each rank its vocabulary half
+    assert_equals_hf_per_sequence(dense, logits, ids, mask, atol=1e-10)
+
+
+def test_ep2(two_ranks):
+    _, moe, ranks = two_ranks
+    ids, mask = ragged_batch()
+    for rank, rows in enumerate((slice(0, 3), slice(3, 5))):
+        assert_equals_hf_per_sequence(moe, ranks[rank]["ep2"], ids[rows], mask[rows], **ATOL["qwen3_5_moe"])
