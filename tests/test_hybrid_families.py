@@ -13,13 +13,15 @@ to float64 (``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()`
 ``dtype=torch.float`` -> ``torch.float64``; the RoPE angles keep float32, as packfwd's); one test runs the
 unmodified module in float32 at float32's tolerance, so the lift hides nothing.
 
-Also: conversion both ways bit for bit (whole and from two TP shards); the MoE aux loss equal to transformers'
+Also: two pipeline stages equal to the whole model; conversion both ways bit for bit (whole and from two TP
+shards); the MoE aux loss equal to transformers'
 load-balancing loss over the real tokens and unchanged by padding; context parallelism refused with its name; and,
 over gloo, TP=2 with sequence parallelism (Qwen3.5, THD and BSHD) and EP=2 (Qwen3.5-MoE) equal to transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -142,6 +144,22 @@ def test_the_layer_pattern_is_the_configs():
         assert_equals_hf_per_sequence(hf, make_forward("thd")(model, ids, mask), ids, mask, **ATOL["qwen3_next"])
 
 
+def test_two_pipeline_stages():
+    """Qwen3-Next over PP=2 in one process (stage 0: layers 0-1, linear attention, a dense MLP; stage 1: layers 2-3,
+    its full attention last): the stages' logits equal the whole model's, THD and BSHD."""
+    hf = hf_model("qwen3_next")
+    whole = from_hf(hf)
+    stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
+    kinds = [type(layer.self_attention).__name__ for s in stages for layer in s.decoder.layers]
+    assert kinds == ["PackedGatedDeltaNet"] * 3 + ["GatedSelfAttention"]
+    ids, mask = ragged_batch()
+    for data_format in ("thd", "bshd"):
+        forward = make_forward(data_format)
+        with torch.no_grad():
+            stages[1].set_input_tensor(forward(stages[0], ids, mask))
+            torch.testing.assert_close(forward(stages[1], ids, mask), forward(whole, ids, mask), atol=1e-10, rtol=0)
+
+
 def test_unmodified_transformers_in_float32():
     """transformers as shipped (float32 upcasts), the models in float32: equal to float32's rounding."""
     hf = hf_model("qwen3_5", lifted=False).float()
@@ -201,6 +219,25 @@ def test_aux_loss_is_transformers_over_real_tokens(family):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
             padded = torch.nn.functional.pad(ids[rows], (3, 5)), torch.nn.functional.pad(mask[rows], (3, 5))
             torch.testing.assert_close(forward(model, *padded)["moe_aux_loss"], got, atol=1e-12, rtol=1e-12)
+
+
+def test_what_is_refused_names_the_fix():
+    from packfwd.models import ModelArgs
+    from packfwd.models.mixers import DeltaNet
+
+    args = args_from_hf_config(hf_model("qwen3_5").config)
+    base = dict(vocab_size=64, hidden_size=32, ffn_hidden_size=48, num_layers=4, num_attention_heads=4)
+    with pytest.raises(ValueError, match="linear_attention given for family='llama'.*'qwen3_5'"):
+        ModelArgs(**base, linear_attention=args.linear_attention)
+    with pytest.raises(ValueError, match="family='qwen3_5' has gated softmax attention: pass attention_output_gate"):
+        ModelArgs(**base, family="qwen3_5")
+    with pytest.raises(ValueError, match=r"DeltaNet.layers \[4\] lie outside num_layers=4"):
+        ModelArgs(**base, family="qwen3_5", attention_output_gate=True, linear_attention=DeltaNet(2, 4, 8, 8, layers=(4,)))
+    with pytest.raises(ValueError, match="num_v_heads=3 must be a multiple of num_k_heads=2"):
+        DeltaNet(2, 3, 8, 8)
+    one_key_head = dataclasses.replace(args, linear_attention=DeltaNet(1, 2, 8, 8, layers=(0, 1, 2)))
+    with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by tp_size=2"):
+        hf_to_megatron({}, one_key_head, tp_size=2, tp_rank=0)
 
 
 def test_context_parallelism_is_refused():
