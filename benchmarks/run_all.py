@@ -39,6 +39,7 @@ BENCHMARKS = {
     "micro_throughput": ("bench_micro_throughput.py", _file_args("micro_throughput")),
     "fused_head": ("bench_fused_head.py", _file_args("fused_head")),
     "step": ("bench_step.py", _file_args("step")),
+    "scored": ("bench_scored.py", _file_args("scored")),
     "rl_step": ("bench_rl_step.py", _file_args("rl_step")),
     "kernels": ("bench_kernels.py", _file_args("kernels")),
     "invariance": ("bench_invariance.py", _file_args("invariance")),

@@ -29,7 +29,7 @@ import torch
 import packfwd.verl as pv
 from packfwd import to_thd
 
-from .verl_dropin_support import (OUT_TOL, Recorder, batch, compare, engine_args,
+from .verl_dropin_support import (EVERY, OUT_TOL, Recorder, batch, compare, engine_args,
                                   engine_processor, last_tokens, log_prob_processor, models, nested, rank_cases,
                                   same_call, vf, views)
 from .verl_forward_ref import MtpConfig
@@ -58,7 +58,7 @@ def test_model_forward_matches_verl(data_format, with_processor):
         kw.update(logits_processor=log_prob_processor, logits_processor_args=dict(
             label=b.labels, label_mask=b.label_mask, temperature=b.temperature))
     ref = functools.partial(vf.model_forward_gen(False), ref_model, b.ids, b.mask, b.positions, {}, **kw)
-    ours = functools.partial(pv.model_forward_gen(False), our_model, b.ids, b.mask, b.positions, {}, **kw)
+    ours = functools.partial(EVERY.model_forward_gen(False), our_model, b.ids, b.mask, b.positions, {}, **kw)
     compare(ref, ours, [model])
 
 
@@ -87,7 +87,7 @@ def test_pipeline_stages_match_verl(data_format):
         return {"hidden": hidden, **forward(view(stages[1]), b.ids, b.mask, b.positions, {}, **kw)}
 
     ref = functools.partial(two_stages, vf.model_forward_gen(False), lambda m: views(m, data_format)[0])
-    ours = functools.partial(two_stages, pv.model_forward_gen(False), lambda m: views(m, data_format)[1])
+    ours = functools.partial(two_stages, EVERY.model_forward_gen(False), lambda m: views(m, data_format)[1])
     if data_format == "thd":
         compare(ref, ours, stages)
         return
@@ -149,7 +149,7 @@ def test_engine_processor_matches_verl_but_at_last_tokens(data_format):
     kw = dict(logits_processor=engine_processor, data_format=data_format)
     ref = lambda: vf.gptmodel_forward_model_engine(ref_model, ids, {}, logits_processor_args=engine_args(b), **kw)
     args = engine_args(b)
-    ours = lambda: pv.gptmodel_forward_model_engine(our_model, ids, {}, logits_processor_args=args, **kw)
+    ours = lambda: EVERY.gptmodel_forward_model_engine(our_model, ids, {}, logits_processor_args=args, **kw)
     _, _, out = compare(ref, ours, [model], keep=(~last).float(), skip=last)
     assert set(args) == {"label", "temperature", "loss_mask", "response_attention_mask"}  # caller's dict intact
     with torch.no_grad():
@@ -326,3 +326,50 @@ def test_parallel_matches_verl(tp, cp):
     """Real TP=2 (with sequence parallelism) and CP=2 worlds; every rank compares on its own shard."""
     results = run_local(rank_cases, tp * cp, tp, cp, backend="gloo", timeout=300)
     assert all(r["cases"].keys() == results[0]["cases"].keys() for r in results)
+
+
+# ---------------------------------------------------------------------------------------- scored tokens only
+
+
+def _weighted_run(fn, model, keep):
+    """``fn()``'s outputs (detached) and the parameter gradients of a fixed weighted sum of them over ``keep``."""
+    model.zero_grad(set_to_none=True)
+    out = fn()
+    flat = {k: v.values() if v.is_nested else v for k, v in out.items()}
+    total = 0.0
+    for v in flat.values():
+        w = torch.linspace(-1.0, 1.0, v.numel()).view(v.shape)
+        total = total + (v * w * keep.reshape(*keep.shape, *[1] * (v.dim() - keep.dim()))).sum()
+    total.backward()
+    return {k: v.detach() for k, v in flat.items()}, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_scored_tokens_match_verl_there_and_are_zero_elsewhere(data_format):
+    """packfwd.verl's default: only the tokens verl's losses read go through the head (``model_forward_gen``: its
+    ``label_mask``; the engine: the loss mask one token later, as verl's losses roll it onto the log-probs); there
+    the outputs and gradients are verl's, elsewhere every output is exactly 0 (the logits a processor returns too)."""
+    b, model = batch(), models().policy
+    ref_model, our_model = views(model, data_format)
+    kw = dict(data_format=data_format, logits_processor=log_prob_processor,
+              logits_processor_args=dict(label=b.labels, label_mask=b.label_mask, temperature=b.temperature))
+    keep = b.label_mask & b.mask
+    engine_keep = torch.zeros_like(b.mask)
+    engine_keep[:, :-1] = (torch.cat([torch.zeros_like(b.mask[:, :5]), b.response_mask], 1) & b.mask)[:, 1:]
+    ids, engine_keep = nested(b.ids, b.mask), engine_keep[b.mask]
+    ekw = dict(data_format=data_format, logits_processor=engine_processor)
+    for ref, ours, kept in [
+        (lambda: vf.model_forward_gen(False)(ref_model, b.ids, b.mask, b.positions, {}, **kw),
+         lambda: pv.model_forward_gen(False)(our_model, b.ids, b.mask, b.positions, {}, **kw), keep),
+        (lambda: vf.gptmodel_forward_model_engine(ref_model, ids, {}, logits_processor_args=engine_args(b), **ekw),
+         lambda: pv.gptmodel_forward_model_engine(our_model, ids, {}, logits_processor_args=engine_args(b), **ekw),
+         engine_keep)]:
+        assert 0 < int(kept.sum()) < int(b.mask.sum())
+        want, want_grads = _weighted_run(ref, model, kept)
+        got, grads = _weighted_run(ours, model, kept)
+        for k in want:
+            torch.testing.assert_close(got[k][kept], want[k][kept], **OUT_TOL)
+            assert not got[k][~kept].any(), k
+        assert want["logits" if "logits" in want else "log_probs"][~kept].any()  # verl has numbers there
+        for name in want_grads:
+            torch.testing.assert_close(grads[name], want_grads[name], atol=1e-5, rtol=1e-4, msg=name)

@@ -87,7 +87,8 @@ def test_model_forward_thd_matches_verl():
     kw = dict(logits_processor=log_prob_processor, mtp_config=ON,
               logits_processor_args=dict(label=b.labels, label_mask=b.label_mask, temperature=b.temperature))
     ref = functools.partial(vf.model_forward_gen(False), VerlView(model), b.ids, b.mask, b.positions, {}, **kw)
-    ours = functools.partial(pv.model_forward_gen(False), model, b.ids, b.mask, b.positions, {}, **kw)
+    ours = functools.partial(pv.model_forward_gen(False, scored_only=False), model, b.ids, b.mask, b.positions, {},
+                             **kw)
     compare(ref, ours, [model])
     _, with_mtp = run(ours, [model])
     _, without = run(functools.partial(ours, mtp_config=MtpConfig(enable=True)), [model])
@@ -104,7 +105,8 @@ def test_engine_thd_matches_verl():
     ids, last = nested(b.ids, b.mask), last_tokens(b)
     kw = dict(logits_processor=engine_processor, mtp_enable_train=True)
     ref = lambda: vf.gptmodel_forward_model_engine(VerlView(model), ids, {}, logits_processor_args=engine_args(b), **kw)
-    ours = lambda: pv.gptmodel_forward_model_engine(model, ids, {}, logits_processor_args=engine_args(b), **kw)
+    ours = lambda: pv.gptmodel_forward_model_engine(model, ids, {}, logits_processor_args=engine_args(b),
+                                                    scored_only=False, **kw)
     compare(ref, ours, [model], keep=(~last).float(), skip=last)
 
 

@@ -255,6 +255,13 @@ def tokenwise_processor(logits, label, temperature):
     return {"x": logits.sum(-1) * temperature + label}
 
 
+# packfwd.verl scoring every token, as verl does (its default scores only the label / loss mask's tokens:
+# tests/test_verl_dropin.py's test_scored_tokens_match_verl_there_and_are_zero_elsewhere)
+EVERY = SimpleNamespace(
+    model_forward_gen=lambda vision_model=False: pv.model_forward_gen(vision_model, scored_only=False),
+    gptmodel_forward_model_engine=functools.partial(pv.gptmodel_forward_model_engine, scored_only=False))
+
+
 def rank_cases(rank: int, world_size: int, tp: int, cp: int) -> dict:
     """On each rank of a TP x CP world: verl's forwards and packfwd.verl's on this rank's shard of the model;
     ``{case: (largest output difference, largest gradient difference)}`` (the comparisons assert)."""
@@ -275,7 +282,7 @@ def rank_cases(rank: int, world_size: int, tp: int, cp: int) -> dict:
     def case(name, data_format, make_call, modules=(model,), **kw):
         ref_model, our_model = views(modules[0], data_format)
         with host_collectives():  # the backward of a sequence-parallel model on the CPU (packfwd.models.runtime.cpu)
-            results[name] = compare(make_call(vf, ref_model), make_call(pv, our_model), list(modules), **kw)[:2]
+            results[name] = compare(make_call(vf, ref_model), make_call(EVERY, our_model), list(modules), **kw)[:2]
 
     for fmt in ("thd", "bshd") if cp == 1 else ("thd",):
         case(f"model_forward_{fmt}", fmt, lambda f, m, fmt=fmt: functools.partial(

@@ -114,10 +114,12 @@ class Scoring:
         if head is not None:  # the fused head selects its rows itself (after a sequence-parallel gather)
             fused = _unbind(step.processor)[0].fused
             args = dict(step.args)
-            if takes(fused, "token_mask"):
-                args["token_mask"] = sel.mask
-                if sel.slots is not None and takes(fused, "token_count"):
-                    args["token_count"] = sel.slots
+            if sel.slots is not None and takes(fused, "token_mask") and takes(fused, "token_count"):
+                args.update(token_mask=sel.mask, token_count=sel.slots)
+            elif sel.slots is None:  # every row, no host sync: a token_mask would read its count back
+                args.pop("token_mask", None)
+                if takes(fused, "real_tokens"):  # the unscored tokens' temperatures are not read
+                    args["real_tokens"] = sel.mask
             results, t = head.run(step.processor, step.model, step.facts, out, args)
             return {k: _zero_outside(v, sel.mask) for k, v in check_results(results, t).items()}
         t = sel.mask.shape[0]

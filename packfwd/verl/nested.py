@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from packfwd.engine import Batch, Engine, model_facts
+from packfwd.forward.scored import Scoring
 from packfwd.layout import shift_in_sequence
 from packfwd.layout.rules import round_up, verl_alignment
 
@@ -60,6 +61,8 @@ def gptmodel_forward_model_engine(
     cp_layout: str = "zigzag",
     router_padding_mask: Tensor | None = None,
     mtp_loss_normalization_factor: float | None = None,
+    *,
+    scored_only: bool = True,
 ):
     """verl's nested-tensor forward (see the module docstring).
 
@@ -71,7 +74,10 @@ def gptmodel_forward_model_engine(
     OR-ed for an MoE model with the plan's layout pads (alignment, FP8, ``pad_to_length_bucket``), which an MoE
     model always gets, so no pad is routed (verl passes only its own mask).  ``mtp_enable_train=True`` (a packfwd
     model with MTP layers): the MTP loss of ``label`` and ``loss_mask`` (verl's), each depth read within its own
-    sequence, hung on the backward as verl's model does (``packfwd.verl.mtp``).
+    sequence, hung on the backward as verl's model does (``packfwd.verl.mtp``).  ``scored_only=True``
+    (packfwd's; verl passes nothing): with a processor and ``logits_processor_args``' ``loss_mask``, only the tokens
+    whose next token is inside it (the mask verl's losses roll onto the log-probs) go through the output layer and
+    the processor, and every output is 0 at the others (:mod:`packfwd.forward.scored`); ``False``: every token.
 
     >>> import torch
     >>> from packfwd.models.runtime import ensure_model_parallel
@@ -119,9 +125,13 @@ def gptmodel_forward_model_engine(
         call = functools.partial(_bshd_call, vision=vision_model, pad_token_id=pad_token_id, packed_ids=packed_ids)
     # verl reads the MTP normalization factor from the THD PackedSeqParams only
     factor = mtp_loss_normalization_factor if data_format == "thd" else None
+    if scored_only and logits_processor is not None and args.get("loss_mask") is not None:
+        scored = engine_loss_mask(input_ids, args["loss_mask"], args.get("response_attention_mask"))
+        options = {**options, "loss_mask": shift_in_sequence(scored, None, 1, 0)}  # verl rolls it onto the log-probs
     engine = Engine(layout, processor=logits_processor, extensions=(VerlMtp(factor),) * mtp, rows=True, call=call,
                     tp_size=par.tp, cp_size=par.model_cp, cp_rank=par.cp_rank, cp_group=par.cp_group,
-                    check_cp=False, bind_tp=False, facts_fix=PARALLEL_FIX)
+                    check_cp=False, bind_tp=False, facts_fix=PARALLEL_FIX,
+                    scoring=Scoring(labels="label", masks=(), hidden=not mtp) if scored_only else None)
     inputs = {k: _processor_arg(k, v) for k, v in args.items() if k not in _NOT_PASSED} if logits_processor else {}
     result = engine(model, Batch(input_ids, inputs=inputs, model_inputs=extra, options=options))
     if result.outputs is None:

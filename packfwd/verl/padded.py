@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from packfwd.engine import Batch, Bshd, Engine, model_facts
+from packfwd.forward.scored import Scoring
 from packfwd.forward.vision import takes_packing, vision_kwargs
 
 from ._common import PARALLEL_FIX, fp8_padding, multimodal_kwargs, read_parallel
@@ -42,7 +43,7 @@ __all__ = ["model_forward_gen"]
 _FORMATS = ("thd", "bshd")
 
 
-def model_forward_gen(vision_model: bool = False) -> Callable:
+def model_forward_gen(vision_model: bool = False, *, scored_only: bool = True) -> Callable:
     """verl's ``model_forward_gen``: returns ``model_forward(model, input_ids, attention_mask, position_ids,
     multi_modal_inputs, logits_processor=None, logits_processor_args=None, value_model=False, data_format="thd",
     mtp_config=None)`` (see the module docstring).
@@ -58,6 +59,10 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
     ``mtp_config`` with ``enable_train`` set (a packfwd model with MTP layers): the MTP loss of
     ``logits_processor_args``' ``label``/``label_mask``, each depth's labels shifted within its own sequence, hung
     on the backward as verl's model does (``packfwd.verl.mtp``), in THD and BSHD.
+    ``scored_only=True`` (packfwd's; verl passes nothing): with a processor and ``logits_processor_args``'
+    ``label_mask``, only the tokens inside it go through the output layer and the processor, and every output is
+    0 at the others (verl's actor reads the response's tokens, all inside it; :mod:`packfwd.forward.scored`);
+    ``False``: every token, as verl computes them.
 
     >>> import torch
     >>> from packfwd.models.runtime import ensure_model_parallel
@@ -102,11 +107,14 @@ def model_forward_gen(vision_model: bool = False) -> Callable:
             if facts.fp8 is not None:
                 raise ValueError("data_format='bshd' does not support fp8 (neither does verl's); use data_format='thd'")
             layout = Bshd(par.tp if facts.sequence_parallel else 1)
+        if scored_only and logits_processor is not None and args.get("label_mask") is not None:
+            options = {**options, "loss_mask": args["label_mask"]}  # verl's: True where the label is scored
         engine = Engine(layout, processor=logits_processor, extensions=(VerlMtp(),) * mtp, rows=True,
                         call=functools.partial(_verl_call, thd=data_format == "thd", vision=vision_model,
                                                packed_ids=facts.pre_process or mtp),
                         tp_size=par.tp, cp_size=par.model_cp, cp_rank=par.cp_rank, cp_group=par.cp_group,
-                        check_cp=False, bind_tp=False, facts_fix=PARALLEL_FIX)
+                        check_cp=False, bind_tp=False, facts_fix=PARALLEL_FIX,
+                        scoring=Scoring(labels="label", masks=(), hidden=not mtp) if scored_only else None)
         extra = multimodal_kwargs(model, multi_modal_inputs, input_ids.device)
         batch = Batch(input_ids, attention_mask, position_ids, inputs=args if logits_processor else {},
                       model_inputs=extra, options=options)

@@ -26,6 +26,7 @@ want cuda_unit && step cuda_unit python3 -m pytest -q -p no:cacheprovider tests/
 want kernels && step kernels python3 -m pytest -q -p no:cacheprovider $(grep -o 'tests/gpu/test_[a-z_]*kernel\.py' Makefile | sort -u)
 want logprobs_bench && step logprobs_bench python3 benchmarks/bench_logprobs.py --device cuda --out "$OUT/logprobs.json"
 want bench_step && step bench_step python3 benchmarks/bench_step.py --out "$OUT/step.json" ${BENCH_STEP_ARGS:-}
+want bench_scored && step bench_scored python3 benchmarks/bench_scored.py --out "$OUT/scored.json" ${BENCH_SCORED_ARGS:-}
 want bench_rl_step && step bench_rl_step python3 benchmarks/bench_rl_step.py --out "$OUT/rl_step.json" ${BENCH_RL_ARGS:-}
 want bench_moe && step bench_moe python3 benchmarks/bench_moe.py --out "$OUT/moe.json" ${BENCH_MOE_ARGS:-}
 want bench_invariance && step bench_invariance python3 benchmarks/bench_invariance.py --out "$OUT/invariance.json" ${BENCH_INV_ARGS:-}
