@@ -39,7 +39,7 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from common import environment, pick_device, table, time_device, write_json  # noqa: E402
+from common import environment, pick_device, skip_reason, table, time_device, write_json  # noqa: E402
 
 import packfwd as pf  # noqa: E402
 from packfwd.forward import deterministic as det  # noqa: E402
@@ -368,15 +368,22 @@ def main(argv=None) -> int:
     hf, model = hf_and_packfwd(SMOKE if cfg.smoke else FULL, device, dtype)
     payload = {"benchmark": "invariance", "env": environment(), "device": str(device), "dtype": str(dtype),
                "model": SMOKE if cfg.smoke else FULL}
-    if "table" not in cfg.skip:
-        payload["table"] = invariance_table(hf, model, cfg, cuda)
-        print(table(payload["table"], ["system", "mode", "case", "bitwise", "max_abs_diff"]))
-    if "cost" not in cfg.skip:
-        payload["cost"] = cost(model, hf.config.vocab_size, cfg, device)
-        print(table(payload["cost"], ["mode", "tokens", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "skipped"]))
-    if "parallel" not in cfg.skip:
-        payload["parallel"] = parallel_layouts(cfg, cuda)
-        print(table(payload["parallel"], ["case", "output", "bitwise", "max_abs_diff", "skipped"]))
+    sections = {
+        "table": (lambda: invariance_table(hf, model, cfg, cuda), ["system", "mode", "case", "bitwise", "max_abs_diff"]),
+        "cost": (lambda: cost(model, hf.config.vocab_size, cfg, device),
+                 ["mode", "tokens", "fwd ms", "fwd x", "fwd+bwd ms", "fwd+bwd x", "skipped"]),
+        "parallel": (lambda: parallel_layouts(cfg, cuda), ["case", "output", "bitwise", "max_abs_diff", "skipped"]),
+    }
+    for name, (run, columns) in sections.items():
+        if name in cfg.skip:
+            continue
+        try:
+            payload[name] = run()
+        except torch.cuda.OutOfMemoryError as e:  # recorded; the other sections still run
+            payload[f"{name}_skipped"] = skip_reason(e)
+            print(f"{name}: {payload[f'{name}_skipped']}", flush=True)
+            continue
+        print(table(payload[name], columns))
     write_json(cfg.out, payload)
     print(f"wrote {cfg.out}")
     return 0

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import skip_reason  # noqa: E402
 from packfwd.logits import _chunked, fused_log_probs_and_entropy, log_probs, log_probs_and_entropy  # noqa: E402
 
 MODES = ("logp", "logp+ent")
@@ -200,12 +202,17 @@ def cpu_peak_once(cfg, name, mode, backward, cpu_peak):
 
 
 def measure(cfg, name, mode, backward):
+    """One row; a row that runs out of memory is recorded as skipped (its times None) and the run goes on."""
     times, peaks = [], []
-    for i in range(cfg["warmup"] + cfg["runs"]):
-        elapsed, peak = run_once(cfg, name, mode, backward, seed=1000 * i + 17)
-        if i >= cfg["warmup"]:
-            times.append(elapsed)
-            peaks.append(peak)
+    try:
+        for i in range(cfg["warmup"] + cfg["runs"]):
+            elapsed, peak = run_once(cfg, name, mode, backward, seed=1000 * i + 17)
+            if i >= cfg["warmup"]:
+                times.append(elapsed)
+                peaks.append(peak)
+    except torch.cuda.OutOfMemoryError as e:
+        return {"method": name, "mode": mode, "pass": "fwd+bwd" if backward else "fwd", "time_ms_median": None,
+                "time_ms_runs": times, "peak_bytes": None, "skipped": skip_reason(e)}
     return {"method": name, "mode": mode, "pass": "fwd+bwd" if backward else "fwd",
             "time_ms_median": statistics.median(times), "time_ms_runs": times,
             "peak_bytes": None if None in peaks else max(peaks)}
@@ -259,6 +266,10 @@ def targets(results):
     by = {(r["method"], r["mode"], r["pass"]): r for r in results}
     for mode in MODES:
         c, n = by[("chunked", mode, "fwd+bwd")], by[("naive", mode, "fwd+bwd")]
+        if c["time_ms_median"] is None or n["time_ms_median"] is None:
+            out[mode] = {"peak_ratio": None, "peak_ok": None, "time_ratio": None, "time_ok": None,
+                         "skipped": c.get("skipped") or n.get("skipped")}
+            continue
         mem = None if c["peak_bytes"] is None or not n["peak_bytes"] else c["peak_bytes"] / n["peak_bytes"]
         tim = c["time_ms_median"] / n["time_ms_median"]
         out[mode] = {"peak_ratio": mem, "peak_ok": None if mem is None else mem <= 0.25,
@@ -272,6 +283,9 @@ def table(results):
     lines = [f"{'method':<15}{'mode':<10}{'pass':<9}{'time ms':>10}{'x naive':>9}{'peak GiB':>10}{'x naive':>9}"]
     for r in results:
         ref = base[(r["mode"], r["pass"], METHODS[r["method"]][1])]
+        if r["time_ms_median"] is None or ref["time_ms_median"] is None:
+            lines.append(f"{r['method']:<15}{r['mode']:<10}{r['pass']:<9}  {r.get('skipped') or 'skipped: its baseline'}")
+            continue
         tr = r["time_ms_median"] / ref["time_ms_median"]
         mr = (r["peak_bytes"] / ref["peak_bytes"]) if r["peak_bytes"] is not None and ref["peak_bytes"] else None
         lines.append(f"{r['method']:<15}{r['mode']:<10}{r['pass']:<9}{r['time_ms_median']:10.2f}{tr:9.2f}"
@@ -319,6 +333,9 @@ def main(argv=None) -> int:
     if not report["design_point"]:
         print("(not the design point t=16384, v=131072, bf16 on CUDA: the target ratios are only indicative)")
     for mode, tgt in report["targets"].items():
+        if tgt["time_ratio"] is None:
+            print(f"targets [{mode}]: not measured ({tgt['skipped']})")
+            continue
         print(f"targets [{mode}] chunked/naive fwd+bwd: peak {tgt['peak_ratio']} (<= 0.25: {tgt['peak_ok']}), "
               f"time {tgt['time_ratio']:.3f} (<= 1.2: {tgt['time_ok']})")
     print("agreement:", json.dumps(report["agreement"]))

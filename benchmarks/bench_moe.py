@@ -1,7 +1,8 @@
 """Benchmark: a Qwen3-MoE-shaped model on one GPU, packed (THD) with grouped-GEMM experts against the same model's
 sequential experts and against transformers on the padded batch, same weights, same run.
 
-The model (``--layers``, default 12, about 4.4 B parameters, 0.9 B active per token): hidden 2048, 64 experts top-8
+The model (``--layers``, default 12 where the card has 110 GiB free, 8 from 60 GiB (transformers' row runs out of
+memory at 12 layers on an 80 GB card), else 4; 12 layers: about 4.4 B parameters, 0.9 B active per token): hidden 2048, 64 experts top-8
 (normalised), expert ffn 768, 16 query / 4 key-value heads of 128, vocab 151936, untied, bf16; transformers'
 ``Qwen3MoeForCausalLM`` built on the GPU with its own initialisation, packfwd's model converted from it
 (``from_hf``).  The batch (fixed seed): 6 rows of 4096, a 1024-column prompt region left-padded (prompts of 128 to
@@ -33,7 +34,8 @@ parameters of the real tokens (per token and layer: q, k, v, o; the router; top-
 output layer: ``2 P_active`` per token, plus causal attention ``4 h_q d l^2 / 2`` per sequence and layer; x3 for
 forward + backward) and its fraction of the ceiling.  The run fails when a row's loss differs from
 ``grouped``'s beyond bf16 rounding, or a row ran another expert path than its name says (``torch._grouped_mm``
-calls of one untimed step: 2 per MoE layer forward, 6 with the backward; none for ``sequential``).
+calls of one untimed step: 2 per MoE layer forward, 6 with the backward; none for ``sequential``).  A row that runs
+out of memory (or fails otherwise) is recorded in ``skipped`` with its reason and the run goes on.
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py --out benchmarks/out/moe.json          # H200: ~2-3 minutes
     (--profile: where the step's device time goes, per kernel category, for the packfwd rows)
@@ -254,11 +256,27 @@ def measure(step, module, runs: int, warmup: int, timer, device) -> dict:
     return {"ms": statistics.median(times), "ms_runs": times, "loss": float(loss), **out}
 
 
+def layers_for_memory(device) -> int:
+    """The default layer count for the card: 12 with 110 GiB free, 8 with 60 GiB, else 4 (the two models, their
+    gradients, and transformers' padded step, whose activations grow with the layers)."""
+    if device.type != "cuda":
+        return 12
+    free = torch.cuda.mem_get_info()[0] / 2**30
+    return 12 if free >= 110 else 8 if free >= 60 else 4
+
+
+def _free(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (CI): seconds")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "moe.json", help="JSON file to write")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 12; smoke 2)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: 12, 8 or 4 by the card's free memory; smoke 2)")
     ap.add_argument("--runs", type=int, default=None, help="timed steps per packfwd row (default 5; smoke 1)")
     ap.add_argument("--hf-runs", type=int, default=None, help="timed steps of transformers (default 3; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; smoke 1)")
@@ -273,8 +291,9 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not cfg.smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     shape = SMOKE if cfg.smoke else Shape()
-    if cfg.layers:
-        shape = Shape(**{**asdict(shape), "layers": cfg.layers})
+    layers = cfg.layers or (None if cfg.smoke else layers_for_memory(device))
+    if layers:
+        shape = Shape(**{**asdict(shape), "layers": layers})
     runs, hf_runs = cfg.runs or (1 if cfg.smoke else 5), cfg.hf_runs or (1 if cfg.smoke else 3)
     warmup = cfg.warmup or (1 if cfg.smoke else 2)
     timer = Timer(device)
@@ -299,7 +318,12 @@ def main(argv=None) -> int:
     for variant in [v for v in VARIANTS if v in cfg.variants]:  # "stacked" moves the weights: after the others
         if variant in CUDNN:  # a model of its own per row: a graph is captured on a model no eager step touched
             cudnn = None
-            cudnn = cudnn_model(hf, device, dtype)
+            try:
+                cudnn = cudnn_model(hf, device, dtype)
+            except torch.cuda.OutOfMemoryError as e:
+                skipped[variant] = f"skipped: out of memory building its model ({str(e).splitlines()[0][:200]})"
+                _free(device)
+                continue
             if cudnn is None:
                 skipped[variant] = "attention_backend='cudnn' is not available here (nvidia-cudnn-frontend, CUDA)"
                 continue
@@ -320,7 +344,18 @@ def main(argv=None) -> int:
             else:
                 step = (hf_step if variant == "hf_padded" else packfwd_step)(module, batch, backward)
             n = hf_runs if variant == "hf_padded" else runs
-            row = {"variant": variant, "pass": pass_, **measure(step, module, n, warmup, timer, device)}
+            try:
+                row = {"variant": variant, "pass": pass_, **measure(step, module, n, warmup, timer, device)}
+            except Exception as e:  # noqa: BLE001 - out of memory above all: recorded, the other rows still run
+                oom = isinstance(e, torch.cuda.OutOfMemoryError)
+                why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                skipped[f"{variant} {pass_}"] = ("skipped: out of memory" if oom else f"failed: {type(e).__name__}") \
+                    + f" ({why})"
+                print(f"  {variant} {pass_}: {skipped[f'{variant} {pass_}']}", flush=True)
+                del step
+                module.zero_grad(set_to_none=True)
+                _free(device)
+                continue
             if variant != "hf_padded":  # grouped rows: 2 per MoE layer forward, 6 with the backward; sequential 0
                 row["grouped_mm_calls"] = getattr(step, "grouped_mm_calls", None) or grouped_mm_calls(step, module)
                 if cfg.profile and backward:

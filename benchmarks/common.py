@@ -9,6 +9,8 @@
   (a device-to-device copy, bytes read plus bytes written).
 * ``environment`` / ``write_json`` / ``table``: what every result is recorded with.
 * ``graph_replay``: a step captured once as a CUDA graph, replayed with its plan copied in.
+* ``skip_reason``: what a row that could not run records (out of memory above all), the device's cache emptied:
+  every benchmark records such a row and goes on.
 """
 
 from __future__ import annotations
@@ -187,3 +189,16 @@ def graph_replay(body: Callable[[], object], model: torch.nn.Module, captured, p
 
     step.graph, step.grouped_mm_calls = graph, len(calls)
     return step
+
+
+def skip_reason(error: BaseException) -> str:
+    """The reason a row records when its measurement raised: ``"skipped: out of memory (...)"`` for a CUDA
+    out-of-memory error, else ``"failed: <type>: <message>"``; the CUDA cache is emptied so the next row starts
+    clean."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return f"skipped: out of memory ({first})"
+    return f"failed: {type(error).__name__}: {first}"
