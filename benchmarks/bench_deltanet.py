@@ -7,8 +7,9 @@ packed tokens in sequences of uniform random lengths in [64, ``--max-len``] (409
 the layer computes it.  Rows, per operator (``rule``: ``chunk_gated_delta_rule_packed`` with the L2 norm of q and
 k in the kernel; ``conv``: ``causal_conv1d_packed`` with SiLU):
 
-* ``fla``: packfwd's CUDA path (fla's varlen forward on the chunk-aligned layout; the rule's backward is the torch
-  path recomputed, the convolution's is fla's);
+* ``fla``: packfwd's CUDA path (fla's varlen forward on the chunk-aligned layout; the rule's backward fla's kernels
+  with packfwd's chunk-local step in place of the one fla refuses on Hopper, the convolution's fla's);
+* ``fla_recompute`` (the rule): the same forward, the backward the torch path recomputed (``PACKFWD_DELTANET=recompute``);
 * ``torch``: packfwd's torch path (``PACKFWD_DELTANET=torch``), exact, the CPU path;
 * ``fla_own``: fla's own ``chunk_gated_delta_rule`` / ``causal_conv1d`` on the packed buffer with its own backward
   (host ``cu_seqlens`` given); its rule backward refuses on Hopper with Triton < 3.7.1, recorded as ``refused``.
@@ -127,10 +128,11 @@ def run(shape: dict, device: torch.device, iters: int, warmup: int) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     data = inputs(shape, shape["tokens"], device, dtype)
     fns = packfwd_fns(cu, max(lengths))
-    impls = {"torch": fns}
+    impls = {"torch": (fns, "torch")}  # name: (the operators, PACKFWD_DELTANET)
     fla_ok = device.type == "cuda" and deltanet_cuda.fla_takes(*data["rule"][:3], *data["rule"][3:])
     if fla_ok:
-        impls = {"fla": fns, "torch": fns, "fla_own": fla_own_fns(cu)}
+        impls = {"fla": (fns, "auto"), "fla_recompute": (fns, "recompute"), "torch": (fns, "torch"),
+                 "fla_own": (fla_own_fns(cu), "auto")}
     rows = []
     for op, args in data.items():
         with torch.no_grad():
@@ -138,8 +140,10 @@ def run(shape: dict, device: torch.device, iters: int, warmup: int) -> dict:
             ref = fns[op](*args).float()
         g = torch.Generator(device="cpu").manual_seed(1)
         upstream = torch.randn(ref.shape, generator=g).to(device=device, dtype=args[0].dtype)
-        for impl, table_ in impls.items():
-            os.environ[deltanet_cuda.SWITCH] = "torch" if impl == "torch" else "auto"
+        for impl, (table_, switch) in impls.items():
+            if impl == "fla_recompute" and op != "rule":
+                continue
+            os.environ[deltanet_cuda.SWITCH] = switch
             with torch.no_grad():
                 out = table_[op](*args).float()
             rel = float((out - ref).abs().max() / ref.abs().max())
@@ -160,6 +164,9 @@ def ratios(rows: list[dict]) -> dict:
         for key in ("forward_ms", "forward_backward_ms"):
             out[f"{op} {key[:-3]}: torch / fla"] = torch_[key] / fla[key]
         out[f"{op} backward / forward (fla path)"] = (fla["forward_backward_ms"] - fla["forward_ms"]) / fla["forward_ms"]
+        recompute = by.get((op, "fla_recompute"))
+        if recompute:
+            out[f"{op} forward_backward: recompute / fla"] = recompute["forward_backward_ms"] / fla["forward_backward_ms"]
         own = by.get((op, "fla_own"), {})
         if "forward_backward_ms" in own:
             out[f"{op} forward_backward: fla path / fla_own"] = fla["forward_backward_ms"] / own["forward_backward_ms"]

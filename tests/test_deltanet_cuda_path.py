@@ -187,3 +187,39 @@ def test_switch_and_inputs_choose_the_torch_path(monkeypatch):
     monkeypatch.setenv(deltanet_cuda.SWITCH, "torch")
     monkeypatch.setattr(deltanet_cuda, "_fla", lambda: ("rule", "conv"))
     assert not deltanet_cuda.fla_takes(x, op="conv")
+
+
+def _chunk_function(q, k, w, c, u, state, scale, r):
+    """A chunk's outputs and end state from its start state, in plain torch (the function whose vector-Jacobian
+    product :func:`chunk_local_grads` computes): ``[nt, chunk, heads, d]`` blocks, key heads repeated ``r`` times."""
+    q, k = (x.repeat_interleave(r, 2).transpose(1, 2) for x in (q, k))  # [nt, hv, chunk, dk]
+    w, u, c = w.transpose(1, 2), u.transpose(1, 2), c.transpose(1, 2)
+    chunk = q.shape[2]
+    v_new = u - w @ state
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~torch.ones(chunk, chunk, dtype=torch.bool).tril(),
+                                                          float("-inf")).exp()
+    o = scale * (c.exp()[..., None] * q) @ state + scale * ((q @ k.transpose(-1, -2)) * decay) @ v_new
+    end = c[..., -1:].exp()[..., None] * state + ((c[..., -1:] - c).exp()[..., None] * k).transpose(-1, -2) @ v_new
+    return o, end, v_new
+
+
+def test_chunk_local_grads_equal_autograd_of_the_chunk():
+    """:func:`chunk_local_grads` (the step packfwd computes in place of fla's ``chunk_bwd_dqkwg``) equals autograd of
+    one chunk's function in float64: dq, dk (summed over a key head's value heads), dw and the decay's gradient."""
+    gen = torch.Generator().manual_seed(5)
+    nt, chunk, hk, r, dk, dv, scale = 3, 4, 2, 2, 5, 3, 0.7
+    hv = hk * r
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, w, u = rand(nt, chunk, hk, dk), rand(nt, chunk, hk, dk), rand(nt, chunk, hv, dk), rand(nt, chunk, hv, dv)
+    c = (-torch.rand(nt, chunk, hv, generator=gen, dtype=torch.float64)).cumsum(1)  # log decay from the start
+    state, d_o, d_end = rand(nt, hv, dk, dv), rand(nt, hv, chunk, dv), rand(nt, hv, dk, dv)
+    leaves = [x.requires_grad_() for x in (q, k, w, c, u)]
+    o, end, v_new = _chunk_function(*leaves, state, scale, r)
+    dq, dk_, dw, dc, du = torch.autograd.grad((o * d_o).sum() + (end * d_end).sum(), leaves)
+    t = nt * chunk
+    flat = lambda x: x.detach().reshape(1, t, *x.shape[2:])  # noqa: E731
+    got = deltanet_cuda.chunk_local_grads(
+        flat(q), flat(k), flat(v_new.transpose(1, 2)), flat(w), flat(c) / torch.log(torch.tensor(2.0, dtype=c.dtype)),
+        state[None], d_end[None], flat(d_o.transpose(1, 2)), flat(du), scale, chunk)
+    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, (dq, dk_, dw, dc)):
+        torch.testing.assert_close(a, flat(b), rtol=1e-10, atol=1e-10, msg=name)

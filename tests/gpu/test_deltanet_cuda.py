@@ -3,8 +3,9 @@ the torch path, which is exact.
 
 * forward (the delta rule and the convolution, bf16): within bf16 rounding of the torch path run in float32 on the
   same bf16 inputs (tolerances of fla's bf16 state and intermediates, a few bf16 ulps of the output's scale);
-* gradients: the delta rule's are the torch path's bit for bit (its backward is the torch path); the convolution's
-  (fla's own backward) within bf16 rounding of the float32 torch path;
+* gradients within bf16 rounding of the float32 torch path: the delta rule's (fla's backward kernels with packfwd's
+  chunk-local step in place of the one fla refuses on Hopper), the convolution's (fla's own backward); with
+  ``PACKFWD_DELTANET=recompute`` the delta rule's are the torch path's bit for bit;
 * every sequence's rows packed equal the sequence run alone, bit for bit (THD aligned: pads between sequences);
 * the chunk index packfwd builds on the device is the one fla builds on the host for the same boundaries;
 * forward and backward of both operators make no host sync (``max_seqlen`` given).
@@ -59,24 +60,36 @@ def test_fla_is_taken():
     assert deltanet_cuda.fla_takes(q, k, v, decay, beta), "fla is installed but the CUDA path is not taken"
 
 
-def test_rule_forward_within_bf16_and_gradients_are_the_torch_paths(monkeypatch):
+def _rel(a, b):
+    return float((a.float() - b).abs().max() / b.abs().max())
+
+
+def test_rule_forward_and_gradients_within_bf16_of_the_torch_path(monkeypatch):
+    """fla's forward and the backward of fla's kernels with packfwd's chunk-local step, against the torch path in
+    float32 on the same bf16 inputs; with ``PACKFWD_DELTANET=recompute`` the gradients are the torch path's bits."""
     cu, cu_pad = _cu(LENGTHS, ALIGN)
     t = int(cu_pad[-1]) + 5  # and rows past the last sequence
     inputs = [x.requires_grad_() for x in _inputs(t)]
     upstream = torch.randn(t, HV, D, device="cuda", dtype=torch.bfloat16)
     out = _rule(inputs, cu, cu_pad)
     grads = torch.autograd.grad(out, inputs, upstream)
+    monkeypatch.setenv(deltanet_cuda.SWITCH, "recompute")
+    recomputed = torch.autograd.grad(_rule(inputs, cu, cu_pad), inputs, upstream)
     _torch(monkeypatch)
     same = _rule(inputs, cu, cu_pad)
-    for a, b in zip(grads, torch.autograd.grad(same, inputs, upstream)):
-        assert torch.equal(a, b)  # the backward is the torch path on the same bf16 inputs
-    exact = _rule([x.detach().float() for x in inputs], cu, cu_pad)
-    scale = exact.abs().max()
-    err, err_torch = (out.float() - exact).abs().max() / scale, (same.float() - exact).abs().max() / scale
-    assert err < 2e-2, f"fla's forward differs from the float32 torch path by {err:.2e} of max|o| " \
-                       f"(the torch path in bf16: {err_torch:.2e})"
+    for a, b in zip(recomputed, torch.autograd.grad(same, inputs, upstream)):
+        assert torch.equal(a, b)  # the recompute backward is the torch path on the same bf16 inputs
+    exact_in = [x.detach().float().requires_grad_() for x in inputs]
+    exact = _rule(exact_in, cu, cu_pad)
+    exact_grads = torch.autograd.grad(exact, exact_in, upstream.float())
+    for name, a, a_torch, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (out, *grads), (same, *recomputed),
+                                   (exact, *exact_grads)):
+        err, err_torch = _rel(a, b), _rel(a_torch, b)
+        print(f"{name}: fla {err:.2e}, torch path in bf16 {err_torch:.2e} (of the largest float32 value)")
+        assert err < 2e-2, f"{name} on fla's kernels differs from the float32 torch path by {err:.2e} of its max " \
+                           f"(the torch path in bf16: {err_torch:.2e})"
     _, _, real = sequence_rows(cu, t, cu_pad)
-    assert out[~real].eq(0).all()
+    assert out[~real].eq(0).all() and all(g[~real].eq(0).all() for g in grads)
 
 
 def test_conv_forward_and_backward_within_bf16(monkeypatch):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -43,7 +44,8 @@ from torch import Tensor
 
 from ...ops.gather import gather_rows
 
-__all__ = ["CONV_CHUNK", "ChunkLayout", "SWITCH", "chunk_layout", "conv1d_fla", "delta_rule_fla", "fla_takes"]
+__all__ = ["CONV_CHUNK", "ChunkLayout", "SWITCH", "chunk_layout", "chunk_local_grads", "conv1d_fla", "delta_rule_fla",
+           "fla_takes"]
 
 SWITCH = "PACKFWD_DELTANET"  # environment variable: "torch" forces the torch path on CUDA too
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -141,8 +143,13 @@ def conv1d_fla(x: Tensor, weight: Tensor, bias: Tensor | None, layout: ChunkLayo
 def delta_rule_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, layout: ChunkLayout, chunk: int,
                    scale: float, l2norm: bool, reference: Callable[..., Tensor]) -> Tensor:
     """The gated delta rule of packed ``q, k: [t, hk, dk]``, ``v: [t, hv, dv]``, ``g, beta: [t, hv]`` by fla's
-    varlen forward over ``layout``; the backward is autograd of ``reference(q, k, v, g, beta)`` (the torch path,
-    same arguments, same result within rounding).  ``[t, hv, dv]`` in ``v``'s dtype, pad rows zero."""
+    varlen forward over ``layout``.  The backward: fla's kernels with packfwd's :func:`chunk_local_grads` in place
+    of the one fla refuses on Hopper (fla 0.6, whose internal kernels it calls), else autograd of
+    ``reference(q, k, v, g, beta)`` (the torch path, same arguments, same result within rounding) recomputed.
+    ``[t, hv, dv]`` in ``v``'s dtype, pad rows zero."""
+    kernels = _fla_kernels()
+    if kernels is not None and os.environ.get(SWITCH, "").lower() != "recompute":
+        return _KernelRule.apply(q, k, v, g, beta, layout, chunk, scale, l2norm)
     chunk_rule = _fla()[0]
 
     def run(q, k, v, g, beta):
@@ -173,3 +180,113 @@ class _DeltaRule(torch.autograd.Function):
             out = ctx.reference(*inputs)
             grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         return (*(next(grads) if x.requires_grad else None for x in inputs), None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_kernels():
+    """fla 0.6's internal forward and backward steps of the gated delta rule, or None (another version: their
+    names and layouts are fla's own business, so only the version tested here uses them)."""
+    try:
+        import fla
+        from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_bwd_dv_local
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum
+    except ImportError:
+        return None
+    if not fla.__version__.startswith("0.6."):
+        return None
+    return SimpleNamespace(l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd, fwd=chunk_gated_delta_rule_fwd,
+                           fwd_h=chunk_gated_delta_rule_fwd_h, bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+                           dv_local=chunk_bwd_dv_local, w_u=recompute_w_u_fwd, wy_bwd=prepare_wy_repr_bwd,
+                           cumsum=chunk_local_cumsum)
+
+
+class _KernelRule(torch.autograd.Function):
+    """fla's forward steps on the aligned layout, saving what its backward steps read; the backward runs fla's
+    steps with :func:`chunk_local_grads` for the chunk-local gradients of q, k, w and the decay."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, layout, chunk, scale, l2norm):
+        fk = _fla_kernels()
+        qa, ka, va, ga, ba = (layout.gather(x) for x in (q, k, v, g, beta))
+        q_rstd = k_rstd = None
+        if l2norm:
+            (qa, q_rstd), (ka, k_rstd) = fk.l2norm_fwd(qa), fk.l2norm_fwd(ka)
+        where = dict(cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices)
+        g_cum, o, a, *_ = fk.fwd(q=qa, k=ka, v=va, g=ga, beta=ba, scale=scale, initial_state=None,
+                                 output_final_state=False, chunk_size=chunk, **where)
+        ctx.save_for_backward(qa, ka, va, g_cum, ba, a, q_rstd, k_rstd)
+        ctx.layout, ctx.chunk, ctx.scale, ctx.dtypes = layout, chunk, scale, [x.dtype for x in (q, k, v, g, beta)]
+        return layout.scatter(o).to(v.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        fk, layout, chunk, scale = _fla_kernels(), ctx.layout, ctx.chunk, ctx.scale
+        qa, ka, va, g_cum, ba, a, q_rstd, k_rstd = ctx.saved_tensors
+        do = layout.gather(grad.to(va.dtype))
+        where = dict(cu_seqlens=layout.cu_seqlens, chunk_indices=layout.chunk_indices)
+        w, u = fk.w_u(k=ka, v=va, beta=ba, A=a, g=g_cum, **where)
+        h, v_new, _ = fk.fwd_h(k=ka, w=w, u=u, g=g_cum, initial_state=None, output_final_state=False,
+                               chunk_size=chunk, **where)
+        dv = fk.dv_local(q=qa, k=ka, g=g_cum, do=do, scale=scale, chunk_size=chunk, **where)
+        dh, _, dv = fk.bwd_dhu(q=qa, k=ka, w=w, g=g_cum, h0=None, dht=None, do=do, dv=dv, scale=scale,
+                               chunk_size=chunk, **where)
+        dq, dk, dw, dg = chunk_local_grads(qa, ka, v_new, w, g_cum, h, dh, do, dv, scale, chunk)
+        dk2, dv, db, dg2 = fk.wy_bwd(k=ka, v=va, beta=ba, A=a, dw=dw, du=dv, g=g_cum, **where)
+        dg = fk.cumsum(dg + dg2, chunk_size=chunk, reverse=True, **where)
+        dk = dk + dk2
+        if q_rstd is not None:
+            dq, dk = fk.l2norm_bwd(qa, q_rstd, dq), fk.l2norm_bwd(ka, k_rstd, dk)
+        grads = (layout.scatter(x).to(dtype) for x, dtype in zip((dq, dk, dv, dg, db), ctx.dtypes))
+        return (*grads, None, None, None, None)
+
+
+def chunk_local_grads(q: Tensor, k: Tensor, v_new: Tensor, w: Tensor, g: Tensor, h: Tensor, dh: Tensor, do: Tensor,
+                      dv: Tensor, scale: float, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The chunk-local gradients of the chunked gated delta rule, every chunk at once, in float32 or wider (what fla's
+    ``chunk_bwd_dqkwg`` kernel computes, which Triton < 3.7.1 miscompiles on Hopper).
+
+    On ``[1, nt * chunk, heads, *]`` buffers of whole chunks: ``q, k`` (after the L2 norm) ``[.., hk, dk]``;
+    ``v_new`` (the values less the state's prediction, ``u - w S``), ``do`` and ``dv`` (the gradient of
+    ``v_new``) ``[.., hv, dv]``; ``w: [.., hv, dk]``; ``g: [1, nt * chunk, hv]``, the log2 decay from each chunk's
+    start (fla's chunk-local cumsum scaled by 1 / ln 2); ``h, dh: [1, nt, hv, dk, dv]``: each chunk's state at its
+    start and the gradient of its state at its end.  Per chunk, with ``c = g ln 2``, ``C = c[-1]`` and
+    ``D[i, j] = exp(c_i - c_j)`` for ``i >= j`` (else 0), the chunk computes::
+
+        o = scale (exp(c) * q) S + scale ((q k^T) * D) v_new,      S' = exp(C) S + (exp(C - c) * k)^T v_new
+
+    and this returns ``dq, dk: [1, t, hk, dk]`` (summed over each key head's value heads), ``dw = -dv S^T`` and the
+    gradient of ``c`` (before its reverse cumsum over the chunk), ``[1, t, hv]`` in float32 or wider."""
+    _, t, hk, dk = q.shape
+    hv, nt = v_new.shape[2], t // chunk
+    r = hv // hk
+    cdt = torch.promote_types(q.dtype, torch.float32)
+
+    def blocks(x: Tensor) -> Tensor:  # [1, t, heads, d] -> [nt, heads, chunk, d], at least float32
+        return x.reshape(nt, chunk, x.shape[2], x.shape[3]).transpose(1, 2).to(cdt)
+
+    qb, kb = blocks(q).repeat_interleave(r, 1), blocks(k).repeat_interleave(r, 1)  # [nt, hv, chunk, dk]
+    vb, dob, dvb = blocks(v_new), blocks(do), blocks(dv)
+    gb = g.reshape(nt, chunk, hv).transpose(1, 2).to(cdt)  # [nt, hv, chunk]
+    hb, dhb = (x.reshape(nt, hv, dk, -1).to(cdt) for x in (h, dh))
+    last = gb[..., -1:]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    ds = (dob @ vb.transpose(-1, -2)) * torch.where(causal, torch.exp2(gb[..., :, None] - gb[..., None, :]), 0)
+    ds = ds * scale
+    dq = (dob @ hb.transpose(-1, -2)) * (torch.exp2(gb) * scale)[..., None] + ds @ kb
+    dk_state = (vb @ dhb.transpose(-1, -2)) * torch.exp2(last - gb)[..., None]
+    dk_all = dk_state + ds.transpose(-1, -2) @ qb
+    dw = -(dvb @ hb.transpose(-1, -2))
+    dg = (dq * qb).sum(-1) - (dk_all * kb).sum(-1)  # [nt, hv, chunk]
+    dg_last = (hb * dhb).sum((-1, -2)) * torch.exp2(last[..., 0]) + (dk_state * kb).sum((-1, -2))
+    dg = torch.cat((dg[..., :-1], dg[..., -1:] + dg_last[..., None]), -1)
+
+    def rows(x: Tensor) -> Tensor:  # [nt, heads, chunk, d] -> [1, t, heads, d]
+        return x.transpose(1, 2).reshape(1, t, x.shape[1], x.shape[3])
+
+    dq, dk_all = (rows(x).reshape(1, t, hk, r, dk).sum(3) for x in (dq, dk_all))
+    return dq.to(q.dtype), dk_all.to(k.dtype), rows(dw).to(w.dtype), rows(dg[..., None])[..., 0]
