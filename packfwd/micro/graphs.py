@@ -225,6 +225,7 @@ def _run(entry, b: int, params: list, grad: bool, mb, loss_fn):
         if loss.requires_grad:
             loss.backward()
         loss = loss.detach()
+    entry._live = None  # an eager bucket's activations, when no backward consumed them
     return ({k: v.detach() for k, v in out.items()} if isinstance(out, Mapping) else out.detach()), loss
 
 
