@@ -154,11 +154,11 @@ _OWN: dict = {}
 
 
 def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int], canvas: dict, loss_fn, params: list,
-                 storage: tuple, counts=None):
+                 counts=None):
     """One micro-batch ``mb`` (:class:`~packfwd.micro.batches.MicroBatchInputs`) through its bucket ``shape``
     ``(rows, tokens)``: returns ``(outputs of its real rows, detached copies; loss or None)`` like the eager
     step.  ``canvas``: ``{"width": s, "batch": the names of processor arguments cut per row}``; ``params``: the
-    parameters that take gradients; ``storage``: every parameter's and buffer's data pointer (checked at replay);
+    parameters that take gradients;
     ``counts`` (a forward that scores the loss tokens only): each sequence's loss tokens, as the eager step passes
     them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up to a
     quarter of the bucket (a fixed number of head rows per bucket, at most 4 per token size)."""
@@ -173,6 +173,7 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
     key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs)
+    storage = storage_of(model)  # per micro-batch: a buffer a module makes on its first call counts from then on
     entry = graphs._entries.get(key)
     if entry is not None and (entry.model() is not model or entry.storage != storage):
         graphs._entries.pop(key)  # parameters replaced, or another model at the same id: capture again
@@ -205,6 +206,8 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         with torch.cuda.stream(stream):
             out, loss = _run(entry, b, params, grad, mb, loss_fn)
         torch.cuda.current_stream().wait_stream(stream)
+    if not entry.warm:
+        entry.storage = storage_of(model)  # after the warm-up: what the capture will read
     entry.warm = True
     kept = {k: v.clone() for k, v in out.items()} if isinstance(out, Mapping) else out.clone()  # the statics change
     return kept, None if loss is None else loss.clone()
@@ -359,8 +362,9 @@ def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> Non
 
 def _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) -> tuple:
     args = tuple(sorted((k, _signature(v, k in canvas["batch"])) for k, v in kwargs.items() if k != "seqlens"))
-    return (id(model), rows, tokens, canvas["width"], grad, model.training, torch.is_autocast_enabled(),
-            torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else None,
+    autocast = torch.is_autocast_enabled("cuda")
+    return (id(model), rows, tokens, canvas["width"], grad, model.training, autocast,
+            torch.get_autocast_dtype("cuda") if autocast else None,
             torch.are_deterministic_algorithms_enabled(), ids.dtype, _signature(positions, True), args)
 
 
