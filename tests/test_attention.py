@@ -203,8 +203,8 @@ def test_core_attention_refuses_what_it_cannot_do():
         core()(q, q, q, None, attn_mask_type=AttnMaskType.padding)
     with pytest.raises(ValueError, match="dropout"):
         core(attention_dropout=0.1)
-    with pytest.raises(ValueError, match="window_size"):
-        core(window_size=(4, 0))
+    with pytest.raises(ValueError, match="window_size"):  # a window is causal: (w, 0) (GPT-OSS: test_gpt_oss.py)
+        core(window_size=(4, 2))
 
 
 def test_cudnn_backend_is_named_only_and_keeps_flash_semantics(monkeypatch):
@@ -227,6 +227,7 @@ def test_cudnn_backend_is_named_only_and_keeps_flash_semantics(monkeypatch):
     monkeypatch.setattr(varlen, "_cudnn_func", lambda: fake_cudnn)
     monkeypatch.setattr(varlen, "_torch_varlen_func", lambda: object())
     monkeypatch.setattr(varlen, "_flash_attn_func", lambda: None)
+    monkeypatch.setattr(varlen, "_flex_func", lambda: None)
     monkeypatch.setattr(varlen, "available_backends",
                         lambda device="cpu", lookup=varlen.available_backends: lookup("cuda"))
     cuda = torch.device("cuda", 0)

@@ -84,6 +84,7 @@ def test_backend_lookup_is_not_traced(quiet_megatron, monkeypatch):
 
     monkeypatch.setattr(varlen, "_flash_attn_func", missing_flash_attn)
     monkeypatch.setattr(varlen, "_torch_varlen_func", functools.lru_cache(maxsize=None)(lambda: None))
+    monkeypatch.setattr(varlen, "_flex_func", functools.lru_cache(maxsize=None)(lambda: None))  # windows' kernel
     monkeypatch.setattr(varlen, "_KERNELS", {}, raising=False)  # nothing recorded before this test
     lookup = varlen.available_backends
     monkeypatch.setattr(varlen, "available_backends", lambda device="cpu": lookup("cuda"))  # the CPU as CUDA

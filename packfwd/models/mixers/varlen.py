@@ -21,6 +21,8 @@ Backends (``backend=`` a name, or None for the best available one for the inputs
 The flash backward passes accumulate ``dq`` with atomics (not bitwise run to run) unless torch's deterministic mode
 (``torch.use_deterministic_algorithms(True)``) is on: torch's kernel reads it when the backward runs, flash-attn's
 when the forward runs (packfwd passes it as ``deterministic=True``).
+* ``"flex"``: PyTorch's ``flex_attention`` compiled to Triton (CUDA; torch >= 2.9), block-masked per sequence
+  (:mod:`packfwd.models.mixers.varlen_flex`): the CUDA backend that honours a sliding window and sinks.
 * ``"reference"``: pure PyTorch, any device and dtype, exact (float32 math for half inputs, float64 for float64).
 
 All follow flash-attn's semantics: grouped-query attention when ``h_kv`` divides ``h``; with ``causal`` and
@@ -32,9 +34,9 @@ only the keys at most ``w`` positions before it in its own sequence (flash-attn'
 bottom-right as the causal mask is: query ``i`` sees keys ``i + seqlen_k - seqlen_q - w <= j <= i + seqlen_k -
 seqlen_q``; transformers' ``sliding_window`` W is ``w = W - 1``); ``sinks=[h]`` adds ``exp(sinks[head])`` to every
 softmax denominator of that query head (a learned logit with no value: the weights of the real keys sum to less
-than 1).  Only the reference computes them (``BACKEND_FEATURES``): with either given the automatic choice is the
-reference on every device (on CUDA with a one-time warning: it pads to ``max_seqlen``), and a named backend that
-cannot honour them raises.
+than 1).  ``flex`` and the reference compute them (``BACKEND_FEATURES``): with either given the automatic choice
+is ``flex`` on CUDA where this torch has it, else the reference (on CUDA with a one-time warning: it pads to
+``max_seqlen``), and a named backend that cannot honour them raises.
 
 Automatic choice (``backend=None``, :func:`choose_backend`): for fp16/bf16 inputs on CUDA cuDNN's where it is
 faster and has passed its check on the device, else the first flash backend present; else the reference.  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
@@ -63,9 +65,10 @@ from packfwd.layout.rules import round_up
 __all__ = ["BACKENDS", "BACKEND_FEATURES", "available_backends", "choose_backend", "cudnn_check", "varlen_attention",
            "varlen_attention_reference"]
 
-BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "reference")
+BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "flex", "reference")
 # What each backend computes beyond plain (causal) attention: a sliding window, per-head sinks (module docstring).
-BACKEND_FEATURES = {"flash_attn": (), "torch_varlen": (), "cudnn": (), "reference": ("window", "sinks")}
+BACKEND_FEATURES = {"flash_attn": (), "torch_varlen": (), "cudnn": (), "flex": ("window", "sinks"),
+                    "reference": ("window", "sinks")}
 _AUTOMATIC = ("flash_attn", "torch_varlen")  # the CUDA kernels the automatic choice takes, best first
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -98,6 +101,13 @@ def _cudnn_func():
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _flex_func():
+    from .varlen_flex import flex_available, flex_varlen_attention
+
+    return flex_varlen_attention if flex_available() else None  # torch < 2.9: absent
+
+
 def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
     """The backends usable for tensors on ``device``, best first (``"reference"`` is always last).
 
@@ -107,7 +117,8 @@ def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
     if torch.device(device).type != "cuda":
         return ("reference",)
     kernels = _kernels()
-    return (*(name for name in ("flash_attn", "torch_varlen", "cudnn") if kernels[name] is not None), "reference")
+    return (*(name for name in ("flash_attn", "torch_varlen", "cudnn", "flex") if kernels[name] is not None),
+            "reference")
 
 
 # The optional kernels by backend name (None: absent) as last looked up eagerly.  A compiled forward reads this
@@ -118,7 +129,8 @@ _KERNELS: dict = {}
 
 def _kernels() -> dict:
     if not _KERNELS or not torch.compiler.is_compiling():
-        _KERNELS.update(flash_attn=_flash_attn_func(), torch_varlen=_torch_varlen_func(), cudnn=_cudnn_func())
+        _KERNELS.update(flash_attn=_flash_attn_func(), torch_varlen=_torch_varlen_func(), cudnn=_cudnn_func(),
+                        flex=_flex_func())
     return _KERNELS
 
 
@@ -318,7 +330,9 @@ def varlen_attention(
         wide = [torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v)]
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         return varlen_attention(*wide, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                                backend=name)[..., : v.shape[-1]]
+                                backend=name, window=window, sinks=sinks)[..., : v.shape[-1]]
+    if name == "flex":  # the window and sinks of GPT-OSS on CUDA (varlen_flex.py)
+        return _KERNELS["flex"](q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window=window, sinks=sinks)
     if name == "flash_attn":  # deterministic backward under torch's deterministic mode, as torch's own flash
         return _KERNELS["flash_attn"](  # recorded by _resolve
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
