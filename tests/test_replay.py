@@ -365,3 +365,30 @@ def test_ep2_over_gloo_equals_one_process():
         assert torch.equal(got["record"], own[rank])
         assert torch.equal(got["replay"], records[rank])
         torch.testing.assert_close(got["logits"], want[rank], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_the_verl_engine_forward_replays_verls_jagged_routes(data_format):
+    """``packfwd.verl.gptmodel_forward_model_engine(..., routed_experts=)`` (verl's routes, jagged ``[b, j, L, k]``
+    int16 as verl records them) gives packfwd's own replay: the logits of ``make_forward``'s ``routed_experts=`` on
+    the padded batch, after an update that moved tokens; a padded tensor is refused."""
+    from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.verl import gptmodel_forward_model_engine
+
+    ensure_model_parallel()
+    hf = hf_model("mixtral")
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", record_routing=True)
+    with torch.no_grad():
+        recorded = forward(from_hf(hf), ids, mask)["routed_experts"]
+    model = from_hf(updated(hf))
+    jagged = torch.nested.nested_tensor([ids[i][mask[i]] for i in range(4)], layout=torch.jagged)
+    routes = torch.nested.nested_tensor([recorded[i][mask[i]].to(torch.int16) for i in range(4)], layout=torch.jagged)
+    with torch.no_grad():
+        want = forward(model, ids, mask, routed_experts=recorded)
+        free = gptmodel_forward_model_engine(model, jagged, {}, data_format=data_format).values()
+        got = gptmodel_forward_model_engine(model, jagged, {}, data_format=data_format, routed_experts=routes).values()
+    torch.testing.assert_close(got, want["logits"][mask], atol=1e-5, rtol=1e-5)
+    assert (free - got).abs().max() > 1e-3  # the free routing differs: the replay is what made them equal
+    with pytest.raises(TypeError, match="routed_experts must be jagged like input_ids"):
+        gptmodel_forward_model_engine(model, jagged, {}, routed_experts=recorded)

@@ -23,7 +23,7 @@ from ..engine import Extension, seq_major
 from ..models.mlp.aux_loss import check_stage_routing, model_aux_loss, stage_routing_sums
 from ..models.mlp.moe import routing_stats
 
-__all__ = ["MoeAuxLoss"]
+__all__ = ["MoeAuxLoss", "RoutingReplay"]
 
 
 class MoeAuxLoss(Extension):

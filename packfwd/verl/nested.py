@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from packfwd.engine import Batch, Engine, model_facts
+from packfwd.forward.moe import RoutingReplay
 from packfwd.forward.scored import Scoring
 from packfwd.layout import shift_in_sequence
 from packfwd.layout.rules import round_up, verl_alignment
@@ -63,6 +64,7 @@ def gptmodel_forward_model_engine(
     mtp_loss_normalization_factor: float | None = None,
     *,
     scored_only: bool = True,
+    routed_experts: Tensor | None = None,
 ):
     """verl's nested-tensor forward (see the module docstring).
 
@@ -78,6 +80,11 @@ def gptmodel_forward_model_engine(
     (packfwd's; verl passes nothing): with a processor and ``logits_processor_args``' ``loss_mask``, only the tokens
     whose next token is inside it (the mask verl's losses roll onto the log-probs) go through the output layer and
     the processor, and every output is 0 at the others (:mod:`packfwd.forward.scored`); ``False``: every token.
+    ``routed_experts`` (packfwd's; verl's engine hands its ``model_inputs["routed_experts"]`` to its patched
+    routers instead): router replay, the routes verl records (R2) or takes from the rollout (R3, aligned to the
+    ids), jagged like ``input_ids`` ``[b, j, L, k]`` in any integer dtype: each token of MoE layer ``l`` goes to
+    those experts (``make_forward``'s ``routed_experts=``, :class:`packfwd.forward.moe.RoutingReplay`).  verl's
+    R3 ``replay_mask`` (each sequence's last token routed natively) has no counterpart: every token is replayed.
 
     >>> import torch
     >>> from packfwd.models.runtime import ensure_model_parallel
@@ -128,7 +135,14 @@ def gptmodel_forward_model_engine(
     if scored_only and logits_processor is not None and args.get("loss_mask") is not None:
         scored = engine_loss_mask(input_ids, args["loss_mask"], args.get("response_attention_mask"))
         options = {**options, "loss_mask": shift_in_sequence(scored, None, 1, 0)}  # verl rolls it onto the log-probs
-    engine = Engine(layout, processor=logits_processor, extensions=(VerlMtp(factor),) * mtp, rows=True, call=call,
+    if routed_experts is not None:
+        if not (isinstance(routed_experts, Tensor) and routed_experts.is_nested):
+            raise TypeError("routed_experts must be jagged like input_ids ([b, j, L, k], torch.nested with "
+                            "layout=torch.jagged), as verl records them")
+        options = {**options, "routed_experts": routed_experts}
+    replay = (RoutingReplay(False),) if routed_experts is not None else ()
+    engine = Engine(layout, processor=logits_processor, extensions=replay + (VerlMtp(factor),) * mtp, rows=True,
+                    call=call,
                     tp_size=par.tp, cp_size=par.model_cp, cp_rank=par.cp_rank, cp_group=par.cp_group,
                     check_cp=False, bind_tp=False, facts_fix=PARALLEL_FIX,
                     scoring=Scoring(labels="label", masks=(), hidden=not mtp) if scored_only else None)
