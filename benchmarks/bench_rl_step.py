@@ -32,8 +32,9 @@ backend the model runs, the loss (must agree across variants) and the ratio to e
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_rl_step.py --out benchmarks/out/rl_step.json
     python benchmarks/bench_rl_step.py --smoke --out /tmp/rl_step.json      # tiny model on the CPU (CI)
 
-Time on an H100 (estimated): ~1 min to build and warm up, then per batch and variant 1 + ``--runs`` steps of 2-10 s:
-about 4 minutes with the defaults; ``--runs 1``, ``--batches 128x4096`` or ``--passes fwd+bwd`` cut it.
+Time on an H100 (estimated, not yet run): ~1 min to build, then per batch and variant ``--warmup`` + ``--runs`` (2 + 2)
+steps of 3-12 s (transformers the slowest): about 4 minutes with the defaults; ``--runs 1``, ``--warmup 1``,
+``--batches 128x4096`` or ``--variants packfwd verl`` cut it, ``--passes fwd+bwd fwd`` adds the forward-only rows.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ import packfwd as pf  # noqa: E402
 from packfwd.logits import log_probs  # noqa: E402
 from packfwd.micro import plan_micro_batches, run_micro_batches  # noqa: E402
 
-VARIANTS = ("packfwd", "packfwd_eager", "verl", "hf_padded")
-PASSES = ("fwd+bwd", "fwd")
+VARIANTS = ("packfwd_eager", "verl", "hf_padded", "packfwd")  # the graphs last: their pool is freed after each row
+PASSES = ("fwd+bwd", "fwd")  # fwd: the forward-only log-probs of compute_log_prob
 
 
 class Skip(Exception):
@@ -172,13 +173,16 @@ def hf_runner(hf, cfg):
 
 
 def measure(run, module, batches, cfg, timer, grad: bool) -> dict:
-    """``cfg.warmup`` steps (batch seeds 0..), then one timed step per entry of ``batches``."""
+    """``cfg.warmup`` steps (batch seeds 0..), then one timed step per entry of ``batches``; for the graphed row
+    also how many graphs the warm-up captured (``_captured_warm``)."""
     cuda = cfg.device.type == "cuda"
     t0 = time.perf_counter()
     for w in range(cfg.warmup):
         run(batches["warmup"][w], grad)
         module.zero_grad(set_to_none=True)
     warm_s = time.perf_counter() - t0
+    graphs = getattr(getattr(run, "forward", None), "step_graphs", None)
+    captured_warm = graphs.captured if graphs is not None else 0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -191,6 +195,8 @@ def measure(run, module, batches, cfg, timer, grad: bool) -> dict:
         module.zero_grad(set_to_none=True)
     out = {"ms": statistics.median(times), "ms_runs": times, "warmup_s": warm_s, "losses": losses,
            "micro_batches": mbs}
+    if graphs is not None:
+        out["_captured_warm"] = captured_warm
     if cuda:
         out["peak_allocated_GiB"] = torch.cuda.max_memory_allocated() / GiB
         out["peak_reserved_GiB"] = torch.cuda.max_memory_reserved() / GiB
@@ -215,9 +221,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", default=None, help="global batches as NxS (default 128x4096 256x2048)")
     ap.add_argument("--max-tokens", type=int, default=None, help="micro-batch budget (default 16384; smoke 96)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    ap.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    ap.add_argument("--passes", nargs="+", choices=PASSES, default=None, help="default fwd+bwd (smoke: both)")
     ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 2; smoke 1)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (captures, compilation)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps first, each a new batch (captures, compilation; default 2; smoke 1)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16, fewer on a small card)")
     cfg = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not cfg.smoke
@@ -225,6 +232,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg.max_tokens = cfg.max_tokens or (96 if cfg.smoke else 16384)
     runs = cfg.runs or (1 if cfg.smoke else 2)
+    cfg.passes = cfg.passes or (list(PASSES) if cfg.smoke else ["fwd+bwd"])
+    cfg.warmup = cfg.warmup if cfg.warmup is not None else (1 if cfg.smoke else 2)
     shapes = [tuple(int(x) for x in b.lower().split("x")) for b in (cfg.batches or (
         ["6x48", "8x32"] if cfg.smoke else ["128x4096", "256x2048"]))]
     timer = Timer(cfg.device)
@@ -277,6 +286,7 @@ def main(argv=None) -> int:
                     row["skipped"] = skipped[name]
                     continue
                 run, module = runners[name]
+                graphs = getattr(getattr(run, "forward", None), "step_graphs", None)
                 try:
                     row.update(measure(run, module, batches, cfg, timer, grad))
                 except torch.cuda.OutOfMemoryError as e:
@@ -295,10 +305,14 @@ def main(argv=None) -> int:
                     row["tokens/s"] = real / row["ms"] * 1e3
                     row["TFLOP/s"] = tflop / (row["ms"] / 1e3)
                     row["% ceiling"] = 100 * row["TFLOP/s"] / ceiling if ceiling else None
-                if name == "packfwd" and getattr(run.forward, "step_graphs", None) is not None:
-                    g = run.forward.step_graphs
-                    row["graphs"] = {"memory_GiB": g.memory_bytes / GiB, "captured": g.captured,
-                                     "replayed": g.replayed, "eager": g.eager, "reason": g.reason}
+                graphs = getattr(getattr(run, "forward", None), "step_graphs", None)
+                if name == "packfwd" and graphs is not None:  # captured: in the warm-up and the timed steps
+                    row["graphs"] = {"memory_GiB": graphs.memory_bytes / GiB, "captured": graphs.captured,
+                                     "captured_in_timed_steps": graphs.captured - row.get("_captured_warm", 0),
+                                     "replayed": graphs.replayed, "eager": graphs.eager, "reason": graphs.reason}
+                    graphs.clear()  # its memory pool freed: the next row measures its own memory
+                    graphs.captured = graphs.replayed = graphs.eager = 0
+                row.pop("_captured_warm", None)
                 print(f"  {row['batch']} {pass_} {name}: " + (f"{row['ms']:.0f} ms, {row['micro_batches']} "
                       f"micro-batches, peak {row.get('peak_reserved_GiB')} GiB reserved" if "ms" in row
                       else row["skipped"][:200]), flush=True)
