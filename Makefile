@@ -78,7 +78,8 @@ KERNEL_TESTS := tests/gpu/test_gather_kernel.py tests/gpu/test_plan_kernel.py te
 FLOOR_TESTS ?= tests/test_models.py tests/test_families.py tests/test_hf_interop.py tests/test_moe.py \
                tests/test_mtp.py tests/test_verl_mtp.py tests/test_verl_dropin.py tests/test_moe_ep.py \
                tests/test_parallel_families.py tests/test_context_parallel.py tests/test_deepseek_v3.py \
-               tests/test_glm4_moe.py tests/test_distributed.py tests/test_bridge.py tests/test_hybrid_families.py
+               tests/test_glm4_moe.py tests/test_distributed.py tests/test_bridge.py tests/test_hybrid_families.py \
+               tests/test_gpt_oss.py
 
 # The multi-process tests' ranks fork from a server that imported these once (packfwd.testing.run_local): each rank
 # then starts in a fraction of a second instead of importing Megatron-Core and transformers anew.
