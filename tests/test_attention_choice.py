@@ -45,7 +45,7 @@ def test_cudnn_is_chosen_where_it_is_faster_once_checked(cuda_kernels):
     assert choose_backend(cuda, torch.bfloat16, 128, features=("window",)) != "cudnn"  # cuDNN has no window
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "allow_bf16_reduced_precision_reduction_split_k"):
-        previous = matmul.allow_bf16_reduced_precision_reduction
+        previous = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction_split_k)
         try:
             matmul.allow_bf16_reduced_precision_reduction = (False, False)  # what batch_invariant=True sets
             assert choose_backend(cuda, torch.bfloat16, 128) == "torch_varlen"
