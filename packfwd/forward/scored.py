@@ -87,6 +87,9 @@ class Scoring:
         if loss_mask is not None:
             masks.append(_bool(step.layout.pack_arg(loss_mask, step.plan, step.batch.input_ids), "loss_mask", t))
         if not masks:
+            if step.batch.options.get("scored_tokens") is not None:
+                raise TypeError(f"scored_tokens= sizes the scored tokens, but this call marks none: give the "
+                                f"processor {self.labels} (negative = ignored) or a loss_mask, or drop scored_tokens")
             return None
         mask = ~step.layout.padding_mask(step.plan).reshape(-1)
         for m in masks:
