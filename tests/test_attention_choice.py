@@ -28,6 +28,7 @@ def cuda_kernels(monkeypatch):
                         lambda device="cpu", lookup=varlen.available_backends: lookup("cuda"))
     monkeypatch.setattr(varlen, "_CUDNN_CHECKED", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     return monkeypatch
 
 

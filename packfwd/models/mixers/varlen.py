@@ -231,7 +231,7 @@ def _cudnn_is_automatic(device: torch.device, dtype: torch.dtype, d: int, d_v: i
         return False
     key = (device.index if device.index is not None else torch.cuda.current_device(), dtype)
     if key not in _CUDNN_CHECKED:
-        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode():
             return False  # the check reads a value back: not here (an eager call makes it)
         _CUDNN_CHECKED[key] = cudnn_check(torch.device("cuda", key[0]), dtype)
     return _CUDNN_CHECKED[key]
