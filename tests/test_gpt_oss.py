@@ -140,8 +140,8 @@ def test_the_way_back_is_bitwise():
 
 def test_aux_loss_is_transformers_over_real_tokens_and_gradients_are_transformers():
     """``moe_aux_loss`` equals transformers' load-balancing loss of the padded batch with its mask (real tokens),
-    unchanged by more padding; the gradients of a loss of the logits and the aux loss reach the sinks, the router
-    weights and biases and the expert biases as transformers' (each sequence alone)."""
+    unchanged by more padding; the gradients of a loss of the logits reach the sinks, the router biases and the
+    expert biases as transformers' (each sequence alone)."""
     hf = oss_model()
     model = from_hf(hf)
     ids, mask = ragged_batch()

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..mapping import Weight, rows_to_hf, rows_to_megatron
-from ..mixers import mixer
+from ..mapping import Weight
 from ..mixers.softmax import hf_attention_fields
-from ..mlp import mlp
 from ..mlp.moe import MixtureOfExperts, Moe
 from .deepseek_v3 import read_yarn
 from .entry import Family
@@ -102,20 +100,10 @@ class GptOssMoe(MixtureOfExperts):
     def weights(self, args) -> tuple[Weight, ...]:
         return WEIGHTS
 
-    def hf_to_megatron(self, args, sd, hf_layer: str, mg_layer: str, *, tp_size: int, tp_rank: int) -> dict:
-        from ..mlp.moe_weights import interleaved_experts_from_hf
+    def expert_layout(self):
+        from ..mlp.moe_weights import interleaved_experts_from_hf, interleaved_experts_to_hf
 
-        out = rows_to_megatron(WEIGHTS, args, sd, hf_layer, mg_layer, tp_size, tp_rank)
-        out.update(interleaved_experts_from_hf(sd, hf_layer + "mlp.", mg_layer + "mlp.", range(args.moe.num_experts),
-                                               tp_size=tp_size, tp_rank=tp_rank))
-        return out
-
-    def megatron_to_hf(self, args, shards, mg_layer: str, hf_layer: str) -> dict:
-        from ..mlp.moe_weights import interleaved_experts_to_hf
-
-        out = rows_to_hf(WEIGHTS, args, shards, mg_layer, hf_layer)
-        out.update(interleaved_experts_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts))
-        return out
+        return interleaved_experts_from_hf, interleaved_experts_to_hf
 
 
 GPT_OSS_MOE = GptOssMoe()
@@ -126,8 +114,9 @@ class GptOssFamily(Family):
     """:class:`~packfwd.models.families.entry.Family` whose MoE layers convert with GPT-OSS's weight layout."""
 
     def components(self, args, layer: int):
-        part = mlp(args, layer)
-        return mixer(args, layer), GPT_OSS_MOE if isinstance(part, MixtureOfExperts) else part
+        """The entry's components, the MoE one converting with GPT-OSS's layout."""
+        mixes, part = super().components(args, layer)
+        return mixes, GPT_OSS_MOE if isinstance(part, MixtureOfExperts) else part
 
 
 FAMILY = GptOssFamily("gpt_oss", ("gpt_oss",), read_attention=read_attention, read_moe=read_moe,

@@ -281,18 +281,23 @@ class MixtureOfExperts(Component):
     def weights(self, args) -> tuple[Weight, ...]:
         return WEIGHTS
 
-    def hf_to_megatron(self, args, sd, hf_layer: str, mg_layer: str, *, tp_size: int, tp_rank: int) -> dict:
-        from .moe_weights import experts_from_hf
+    def expert_layout(self):
+        """The pair of functions converting the routed experts' HF tensors (:mod:`.moe_weights`): transformers 5's
+        fused ``[E, 2f, h]`` layout here (a family with another layout overrides this, GPT-OSS's)."""
+        from .moe_weights import experts_from_hf, experts_to_hf
 
-        out = rows_to_megatron(WEIGHTS, args, sd, hf_layer, mg_layer, tp_size, tp_rank)
+        return experts_from_hf, experts_to_hf
+
+    def hf_to_megatron(self, args, sd, hf_layer: str, mg_layer: str, *, tp_size: int, tp_rank: int) -> dict:
+        experts_from_hf, _ = self.expert_layout()
+        out = rows_to_megatron(self.weights(args), args, sd, hf_layer, mg_layer, tp_size, tp_rank)
         out.update(experts_from_hf(sd, hf_layer + "mlp.", mg_layer + "mlp.", range(args.moe.num_experts),
                                    tp_size=tp_size, tp_rank=tp_rank))
         return out
 
     def megatron_to_hf(self, args, shards, mg_layer: str, hf_layer: str) -> dict:
-        from .moe_weights import experts_to_hf
-
-        out = rows_to_hf(WEIGHTS, args, shards, mg_layer, hf_layer)
+        _, experts_to_hf = self.expert_layout()
+        out = rows_to_hf(self.weights(args), args, shards, mg_layer, hf_layer)
         out.update(experts_to_hf(shards, hf_layer + "mlp.", mg_layer + "mlp.", args.moe.num_experts))
         return out
 
