@@ -122,7 +122,7 @@ def test_log_probs_and_entropy_match_float64():
     labels = next_token_labels(ids, mask)
     temperature = torch.tensor([1.0, 0.7, 2.0, 1.3])
     with torch.no_grad():
-        out = make_forward("thd", logits_processor=log_probs_and_entropy)(
+        out = make_forward("thd", logits_processor=log_probs_and_entropy, scored_only=False)(  # every token's
             model, ids, mask, labels=labels, temperature=temperature
         )
     for i, logits in enumerate(per_sequence(hf, ids, mask)):
@@ -143,7 +143,8 @@ def test_gradients_match_hf(name, data_format):
     labels = next_token_labels(ids, mask)
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5))
 
-    out = make_forward(data_format, logits_processor=log_probs_and_entropy)(model, ids, mask, labels=labels)
+    forward = make_forward(data_format, logits_processor=log_probs_and_entropy, scored_only=False)  # every token
+    out = forward(model, ids, mask, labels=labels)
     ((out["log_probs"] + 0.1 * out["entropy"]) * weights * mask).sum().backward()
 
     total = 0.0

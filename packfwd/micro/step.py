@@ -121,9 +121,11 @@ def run_micro_batches(
             "no gradient would accumulate; call it outside no_grad / inference_mode, or drop loss_fn for a "
             "forward-only pass"
         )
-    weights = None
+    weights = counts = None
+    if loss_fn is not None or _scores(forward, loss_mask):
+        counts = _loss_counts(plan, loss_mask, loss_tokens)
     if loss_fn is not None:
-        weights = sequence_weights(_loss_counts(plan, loss_mask, loss_tokens), normalize)
+        weights = sequence_weights(counts, normalize)
     mbs = micro_batch_inputs(plan, input_ids, attention_mask, dp_rank=dp_rank, position_ids=position_ids,
                              loss_mask=loss_mask, loss_args=loss_args, weights=weights,
                              multi_modal_inputs=multi_modal_inputs, **processor_args)
@@ -144,9 +146,10 @@ def run_micro_batches(
     for mb in mbs:
         with torch.set_grad_enabled(loss_fn is not None):
             if bucketed is not None:
-                out, loss = graphed_step(bucketed, forward, model, mb, next(shapes), canvas, loss_fn, params)
+                out, loss = graphed_step(bucketed, forward, model, mb, next(shapes), canvas, loss_fn, params,
+                                         counts if _scores(forward, loss_mask) else None)
             else:
-                out, loss = _eager_step(forward, model, mb, loss_fn)
+                out, loss = _eager_step(forward, model, mb, loss_fn, counts if _scores(forward, loss_mask) else None)
             if loss is not None:
                 total = loss if total is None else total + loss  # stays on the device
         pieces.append(out)
@@ -154,9 +157,14 @@ def run_micro_batches(
     return step_result(pieces, done, torch.zeros(()) if total is None else total, batch_masks)
 
 
-def _eager_step(forward, model, mb, loss_fn):
-    """One micro-batch as it is: the forward, then with ``loss_fn`` its share of the loss and the backward."""
-    out = forward(model, *mb.args, **mb.kwargs)
+def _eager_step(forward, model, mb, loss_fn, counts=None):
+    """One micro-batch as it is: the forward, then with ``loss_fn`` its share of the loss and the backward.
+    ``counts`` (a scoring forward given a loss mask): each sequence's loss tokens, so the forward computes its
+    head on the loss mask's tokens only, sized without a host sync (``packfwd.forward.scored``)."""
+    kwargs = mb.kwargs
+    if counts is not None:
+        kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": sum(counts[i] for i in mb.indices)}
+    out = forward(model, *mb.args, **kwargs)
     loss = None
     if loss_fn is not None:
         loss = mb.loss(loss_fn, out)
@@ -189,7 +197,6 @@ def _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processo
             graphs.warn_once(f"packfwd: run_micro_batches runs the eager step: {reason} (graphs=False says so)")
         return None
     return graphs
-
 
 
 def sequence_weights(loss_counts: Sequence[int], normalize: str = "token_mean") -> list[float]:
@@ -302,6 +309,13 @@ def _check_multi_modal(multi_modal_inputs, b: int) -> None:
         tensors = isinstance(entry, Mapping) and all(isinstance(v, Tensor) for v in entry.values())
         if entry is not None and not tensors:
             raise TypeError(f"multi_modal_inputs[{i}] must be a dict of tensors or None, got {type(entry).__name__}")
+
+
+def _scores(forward, loss_mask) -> bool:
+    """Whether the step hands ``loss_mask`` to the forward: a ``make_forward`` forward that scores only the loss
+    tokens (a processor, ``scored_only=True``) and a loss mask given."""
+    engine = getattr(forward, "engine", None)
+    return loss_mask is not None and getattr(engine, "scoring", None) is not None and engine.processor is not None
 
 
 def _loss_counts(plan, loss_mask, loss_tokens) -> list[int]:
