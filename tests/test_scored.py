@@ -248,3 +248,18 @@ def test_sum_pi_squared_carries_no_gradient():
         (out["log_probs"].sum() + out["sum_pi_squared"].detach().sum()).backward()  # detached: fine
     with pytest.raises(TypeError, match="sum_pi_squared must be a bool"):
         log_probs_and_entropy(logits, torch.tensor([1, 2, 3, 4]), sum_pi_squared=1)
+
+
+def test_the_fused_head_without_a_count_computes_every_row_and_masks():
+    """``seqlens`` and no ``scored_tokens`` on the fused head: no token_mask reaches the fused function (its count
+    would be read back), every row computed, the outputs masked: the numbers of the selected rows."""
+    m = model()
+    ids, mask, labels, loss_mask = long_batch()
+    kept = loss_mask & (labels >= 0)
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy, head="fused")
+    lengths = mask.sum(-1).tolist()
+    masked = forward(m, ids, mask, labels=labels, loss_mask=loss_mask, seqlens=lengths)
+    picked = forward(m, ids, mask, labels=labels, loss_mask=loss_mask, seqlens=lengths, scored_tokens=96)
+    for k in masked:
+        torch.testing.assert_close(masked[k], picked[k], **TOL)
+        assert not masked[k][~kept].any() and masked[k][kept].abs().sum() > 0
