@@ -258,8 +258,19 @@ def test_the_fused_head_without_a_count_computes_every_row_and_masks():
     kept = loss_mask & (labels >= 0)
     forward = make_forward("thd", logits_processor=log_probs_and_entropy, head="fused")
     lengths = mask.sum(-1).tolist()
-    masked = forward(m, ids, mask, labels=labels, loss_mask=loss_mask, seqlens=lengths)
-    picked = forward(m, ids, mask, labels=labels, loss_mask=loss_mask, seqlens=lengths, scored_tokens=96)
+    fused, given = log_probs_and_entropy.fused, []
+
+    def recording(hidden, weight, labels, **kw):
+        given.append((kw.get("token_mask") is not None, kw.get("token_count")))
+        return fused(hidden, weight, labels, **kw)
+
+    log_probs_and_entropy.fused = recording
+    try:
+        masked = forward(m, ids, mask, labels=labels, loss_mask=loss_mask, seqlens=lengths)
+        picked = forward(m, ids, mask, labels=labels, loss_mask=loss_mask, seqlens=lengths, scored_tokens=96)
+    finally:
+        log_probs_and_entropy.fused = fused
+    assert given == [(False, None), (True, 128)]
     for k in masked:
         torch.testing.assert_close(masked[k], picked[k], **TOL)
         assert not masked[k][~kept].any() and masked[k][kept].abs().sum() > 0
