@@ -61,7 +61,7 @@ def test_fla_is_taken():
 
 
 def _rel(a, b):
-    return float((a.float() - b).abs().max() / b.abs().max())
+    return float((a.detach().float() - b.detach()).abs().max() / b.detach().abs().max())
 
 
 def test_rule_forward_and_gradients_within_bf16_of_the_torch_path(monkeypatch):
@@ -95,7 +95,7 @@ def test_rule_forward_and_gradients_within_bf16_of_the_torch_path(monkeypatch):
 def test_conv_forward_and_backward_within_bf16(monkeypatch):
     cu, cu_pad = _cu(LENGTHS, ALIGN)
     t = int(cu_pad[-1]) + 5
-    c = 2 * HK * D + HV * D
+    c = 64  # the channels of the other tests: one autotuning of fla's kernels (most of this file's time)
     g = torch.Generator(device="cuda").manual_seed(1)
     x, weight, bias = (torch.randn(*s, device="cuda", generator=g).bfloat16().requires_grad_()
                        for s in ((t, c), (c, CONV), (c,)))

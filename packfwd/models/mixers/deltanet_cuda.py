@@ -3,7 +3,8 @@ forward, and for the delta rule a backward of packfwd's own.
 
 :mod:`~packfwd.models.mixers.deltanet_ops` calls this module when :func:`fla_takes` says so: CUDA tensors of
 float32, bfloat16 or float16, fla importable (an optional dependency, imported on first use), and the switch
-``PACKFWD_DELTANET=torch`` not set (it forces the torch path).  Anything else takes the torch path, which is exact.
+``PACKFWD_DELTANET=torch`` not set (it forces the torch path; ``recompute`` keeps fla's forward with the torch path
+recomputed as the delta rule's backward).  Anything else takes the torch path, which is exact.
 
 The layout fla runs on.  fla's varlen kernels split each sequence into chunks and find them through a chunk index
 it builds from ``cu_seqlens`` on the host (a host sync per call).  Here every sequence is instead gathered to a
@@ -14,17 +15,21 @@ chunk-aligned buffer of ``nt = t // chunk + n + 1`` whole chunks, a number known
 
 (``.``: a zero row; the last boundary closes a tail sequence of zero rows that takes the unused chunks).  Sequence
 ``i`` starts at chunk ``sum(ceil(len_j / chunk), j < i)``, so its chunk index is built on the device and no call
-syncs.  A sequence keeps its chunks as fla would cut them packed, so
-each sequence's bits are those of running it alone; pad rows (``cu_seqlens_padded``) are never read, and come out
-zero as on the torch path.
+syncs.  A sequence keeps its chunks as fla would cut them packed, so each sequence's bits are those of running it
+alone; pad rows (``cu_seqlens_padded``) are never read, and come out zero as on the torch path.
 
 The delta rule's backward.  fla's own backward refuses on Hopper with Triton < 3.7.1 (its ``chunk_bwd_dqkwg``
-kernel is miscompiled there), so :class:`_DeltaRule` keeps only the inputs from fla's forward and, in the backward,
-runs the torch path again under autograd: the gradients are those of the torch path bit for bit (the torch path's
-float32 chunk scan, batched over sequences, one loop step per chunk of the longest sequence).  It costs the torch
-path's forward and backward (``benchmarks/bench_deltanet.py`` measures it against fla's forward) and holds the
-inputs only, not fla's intermediates.  Without ``max_seqlen`` the backward makes the torch path's one host sync.
-The convolution's backward is fla's (a Triton kernel that holds on Hopper; tested against the torch path).
+kernel is miscompiled there).  :class:`_KernelRule` runs fla 0.6's other backward kernels (the recomputed states,
+the state gradients, the WY representation's backward) and, in place of the refused one, packfwd's
+:func:`chunk_local_grads`: the same chunk-local gradients in torch, float32, every chunk at once (tested against
+autograd of one chunk in float64, and on the GPU against the torch path: within bf16 rounding).  fla's internal
+kernels are used only with fla 0.6.x; another version, or ``PACKFWD_DELTANET=recompute``, takes :class:`_DeltaRule`,
+which keeps the inputs and runs the torch path again under autograd in the backward (its gradients are the torch
+path's bits; without ``max_seqlen`` it makes the torch path's one host sync).  Cost on one H100 at a Qwen3.5
+layer's shapes (16 + 32 heads of 128, 16,384 tokens in 9 sequences of 712 to 3,359; ``benchmarks/bench_deltanet.py``):
+forward 2.6 to 3.6 ms (fla's own 1.4 to 1.7, the rest the layout's gathers and host time), forward + backward
+15.9 ms against the torch path's 90 ms and the recompute's 94 ms.  The convolution's backward is fla's (a Triton
+kernel that holds on Hopper; tested against the torch path): forward + backward 3.9 ms against the torch path's 12.
 
 fla is wrapped in ``torch.compiler.disable``: a compiled forward breaks its graph around it (``fullgraph=True``
 needs the torch path).  fla's intra-card context parallelism (``FLA_INTRACARD_CP``, inference mode only) splits
@@ -266,27 +271,34 @@ def chunk_local_grads(q: Tensor, k: Tensor, v_new: Tensor, w: Tensor, g: Tensor,
     r = hv // hk
     cdt = torch.promote_types(q.dtype, torch.float32)
 
-    def blocks(x: Tensor) -> Tensor:  # [1, t, heads, d] -> [nt, heads, chunk, d], at least float32
-        return x.reshape(nt, chunk, x.shape[2], x.shape[3]).transpose(1, 2).to(cdt)
+    def blocks(x: Tensor) -> Tensor:  # [1, t, heads, d] -> [nt, heads, chunk, d], at least float32, in one pass
+        x = x.reshape(nt, chunk, x.shape[2], x.shape[3]).transpose(1, 2)
+        return torch.empty(x.shape, dtype=cdt, device=x.device).copy_(x)
 
-    qb, kb = blocks(q).repeat_interleave(r, 1), blocks(k).repeat_interleave(r, 1)  # [nt, hv, chunk, dk]
-    vb, dob, dvb = blocks(v_new), blocks(do), blocks(dv)
-    gb = g.reshape(nt, chunk, hv).transpose(1, 2).to(cdt)  # [nt, hv, chunk]
-    hb, dhb = (x.reshape(nt, hv, dk, -1).to(cdt) for x in (h, dh))
+    qb, kb = blocks(q)[:, :, None], blocks(k)[:, :, None]  # [nt, hk, 1, chunk, dk]: each key head's r value heads
+    vb, dob, dvb = (blocks(x).view(nt, hk, r, chunk, -1) for x in (v_new, do, dv))
+    gb = g.reshape(nt, chunk, hv).transpose(1, 2).to(cdt).view(nt, hk, r, chunk)
+    hb, dhb = (x.reshape(nt, hk, r, dk, -1).to(cdt) for x in (h, dh))
     last = gb[..., -1:]
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # ds[i, j] = scale D[i, j] do_i . v_new_j per value head, and p = ds * (q_i . k_j): the ds terms of dq = ds k and
+    # dk = ds^T q summed over a key head's value heads, and their share of the decay's gradient (rows of p in dq . q,
+    # columns in dk . k), without repeating q and k per value head
     ds = (dob @ vb.transpose(-1, -2)) * torch.where(causal, torch.exp2(gb[..., :, None] - gb[..., None, :]), 0)
     ds = ds * scale
-    dq = (dob @ hb.transpose(-1, -2)) * (torch.exp2(gb) * scale)[..., None] + ds @ kb
+    p = ds * (qb @ kb.transpose(-1, -2))
+    dq_state = (dob @ hb.transpose(-1, -2)) * (torch.exp2(gb) * scale)[..., None]  # [nt, hk, r, chunk, dk]
     dk_state = (vb @ dhb.transpose(-1, -2)) * torch.exp2(last - gb)[..., None]
-    dk_all = dk_state + ds.transpose(-1, -2) @ qb
-    dw = -(dvb @ hb.transpose(-1, -2))
-    dg = (dq * qb).sum(-1) - (dk_all * kb).sum(-1)  # [nt, hv, chunk]
+    dg = (dq_state * qb).sum(-1) + p.sum(-1) - (dk_state * kb).sum(-1) - p.sum(-2)  # [nt, hk, r, chunk]
     dg_last = (hb * dhb).sum((-1, -2)) * torch.exp2(last[..., 0]) + (dk_state * kb).sum((-1, -2))
     dg = torch.cat((dg[..., :-1], dg[..., -1:] + dg_last[..., None]), -1)
+    ds_sum = ds.sum(2)  # [nt, hk, chunk, chunk]
+    dq = dq_state.sum(2) + ds_sum @ kb[:, :, 0]
+    dk_all = dk_state.sum(2) + ds_sum.transpose(-1, -2) @ qb[:, :, 0]
+    dw = -(dvb @ hb.transpose(-1, -2))
 
-    def rows(x: Tensor) -> Tensor:  # [nt, heads, chunk, d] -> [1, t, heads, d]
-        return x.transpose(1, 2).reshape(1, t, x.shape[1], x.shape[3])
+    def rows(x: Tensor, heads: int) -> Tensor:  # [nt, heads, chunk, d] -> [1, t, heads, d]
+        return x.reshape(nt, heads, chunk, -1).transpose(1, 2).reshape(1, t, heads, -1)
 
-    dq, dk_all = (rows(x).reshape(1, t, hk, r, dk).sum(3) for x in (dq, dk_all))
-    return dq.to(q.dtype), dk_all.to(k.dtype), rows(dw).to(w.dtype), rows(dg[..., None])[..., 0]
+    return (rows(dq, hk).to(q.dtype), rows(dk_all, hk).to(k.dtype), rows(dw, hv).to(w.dtype),
+            rows(dg, hv)[..., 0])

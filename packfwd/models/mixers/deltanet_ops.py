@@ -18,7 +18,9 @@ sequences and no host sync when ``max_seqlen`` is given (else one, to find it).
 
 The arithmetic is transformers' torch fallback (``transformers.models.qwen3_next.modeling_qwen3_next``), computed in
 the inputs' dtype promoted to at least float32 (transformers always uses float32; float64 stays float64 here, so
-the CPU path is exact enough to test against).  Context parallelism would hand the state from rank to rank; these
+the CPU path is exact enough to test against).  On CUDA with flash-linear-attention installed both operators run
+on its varlen kernels instead (:mod:`~packfwd.models.mixers.deltanet_cuda`: when, how, the backward and its cost;
+``PACKFWD_DELTANET=torch`` keeps this path).  Context parallelism would hand the state from rank to rank; these
 operators take one rank's whole sequences only.
 """
 
