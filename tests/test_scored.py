@@ -260,9 +260,10 @@ def test_the_fused_head_without_a_count_computes_every_row_and_masks():
     lengths = mask.sum(-1).tolist()
     fused, given = log_probs_and_entropy.fused, []
 
-    def recording(hidden, weight, labels, **kw):
-        given.append((kw.get("token_mask") is not None, kw.get("token_count")))
-        return fused(hidden, weight, labels, **kw)
+    def recording(hidden, weight, labels, *, token_mask=None, token_count=None, real_tokens=None, **kw):
+        given.append((token_mask is not None, token_count))
+        return fused(hidden, weight, labels, token_mask=token_mask, token_count=token_count, real_tokens=real_tokens,
+                     **kw)
 
     log_probs_and_entropy.fused = recording
     try:
