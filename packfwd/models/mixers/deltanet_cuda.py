@@ -54,7 +54,7 @@ __all__ = ["CONV_CHUNK", "ChunkLayout", "SWITCH", "chunk_layout", "chunk_local_g
 
 SWITCH = "PACKFWD_DELTANET"  # environment variable: "torch" forces the torch path on CUDA too
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FLA_CHUNKS = (16, 32, 64)  # the chunk sizes fla's gated delta rule takes
+_FLA_CHUNKS = (64,)  # fla takes 16 and 32 too; 64 (every layer's) is the one tested on the GPU
 CONV_CHUNK = 64  # the chunk of the layout fla's convolution runs on (its rows per program)
 _MAX_HEAD_DIM = 256  # fla's state kernels tile the key dimension in up to four blocks of 64
 
@@ -72,7 +72,7 @@ def _fla():
 
 def fla_takes(*tensors: Tensor | None, op: str = "rule", chunk_size: int = 64) -> bool:
     """Whether the ``op`` (``"rule"`` or ``"conv"``) over ``tensors`` runs on fla: all on CUDA, floating point of
-    float32 / bfloat16 / float16 (the rule: q, k, v of one dtype, head dims up to 256, ``chunk_size`` 16, 32 or 64;
+    float32 / bfloat16 / float16 (the rule: q, k, v of one dtype, head dims up to 256, ``chunk_size`` 64;
     the convolution: one dtype for x, weight and bias), fla importable, and ``PACKFWD_DELTANET`` not ``torch``.
 
     >>> fla_takes(torch.zeros(2, 1, 4), op="conv")  # a CPU tensor: the torch path
