@@ -6,7 +6,10 @@ valid for ``plan_thd_bucket``).  The bucketed step is run without graphs (``Step
 padded rows, spare sequences and autograd node that the CUDA graphs replay) against the plain eager step in
 float64: outputs, losses under each normalisation and gradients agree to rounding, so padding never changes a
 real token's result nor the loss normalisation.  The default on the CPU is today's eager path, bit for bit, and
-every case graphs cannot take is named.  The graphs themselves: ``tests/gpu/test_step_graphs_cuda.py``.
+every case graphs cannot take is named.  The graphed path's bookkeeping (warm-up, capture, replays that overwrite
+static outputs, the captured backward's gradients, recapture, a failed capture) runs with a CPU stand-in for a CUDA
+graph that recomputes on replay, against the padded eager steps bit for bit.  The CUDA graphs themselves:
+``tests/gpu/test_step_graphs_cuda.py``.
 """
 
 import functools
@@ -19,6 +22,7 @@ import torch
 import packfwd as pf
 from packfwd.logits import log_probs_and_entropy
 from packfwd.micro import StepGraphs, plan_micro_batches, run_micro_batches
+from packfwd.micro import graphs as graphs_module
 from packfwd.micro.graphs import why_eager
 
 
@@ -158,3 +162,84 @@ def test_what_graphs_cannot_take_is_named():
         handle.remove()
     det = pf.make_forward("thd", deterministic=True)  # make_forward's own guard is not a caller's wrapper
     assert why_eager(det, model, ids, cuda=False) is None
+
+
+class FakeGraph:
+    """A CUDA graph's contract on the CPU: capturing runs ``fn`` once and keeps what it returned; ``replay()``
+    recomputes ``fn`` into those same tensors (so every replay overwrites the last one's outputs)."""
+
+    def __init__(self, fn):
+        self.fn, self.result = fn, fn()
+
+    def replay(self):
+        new = self.fn()
+        with torch.no_grad():
+            for static, value in zip(self.result, new):
+                if static is not None:
+                    static.copy_(value)
+
+
+class CpuDevice(graphs_module._Device):
+    """The graphs' device calls on the CPU: no streams, no pool, FakeGraph for a capture."""
+
+    takes = staticmethod(lambda x: True)
+    stream = staticmethod(lambda: None)
+    pool = staticmethod(lambda: None)
+    run_on = staticmethod(lambda stream, fn: fn())
+    reserved = staticmethod(lambda settle=False: 0)
+
+    @staticmethod
+    def record(fn, pool, stream):
+        graph = FakeGraph(fn)
+        return graph, graph.result
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    monkeypatch.setattr(graphs_module, "_DEVICE", CpuDevice())
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["fwd+bwd", "forward-only"])
+def test_replayed_steps_equal_the_padded_eager_steps(cpu_graphs, grad):
+    """The graphed path's bookkeeping with graphs that recompute (no GPU): warm-up, capture, replays over two steps,
+    static outputs cloned before the next replay, gradients through the captured backward into ``.grad``: the
+    bits of the same padded steps run eagerly; a parameter replaced is captured again; a failed capture warns
+    once and stays eager."""
+    model, forward, plan, d = _setup()
+    eager, eager_grads = _step(model, forward, plan, d, StepGraphs(capture=False), grad=grad)
+    graphs = StepGraphs()
+    for _ in range(2):
+        got, got_grads = _step(model, forward, plan, d, graphs, grad=grad)
+        assert torch.equal(got.loss, eager.loss)
+        assert all(torch.equal(got.outputs[k], eager.outputs[k]) for k in eager.outputs)
+        assert got_grads.keys() == eager_grads.keys() and all(torch.equal(got_grads[n], eager_grads[n])
+                                                            for n in eager_grads)
+    buckets = len(set(plan.buckets(0)))
+    assert graphs.reason is None and buckets <= graphs.captured <= 4 * buckets, graphs
+    assert graphs.replayed >= plan.num_micro_batches and graphs.eager == graphs.captured, graphs  # one warm-up each
+    if not grad:
+        return
+    with torch.no_grad():  # a parameter replaced: its buckets capture again, with the new values
+        first = next(model.parameters())
+        first.data = first.data * 1.5
+    captured = graphs.captured
+    got, got_grads = _step(model, forward, plan, d, graphs)
+    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False))
+    assert graphs.captured > captured and torch.equal(got.loss, want.loss)
+    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+
+
+def test_a_failed_capture_warns_once_and_stays_eager(cpu_graphs, monkeypatch):
+    def refuse(fn, pool, stream):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs_module._DEVICE, "record", refuse)
+    model, forward, plan, d = _setup()
+    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False))
+    graphs = StepGraphs()
+    with pytest.warns(UserWarning, match="could not capture") as caught:
+        for _ in range(2):
+            got, got_grads = _step(model, forward, plan, d, graphs)
+    assert sum("could not capture" in str(w.message) for w in caught) == 1
+    assert graphs.captured == 0 and graphs.reason.startswith("capture failed: RuntimeError"), graphs
+    assert torch.equal(got.loss, want.loss) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)

@@ -126,7 +126,7 @@ def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, mul
             return f"module {name or type(model).__name__!r} has hooks, which a graph would run only at capture"
     if any(type(p) is not torch.nn.Parameter and type(p) is not Tensor for p in model.parameters()):
         return "the model has parameters of another tensor type (DTensor, ...)"
-    if cuda and (input_ids.device.type != "cuda" or any(p.device.type != "cuda" for p in model.parameters())):
+    if cuda and not (_DEVICE.takes(input_ids) and all(_DEVICE.takes(p) for p in model.parameters())):
         return "the batch or the model is not on a CUDA device"
     return None
 
@@ -173,7 +173,7 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
     key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs)
-    storage = storage_of(model)  # per micro-batch: a buffer a module makes on its first call counts from then on
+    storage = _storage_of(model)  # per micro-batch: a buffer a module makes on its first call counts from then on
     entry = graphs._entries.get(key)
     if entry is not None and (entry.model() is not model or entry.storage != storage):
         graphs._entries.pop(key)  # parameters replaced, or another model at the same id: capture again
@@ -189,9 +189,9 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     bucket = Bucket(tokens=tokens, max_seqlen=rules.round_up(canvas["width"], forward.layout.seq_align))
     entry.load(mb.args, kwargs, forward.plan(entry.ids, _padded_mask(mask, rows), bucket=bucket,
                                 seqlens=list(mb.kwargs["seqlens"]) + [0] * (rows - b)))
-    capture = graphs.capture and ids.is_cuda
+    capture = graphs.capture and _DEVICE.takes(ids)
     if capture and graphs._stream is None:
-        graphs._stream = torch.cuda.Stream()
+        graphs._stream = _DEVICE.stream()
     if capture and entry.graphs is None and entry.warm and not entry.failed:
         _capture(graphs, entry, params, grad)
     if entry.graphs is not None:
@@ -201,13 +201,9 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     if not capture or entry.warm:
         out, loss = _run(entry, b, params, grad, mb, loss_fn)
     else:  # the warm-up, on the stream the capture will use
-        stream = graphs._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out, loss = _run(entry, b, params, grad, mb, loss_fn)
-        torch.cuda.current_stream().wait_stream(stream)
+        out, loss = _DEVICE.run_on(graphs._stream, lambda: _run(entry, b, params, grad, mb, loss_fn))
     if not entry.warm:
-        entry.storage = storage_of(model)  # after the warm-up: what the capture will read
+        entry.storage = _storage_of(model)  # after the warm-up: what the capture will read
     entry.warm = True
     kept = {k: v.clone() for k, v in out.items()} if isinstance(out, Mapping) else out.clone()  # the statics change
     return kept, None if loss is None else loss.clone()
@@ -323,41 +319,91 @@ def _grads(outputs: list, grads_out: list, params: list) -> tuple:
 
 
 def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> None:
-    """Capture the entry's forward (and backward) graphs in the shared pool; on failure, warn and stay eager."""
+    """Capture the entry's forward (and backward) graphs in the shared pool; on failure, warn and stay eager.
+    The backward graph computes the gradients of the forward graph's outputs (``state``: a replayed forward's)."""
     if graphs._pool is None:
-        graphs._pool = torch.cuda.graph_pool_handle()
-    stream = graphs._stream
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
-    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    caller = torch.cuda.current_stream()
+        graphs._pool = _DEVICE.pool()
+    before = _DEVICE.reserved(settle=True)
+    state = {}
+
+    def forward():
+        with torch.set_grad_enabled(grad):
+            state["outs"] = entry.body()
+        return state["outs"]
+
+    def backward():
+        diff = [o for o in state["outs"] if o.requires_grad]
+        return _grads(diff, grads_out, params)
+
     try:
-        with torch.cuda.graph(fwd, pool=graphs._pool, stream=stream):
-            with torch.set_grad_enabled(grad):
-                outs = entry.body()
-        statics = None
+        fwd, outs = _DEVICE.record(forward, graphs._pool, graphs._stream)
+        bwd = statics = None
+        grads_out = [torch.empty_like(o) for o in outs if o.requires_grad]
         if grad:
-            diff = [o for o in outs if o.requires_grad]
-            grads_out = [torch.empty_like(o) for o in diff]
-            with torch.cuda.graph(bwd, pool=graphs._pool, stream=stream):
-                statics = _grads(diff, grads_out, params)
-        else:
-            grads_out = []
+            bwd, statics = _DEVICE.record(backward, graphs._pool, graphs._stream)
         outs = [o.detach() for o in outs]
     except Exception as e:  # noqa: BLE001 - any failure: this bucket stays eager, nothing captured is used
-        torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
         entry.failed = True
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         graphs.reason = f"capture failed: {type(e).__name__}: {first}"
         graphs.warn_once(f"packfwd: run_micro_batches could not capture the step as a CUDA graph ({graphs.reason}); "
                          "this bucket runs eagerly (padded); pass graphs=False to run the plain eager step")
-        torch.cuda.synchronize()
+        _DEVICE.reserved(settle=True)
         return
-    entry.graphs = (fwd, bwd if grad else None, outs, grads_out, statics)
-    torch.cuda.synchronize()
-    graphs.memory_bytes += max(0, torch.cuda.memory_reserved() - before)
+    entry.graphs = (fwd, bwd, outs, grads_out if grad else [], statics)
+    graphs.memory_bytes += max(0, _DEVICE.reserved(settle=True) - before)
     graphs.captured += 1
+
+
+class _Device:
+    """The CUDA calls the step graphs make, in one place (``_DEVICE``; ``tests/test_step_graphs.py`` puts a CPU
+    stand-in there to run the graphed path's bookkeeping without a GPU)."""
+
+    @staticmethod
+    def takes(x: Tensor) -> bool:
+        """Whether a batch on ``x``'s device can be captured."""
+        return x.is_cuda
+
+    @staticmethod
+    def stream():
+        return torch.cuda.Stream()
+
+    @staticmethod
+    def pool():
+        return torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def run_on(stream, fn: Callable):
+        """``fn()`` on ``stream``, ordered after the current stream's work and before its next."""
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            result = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        return result
+
+    @staticmethod
+    def record(fn: Callable, pool, stream):
+        """``(graph, fn())`` with ``fn`` captured on ``stream`` into a CUDA graph allocating from ``pool``; a replay
+        recomputes into the tensors ``fn`` returned."""
+        graph, caller = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                result = fn()
+        except BaseException:
+            torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
+            raise
+        return graph, result
+
+    @staticmethod
+    def reserved(settle: bool = False) -> int:
+        """Bytes the caching allocator holds (its cached blocks released first, after the device is idle)."""
+        if settle:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved()
+
+
+_DEVICE = _Device()
 
 
 def _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) -> tuple:
@@ -401,7 +447,7 @@ def _unflatten(names, flat: list):
     return flat[0] if names is None else dict(zip(names, flat))
 
 
-def storage_of(model) -> tuple:
+def _storage_of(model) -> tuple:
     """Every parameter's and buffer's data pointer: a graph reads them where they were at capture."""
     return tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
 
