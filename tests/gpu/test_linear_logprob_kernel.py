@@ -111,6 +111,18 @@ def test_kernels_match_the_torch_path(kernel, monkeypatch):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
 
 
+def test_sum_pi_squared_on_the_kernel_path(kernel):
+    """``sum_pi_squared=True`` through the kernels' blocks (several, and only the selected rows in fixed slots):
+    ``sum softmax(x / T) ** 2`` written here, 0 at the rows left out."""
+    hidden, weight, labels, temperature, _, rows = make(12, 150, 16, torch.float32, seed=4)
+    out = L.fused_log_probs_and_entropy(hidden, weight, labels, temperature=temperature, token_mask=rows,
+                                        token_count=int(rows.sum()) + 1, chunk_size=40, sum_pi_squared=True)
+    assert len(kernel) == 4
+    p = torch.softmax((hidden @ weight.T).double() / temperature.double()[:, None], -1)
+    want = torch.where(rows, (p * p).sum(-1), 0.0)
+    torch.testing.assert_close(out["sum_pi_squared"].double(), want, atol=1e-6, rtol=1e-5)
+
+
 def test_launchers_fold_blocks_in_place():
     """``accumulate_stats`` over two blocks of one row set equals one call over the whole vocab."""
     g = torch.Generator(device=DEVICE).manual_seed(1)
