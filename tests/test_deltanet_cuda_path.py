@@ -121,6 +121,7 @@ def fake_fla(monkeypatch):
             inside.pop()
 
     monkeypatch.setattr(deltanet_cuda, "_fla", lambda: (rule, conv))
+    monkeypatch.setattr(deltanet_cuda, "_fla_kernels", lambda: None)  # the recompute backward (fla's are CUDA-only)
     monkeypatch.setattr(deltanet_cuda, "fla_takes", lambda *tensors, **kw: not inside)
     return rule
 

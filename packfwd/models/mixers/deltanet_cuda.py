@@ -52,7 +52,7 @@ from ...ops.gather import gather_rows
 __all__ = ["CONV_CHUNK", "ChunkLayout", "SWITCH", "chunk_layout", "chunk_local_grads", "conv1d_fla", "delta_rule_fla",
            "fla_takes"]
 
-SWITCH = "PACKFWD_DELTANET"  # environment variable: "torch" forces the torch path on CUDA too
+SWITCH = "PACKFWD_DELTANET"  # environment variable: "torch" forces the torch path; "recompute" the torch backward
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLA_CHUNKS = (64,)  # fla takes 16 and 32 too; 64 (every layer's) is the one tested on the GPU
 CONV_CHUNK = 64  # the chunk of the layout fla's convolution runs on (its rows per program)
