@@ -243,3 +243,25 @@ def test_a_failed_capture_warns_once_and_stays_eager(cpu_graphs, monkeypatch):
     assert sum("could not capture" in str(w.message) for w in caught) == 1
     assert graphs.captured == 0 and graphs.reason.startswith("capture failed: RuntimeError"), graphs
     assert torch.equal(got.loss, want.loss) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+
+
+def test_inference_mode_and_frozen_parameters_get_buckets_of_their_own(cpu_graphs):
+    """A bucket captured under inference mode holds inference tensors, which a later call outside it could not
+    refill; one captured with other parameters taking gradients returns gradients for those: each is a bucket of
+    its own, and the results stay the padded eager steps'."""
+    model, forward, plan, d = _setup()
+    graphs = StepGraphs()
+    with torch.inference_mode():
+        first = run_micro_batches(forward, model, plan, d["ids"], d["mask"], dp_rank=0, graphs=graphs,
+                                  labels=d["labels"])
+    with torch.no_grad():
+        second = run_micro_batches(forward, model, plan, d["ids"], d["mask"], dp_rank=0, graphs=graphs,
+                                   labels=d["labels"])
+    assert all(torch.equal(first.outputs[k], second.outputs[k]) for k in first.outputs)
+    _step(model, forward, plan, d, graphs)
+    for p in model.decoder.parameters():
+        p.requires_grad_(False)
+    got, got_grads = _step(model, forward, plan, d, graphs)
+    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False))
+    assert torch.equal(got.loss, want.loss) and got_grads.keys() == want_grads.keys()
+    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)

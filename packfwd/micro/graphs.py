@@ -25,7 +25,8 @@ MTP, the MoE aux loss or routing replay, a model with module hooks, a DDP or FSD
 
 **Checked at every replay** (host ints): each parameter's and buffer's storage is where it was at capture (a
 parameter replaced rather than updated in place is captured again), and the bucket's key: its shapes, the model,
-its train/eval mode, grad mode, autocast and torch's deterministic mode, every non-tensor argument's value.
+its train/eval mode, grad and inference mode, autocast and torch's deterministic mode, which parameters take
+gradients, every non-tensor argument's value.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         scored = min(tokens, -(-sum(counts[i] for i in mb.indices) // quarter) * quarter)
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
-    key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs)
+    key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) + (tuple(map(id, params)),)
     storage = _storage_of(model)  # per micro-batch: a buffer a module makes on its first call counts from then on
     entry = graphs._entries.get(key)
     if entry is not None and (entry.model() is not model or entry.storage != storage):
@@ -409,7 +410,7 @@ _DEVICE = _Device()
 def _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) -> tuple:
     args = tuple(sorted((k, _signature(v, k in canvas["batch"])) for k, v in kwargs.items() if k != "seqlens"))
     autocast = torch.is_autocast_enabled("cuda")
-    return (id(model), rows, tokens, canvas["width"], grad, model.training, autocast,
+    return (id(model), rows, tokens, canvas["width"], grad, torch.is_inference_mode_enabled(), model.training, autocast,
             torch.get_autocast_dtype("cuda") if autocast else None,
             torch.are_deterministic_algorithms_enabled(), ids.dtype, _signature(positions, True), args)
 
