@@ -194,7 +194,8 @@ def _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processo
     graphs.reason = reason
     if reason is not None:
         if input_ids.is_cuda:
-            graphs.warn_once(f"packfwd: run_micro_batches runs the eager step: {reason} (graphs=False says so)")
+            graphs.warn_once(f"packfwd: run_micro_batches runs the eager step without CUDA graphs: {reason} "
+                             "(graphs=False asks for it without this note)")
         return None
     return graphs
 
