@@ -79,7 +79,8 @@ class Scoring:
         ``call["return_hidden"]`` when the logits head projects the scored rows itself."""
         if step.empty or step.processor is None or step.facts.value_model or not step.facts.post_process:
             return None
-        t = step.layout.padding_mask(step.plan).numel()
+        pads = step.layout.padding_mask(step.plan).reshape(-1)  # [t], True at the layout's padding slots
+        t = pads.shape[0]
         wanted = [step.args.get(self.labels)] if isinstance(step.args.get(self.labels), Tensor) else []
         masks = [m >= 0 for m in wanted if m.dim() == 1 and m.shape[0] == t]
         masks += [_bool(step.args[k], k, t) for k in self.masks if isinstance(step.args.get(k), Tensor)]
@@ -91,7 +92,7 @@ class Scoring:
                 raise TypeError(f"scored_tokens= sizes the scored tokens, but this call marks none: give the "
                                 f"processor {self.labels} (negative = ignored) or a loss_mask, or drop scored_tokens")
             return None
-        mask = ~step.layout.padding_mask(step.plan).reshape(-1)
+        mask = ~pads
         for m in masks:
             mask = mask & m
         count = step.batch.options.get("scored_tokens")
@@ -133,8 +134,7 @@ class Scoring:
         else:
             picked = select_rows(order(sel.mask), sel.slots)
             logits = _project(out, step, picked) if sel.hidden else picked.take(step.tokens(out))
-        args = {k: (order(v) if picked is not None and sel.hidden else v) if _per_token(v, t) else v
-                for k, v in step.args.items()}
+        args = {k: order(v) if _per_token(v, t) else v for k, v in step.args.items()}  # the rows' order
         if picked is not None:
             args = {k: picked.take(v) if _per_token(v, t) else v for k, v in args.items()}
         if rows and picked is None:  # verl's processors see the model's output layout
@@ -150,7 +150,7 @@ class Scoring:
         got = check_results(got, logits.shape[0])
         if picked is None:
             return {k: _zero_outside(v, sel.mask) for k, v in got.items()}
-        back = (lambda x: seq_major(x, b, inverse=True)) if b > 1 and sel.hidden else (lambda x: x)  # noqa: E731
+        back = (lambda x: seq_major(x, b, inverse=True)) if b > 1 else (lambda x: x)  # noqa: E731
         return {k: back(picked.put(v)) for k, v in got.items()}
 
 
