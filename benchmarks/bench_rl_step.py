@@ -183,8 +183,9 @@ def measure(run, module, batches, cfg, timer, grad: bool) -> dict:
     warm_s = time.perf_counter() - t0
     graphs = getattr(getattr(run, "forward", None), "step_graphs", None)
     captured_warm = graphs.captured if graphs is not None else 0
-    if cuda:
+    if cuda:  # every row's peak from its own steps: what the warm-up left cached is released first
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     times, losses, mbs = [], [], []
     for batch in batches["timed"]:
