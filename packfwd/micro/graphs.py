@@ -195,6 +195,8 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         graphs._stream = _DEVICE.stream()
     if capture and entry.graphs is None and entry.warm and not entry.failed:
         _capture(graphs, entry, params, grad)
+    if entry.failed:
+        graphs.reason = entry.failed  # this bucket runs eagerly, and why
     if entry.graphs is not None:
         graphs.replayed += 1
     else:
@@ -262,7 +264,8 @@ class _Entry:
                        if isinstance(v, Tensor) else v for k, v in kwargs.items() if k != "seqlens"}
         self.plan = self.names = self.params = self.diff = None
         self.graphs = None  # (forward graph, backward graph, static outputs, static output grads, static grads)
-        self.warm = self.failed = False
+        self.warm = False
+        self.failed = None  # why its capture failed: it stays eager
         self._live = None
 
     def load(self, args: tuple, kwargs: dict, plan) -> None:
@@ -344,9 +347,8 @@ def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> Non
             bwd, statics = _DEVICE.record(backward, graphs._pool, graphs._stream)
         outs = [o.detach() for o in outs]
     except Exception as e:  # noqa: BLE001 - any failure: this bucket stays eager, nothing captured is used
-        entry.failed = True
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        graphs.reason = f"capture failed: {type(e).__name__}: {first}"
+        graphs.reason = entry.failed = f"capture failed: {type(e).__name__}: {first}"
         graphs.warn_once(f"packfwd: run_micro_batches could not capture the step as a CUDA graph ({graphs.reason}); "
                          "this bucket runs eagerly (padded); pass graphs=False to run the plain eager step")
         _DEVICE.reserved(settle=True)
