@@ -126,3 +126,35 @@ def test_bf16_backward_follows_the_float32_gradients():
             worst = min(worst, float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)))
     print(f"hybrid bf16 backward: worst cosine similarity of a parameter's gradient to float32's {worst:.5f}")
     assert worst > 0.98
+
+
+def test_megatron_cores_gated_deltanet_agrees():
+    """Megatron-Core's own ``GatedDeltaNet`` (fla's varlen kernels, THD) loaded with packfwd's layer's state dict
+    gives the same outputs at the real tokens within bf16 rounding: the parameter names and layout are Megatron's."""
+    pytest.importorskip("fla")
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from packfwd.models.norm import RMSNorm
+
+    model = cuda_model("dense")
+    mine = model.decoder.layers[0].self_attention
+    theirs = GatedDeltaNet(model.config, GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=RMSNorm,
+                                                                 out_proj=RowParallelLinear),
+                           layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    state = mine.state_dict()
+    assert sorted(k for k in theirs.state_dict() if not k.endswith("_extra_state")) == sorted(state)
+    theirs.load_state_dict(state, strict=False)
+    lengths = [5, 130, 300, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))
+    torch.manual_seed(0)
+    x = torch.randn(int(cu[-1]), 1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want, got = theirs(x, None, packed_seq_params=params)[0], mine(x, None, packed_seq_params=params)[0]
+    error = _relative(got, want.float().cpu())
+    print(f"hybrid packfwd vs Megatron-Core GatedDeltaNet (bf16): max |diff| / max |out| {error:.2e}")
+    assert error < 2e-2

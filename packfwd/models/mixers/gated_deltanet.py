@@ -171,6 +171,14 @@ class GatedDeltaNetMixer(Component):
             raise ValueError("mtp_num_layers with linear_attention: the MTP layer of a hybrid model (Qwen3.5's) is "
                              "not built yet; pass mtp_num_layers=0")
 
+    def config_fields(self, args) -> dict:
+        """Megatron-Core's ``linear_*`` fields (what its own ``GatedDeltaNet`` reads; packfwd's module takes the
+        description from its spec)."""
+        d = args.linear_attention
+        return dict(linear_conv_kernel_dim=d.conv_kernel_dim, linear_key_head_dim=d.head_k_dim,
+                    linear_value_head_dim=d.head_v_dim, linear_num_key_heads=d.num_k_heads,
+                    linear_num_value_heads=d.num_v_heads)
+
     def tp_widths(self, args) -> tuple[tuple[str, int], ...]:
         d = args.linear_attention
         return (("linear_num_key_heads", d.num_k_heads), ("linear_num_value_heads", d.num_v_heads))
