@@ -53,8 +53,8 @@ class StepGraphs:
     step runs eagerly (what the graphs replay, for comparing and debugging).  ``max_graphs``: buckets kept; past it
     every graph is dropped and captured again as needed.  All graphs share one memory pool.
 
-    After a step: ``memory_bytes`` (what the captures reserved: the graphs' activations and outputs, held while the
-    object lives), ``captured`` / ``replayed`` / ``eager`` (micro-batch counts since made), ``reason`` (why the
+    After a step: ``memory_bytes`` (what the captures reserved: the graphs' activations and outputs, and one set of
+    parameter gradients all buckets write, held while the object lives), ``captured`` / ``replayed`` / ``eager`` (micro-batch counts since made), ``reason`` (why the
     last step ran eagerly; None when it ran bucketed).  :meth:`clear` frees the graphs.
 
     >>> graphs = StepGraphs()
@@ -73,6 +73,7 @@ class StepGraphs:
         self.reason: str | None = None
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._pool = None
+        self._grads = None  # (the parameters' ids, the gradient buffers every bucket's backward graph writes)
         self._stream = None
         self._warned: set = set()
 
@@ -83,7 +84,7 @@ class StepGraphs:
     def clear(self) -> None:
         """Drop every graph and its memory pool (the next micro-batch of each bucket warms up again)."""
         self._entries.clear()
-        self._pool = None
+        self._pool = self._grads = None
         self.memory_bytes = 0
 
     def warn_once(self, message: str) -> None:
@@ -322,11 +323,24 @@ def _grads(outputs: list, grads_out: list, params: list) -> tuple:
     return tuple(got)
 
 
+def _shared_grads(graphs: StepGraphs, params: list) -> list:
+    """One set of parameter-gradient buffers for every bucket's backward graph (each writes its gradients there and
+    autograd accumulates them from there before the next replay): one model's gradients, not one per bucket."""
+    ids = tuple(map(id, params))
+    if graphs._grads is None or graphs._grads[0] != ids:
+        buffers = [torch.empty_like(p) for p in params]
+        graphs._grads = (ids, buffers)
+        graphs.memory_bytes += sum(b.numel() * b.element_size() for b in buffers)
+    return graphs._grads[1]
+
+
 def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> None:
     """Capture the entry's forward (and backward) graphs in the shared pool; on failure, warn and stay eager.
-    The backward graph computes the gradients of the forward graph's outputs (``state``: a replayed forward's)."""
+    The backward graph computes the gradients of the forward graph's outputs (``state``: a replayed forward's) and
+    copies them into the buffers every bucket shares (its own gradients are temporaries of the pool)."""
     if graphs._pool is None:
         graphs._pool = _DEVICE.pool()
+    shared = _shared_grads(graphs, params) if grad else []
     before = _DEVICE.reserved(settle=True)
     state = {}
 
@@ -337,7 +351,11 @@ def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> Non
 
     def backward():
         diff = [o for o in state["outs"] if o.requires_grad]
-        return _grads(diff, grads_out, params)
+        got = _grads(diff, grads_out, params)
+        for buffer, g in zip(shared, got):
+            if g is not None:
+                buffer.copy_(g)
+        return tuple(None if g is None else buffer for buffer, g in zip(shared, got))
 
     try:
         fwd, outs = _DEVICE.record(forward, graphs._pool, graphs._stream)
