@@ -210,11 +210,15 @@ def test_a_neighbour_changes_nothing_but_a_leak_would():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weights_convert_back_bit_for_bit(family):
+    from packfwd.models.runtime.gpt import model_args
+
     hf = hf_model(family)
     sd = hf.state_dict()
-    back = to_hf_state_dict(from_hf(hf))
+    model = from_hf(hf)
+    back = to_hf_state_dict(model)
     assert sorted(back) == sorted(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
     args = args_from_hf_config(hf.config)
+    assert model_args(model) == args  # the layer pattern, gate and norms read back from the model
     shards = [hf_to_megatron(sd, args, tp_size=2, tp_rank=r) for r in range(2)]
     merged = megatron_to_hf(shards, args)
     assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
