@@ -152,6 +152,7 @@ def test_what_graphs_cannot_take_is_named():
     wrapped = functools.wraps(forward)(lambda *a, **k: forward(*a, **k))
     assert "make_forward" in why_eager(wrapped, model, ids, cuda=False)
     assert "layout" in why_eager(pf.make_forward("bshd"), model, ids, cuda=False)
+    assert "no logits processor" in why_eager(pf.make_forward("thd"), model, ids, cuda=False)
     assert "routing" in why_eager(pf.make_forward("thd", record_routing=True), model, ids, cuda=False)
     assert "pipeline" in why_eager(forward, model, ids, pp_group=object(), cuda=False)
     assert "CUDA" in why_eager(forward, model, ids)
@@ -160,7 +161,7 @@ def test_what_graphs_cannot_take_is_named():
         assert "hooks" in why_eager(forward, model, ids, cuda=False)
     finally:
         handle.remove()
-    det = pf.make_forward("thd", deterministic=True)  # make_forward's own guard is not a caller's wrapper
+    det = pf.make_forward("thd", deterministic=True, logits_processor=log_probs_and_entropy)  # its own guard
     assert why_eager(det, model, ids, cuda=False) is None
 
 

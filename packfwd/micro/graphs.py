@@ -20,8 +20,8 @@ built), the second captures the graphs and replays them, the rest replay.  A cap
 synchronises with the host, a model that calls Python per step) is abandoned with one warning and that bucket stays
 eager; nothing captured half-way is ever replayed.  Where graphs cannot work at all the step runs today's eager path
 unchanged (:func:`why_eager`: the CPU, pipelines, vision inputs, tensor/context/expert parallelism, a forward with
-MTP, the MoE aux loss or routing replay, a model with module hooks, a DDP or FSDP wrapper, a forward that is not
-``make_forward``'s).
+MTP, the MoE aux loss or routing replay, a forward without a logits processor (its ``[b, s, v]`` logits would be
+held by every bucket), a model with module hooks, a DDP or FSDP wrapper, a forward that is not ``make_forward``'s).
 
 **Checked at every replay** (host ints): each parameter's and buffer's storage is where it was at capture (a
 parameter replaced rather than updated in place is captured again), and the bucket's key: its shapes, the model,
@@ -116,6 +116,11 @@ def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, mul
         return "the forward records or replays routing, or has MTP or the MoE aux loss"
     if not isinstance(model, torch.nn.Module):
         return "the model is not one torch.nn.Module"
+    from ..engine.facts import is_value_model
+
+    if engine.processor is None and engine.head is None and not is_value_model(model):
+        return ("the forward has no logits processor: its [b, s, v] logits would be held by every bucket's graph "
+                "(give it one, e.g. packfwd.logits.log_probs_and_entropy)")
     config = getattr(model, "config", None)
     for name in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
                  "pipeline_model_parallel_size"):
