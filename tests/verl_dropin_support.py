@@ -279,10 +279,10 @@ def rank_cases(rank: int, world_size: int, tp: int, cp: int) -> dict:
     last = last_tokens(b)
     results = {}
 
-    def case(name, data_format, make_call, modules=(model,), **kw):
+    def case(name, data_format, make_call, modules=(model,), ours=EVERY, **kw):
         ref_model, our_model = views(modules[0], data_format)
         with host_collectives():  # the backward of a sequence-parallel model on the CPU (packfwd.models.runtime.cpu)
-            results[name] = compare(make_call(vf, ref_model), make_call(EVERY, our_model), list(modules), **kw)[:2]
+            results[name] = compare(make_call(vf, ref_model), make_call(ours, our_model), list(modules), **kw)[:2]
 
     for fmt in ("thd", "bshd") if cp == 1 else ("thd",):
         case(f"model_forward_{fmt}", fmt, lambda f, m, fmt=fmt: functools.partial(
@@ -294,6 +294,17 @@ def rank_cases(rank: int, world_size: int, tp: int, cp: int) -> dict:
         case(f"engine_{name}", fmt, lambda f, m, fmt=fmt, kw=kw: lambda: f.gptmodel_forward_model_engine(
             m, ids, {}, logits_processor=engine_processor, logits_processor_args=engine_args(b), data_format=fmt,
             **kw), keep=(~last).float(), skip=last)
+    # packfwd.verl's default: the tokens whose next token is in the loss mask only (verl's there, 0 elsewhere,
+    # checked by the zeros: skip leaves them out of the comparison with verl's numbers)
+    scored = torch.zeros_like(b.mask)
+    scored[:, :-1] = (torch.cat([torch.zeros_like(b.mask[:, :5]), b.response_mask], 1) & b.mask)[:, 1:]
+    scored = scored[b.mask]
+    for fmt in ("thd", "bshd") if cp == 1 else ("thd",):
+        got = []
+        case(f"engine_{fmt}_scored", fmt, lambda f, m, fmt=fmt: lambda: got.append(f.gptmodel_forward_model_engine(
+            m, ids, {}, logits_processor=engine_processor, logits_processor_args=engine_args(b),
+            data_format=fmt)) or got[-1], ours=pv, keep=scored.float(), skip=~scored)
+        assert not got[-1]["log_probs"].values()[~scored].any() and got[0]["log_probs"].values()[~scored].any()
     if cp > 1:
         with pytest.raises(ValueError, match="context parallelism"):
             pv.model_forward_gen(False)(model, b.ids, b.mask, b.positions, {}, data_format="bshd")
