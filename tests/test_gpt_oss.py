@@ -329,6 +329,10 @@ def test_refusals_name_the_field_and_the_fix():
             dataclasses.replace(args, **change)
     with pytest.raises(ValueError, match="one activation"):
         dataclasses.replace(args.moe, dense_layers=(0,))
+    from packfwd.models.mlp.moe_weights import interleaved_experts_from_hf
+
+    with pytest.raises(ValueError, match="MXFP4 blocks and scales; load the checkpoint dequantized"):
+        interleaved_experts_from_hf({"m.experts.gate_up_proj_blocks": torch.zeros(1)}, "m.", "g.", range(1))
     with pytest.raises(ValueError, match="pass expert_tp_size=1 with ep_size > 1"):
         from packfwd.models.runtime.gpt import _check_expert_parallel
 

@@ -95,6 +95,12 @@ def interleaved_experts_from_hf(sd: Mapping[str, Tensor], hf: str, mg: str, expe
     >>> sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
     True
     """
+    if hf + "experts.gate_up_proj" not in sd:
+        quantized = hf + "experts.gate_up_proj_blocks" in sd
+        raise ValueError(f"no {hf}experts.gate_up_proj in the state dict" + (
+            ": these experts are MXFP4 blocks and scales; load the checkpoint dequantized (transformers' "
+            "Mxfp4Config(dequantize=True)) and convert that model" if quantized else
+            "; pass a GptOssForCausalLM's state dict"))
     out = {}
     for local, e in enumerate(experts):
         p = f"{mg}experts.local_experts.{local}."
