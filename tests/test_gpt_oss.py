@@ -329,7 +329,11 @@ def test_refusals_name_the_field_and_the_fix():
             dataclasses.replace(args, **change)
     with pytest.raises(ValueError, match="one activation"):
         dataclasses.replace(args.moe, dense_layers=(0,))
+    from packfwd.forward.deterministic import check_attention
     from packfwd.models.mlp.moe_weights import interleaved_experts_from_hf
+
+    with pytest.raises(ValueError, match="batch_invariant=True is not promised for attention with a sliding window"):
+        check_attention(from_hf(oss_model()))
 
     with pytest.raises(ValueError, match="MXFP4 blocks and scales; load the checkpoint dequantized"):
         interleaved_experts_from_hf({"m.experts.gate_up_proj_blocks": torch.zeros(1)}, "m.", "g.", range(1))

@@ -175,6 +175,12 @@ def check_attention(model) -> None:
     if any(getattr(m, "backend", None) == "cudnn" for m in model.modules()):
         raise ValueError("batch_invariant=True is not promised with attention_backend='cudnn' (cuDNN picks its "
                          "kernel per batch shape); build the model with attention_backend=None or 'torch_varlen'")
+    if any(getattr(m, "window", None) is not None or getattr(m, "softmax_offset", None) is not None
+           for m in model.modules()):
+        raise ValueError("batch_invariant=True is not promised for attention with a sliding window or sinks "
+                         "(GPT-OSS): the backends that honour them tile the batch, not each sequence ('flex': blocks "
+                         "of the packed row; the reference: every sequence padded to the batch's max_seqlen); pass "
+                         "batch_invariant=False")
 
 
 def check(device, *, deterministic: bool, batch_invariant: bool) -> None:

@@ -63,6 +63,13 @@ def test_flex_equals_the_reference_with_window_and_sinks(chunks):
         assert rel_err(out, ref) < 1e-2, (window, rel_err(out, ref))
         for name, a, b in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
             assert rel_err(a, b) < 2e-2, (window, name, rel_err(a, b))
+        again = varlen.varlen_attention(q, k, v, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), window=window,
+                                        sinks=sinks, backend="flex")
+        assert torch.equal(again, out)  # the forward run to run, bit for bit
+        deterministic = [torch.equal(a, b) for a, b in zip(torch.autograd.grad(again, (q, k, v, sinks), grad_out),
+                                                            grads)]
+        print(f"flex window={window} chunks={chunks}: backward bitwise run to run (dq, dk, dv, dsinks): "
+              f"{deterministic}")  # reported, not asserted: flex's backward determinism is not promised yet
 
 
 def test_a_bf16_gpt_oss_on_flex_equals_the_reference_backend():
