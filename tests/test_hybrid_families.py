@@ -13,7 +13,8 @@ to float64 (``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()`
 ``dtype=torch.float`` -> ``torch.float64``; the RoPE angles keep float32, as packfwd's); one test runs the
 unmodified module in float32 at float32's tolerance, so the lift hides nothing.
 
-Also: gradients equal transformers'; two pipeline stages equal to the whole model; conversion both ways bit for bit (whole and from two TP
+Also: gradients equal transformers'; Qwen3.5's MTP layer against the per-sequence reference of
+``tests/mtp_support.py``; two pipeline stages equal to the whole model; conversion both ways bit for bit (whole and from two TP
 shards); the MoE aux loss equal to transformers'
 load-balancing loss over the real tokens and unchanged by padding; context parallelism refused with its name; and,
 over gloo, TP=2 with sequence parallelism (Qwen3.5, THD and BSHD) and EP=2 (Qwen3.5-MoE) equal to transformers.
@@ -265,6 +266,34 @@ def test_what_is_refused_names_the_fix():
     one_key_head = dataclasses.replace(args, linear_attention=DeltaNet(1, 2, 8, 8, layers=(0, 1, 2)))
     with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by tp_size=2"):
         hf_to_megatron({}, one_key_head, tp_size=2, tp_rank=0)
+
+
+@pytest.mark.parametrize("data_format", ["thd", "thd_aligned", "bshd"])
+def test_mtp_layer_matches_the_per_sequence_reference(data_format):
+    """Qwen3.5's MTP layer (a gated full-attention layer after its zero-centred enorm / hnorm / eh_proj, the
+    model's own MTP block) over a hybrid decoder, against tests/mtp_support.py's per-sequence reference (the decoder
+    run on each sequence alone, BSHD), logits, MTP log-probs and loss, and gradients.  Random weights: transformers
+    drops the checkpoint's ``mtp.*`` tensors, so ``from_hf`` builds without it."""
+    from . import mtp_support as ms
+
+    base = args_from_hf_config(hf_model("qwen3_5").config)
+    args = dataclasses.replace(base, mtp_num_layers=1, vocab_size=ms.ARGS.vocab_size)
+    model = ms.build(args)
+    assert type(model.mtp.layers[0].enorm).__name__ == "ZeroCenteredRMSNorm"
+    ids, mask, loss_mask, weights = ms.batch()
+    want_logits, want_lp, want_loss = ms.reference(model, ids, mask, loss_mask)
+    ms.test_loss({"logits": want_logits, "mtp_log_probs": want_lp[..., :1], "mtp_loss": want_loss},
+                 weights[..., :1]).backward()
+    want_grads = ms.grads(model)
+    model.zero_grad(set_to_none=True)
+    layout = {"seq_align": 4} if data_format == "thd_aligned" else {}
+    out = make_forward(data_format[:4].rstrip("_"), mtp=True, **layout)(model, ids, mask, mtp_loss_mask=loss_mask)
+    for name, want in (("mtp_log_probs", want_lp), ("mtp_loss", want_loss), ("logits", want_logits)):
+        torch.testing.assert_close(out[name], want, **ms.TOL, msg=name)
+    ms.test_loss(out, weights[..., :1]).backward()
+    got = ms.grads(model)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_context_parallelism_is_refused():

@@ -167,9 +167,6 @@ class GatedDeltaNetMixer(Component):
         if outside:
             raise ValueError(f"DeltaNet.layers {outside} lie outside num_layers={args.num_layers}; pass 0-based "
                              "indices of the model's layers")
-        if args.mtp_num_layers:
-            raise ValueError("mtp_num_layers with linear_attention: the MTP layer of a hybrid model (Qwen3.5's) is "
-                             "not built yet; pass mtp_num_layers=0")
 
     def config_fields(self, args) -> dict:
         """Megatron-Core's ``linear_*`` fields (what its own ``GatedDeltaNet`` reads; packfwd's module takes the

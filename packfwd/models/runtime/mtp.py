@@ -43,7 +43,7 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import make_viewless_tensor
 
-from ..norm import RMSNorm
+from ..norm import norm_class
 from .spec import layer_spec
 
 __all__ = ["PackedMtpLayer", "check_mtp_layers", "mtp_block_spec", "postprocess", "with_logits"]
@@ -78,7 +78,8 @@ class PackedMtpLayer(MultiTokenPredictionLayer):
 
 def mtp_block_spec(num_layers: int, *, args=None, attention_backend: str | None = None, rope=None) -> ModuleSpec:
     """The ``ModuleSpec`` of an MTP block of ``num_layers`` depths: :class:`PackedMtpLayer` s whose norms are
-    packfwd's RMSNorm, ``eh_proj`` Megatron's ``ColumnParallelLinear``, and inner layer packfwd's decoder layer
+    the model's layer norm (:func:`packfwd.models.norm.norm_class`: RMSNorm, zero-centred for Qwen3.5), ``eh_proj``
+    Megatron's ``ColumnParallelLinear``, and inner layer packfwd's decoder layer
     (:func:`packfwd.models.runtime.spec.layer_spec` of ``args``, the model's: its core attention and THD RoPE).
 
     >>> spec = mtp_block_spec(2, attention_backend="reference")
@@ -86,7 +87,7 @@ def mtp_block_spec(num_layers: int, *, args=None, attention_backend: str | None 
     ['PackedMtpLayer', 'PackedMtpLayer']
     """
     submodules = MultiTokenPredictionLayerSubmodules(
-        enorm=RMSNorm, hnorm=RMSNorm, layer_norm=RMSNorm, eh_proj=ColumnParallelLinear,
+        enorm=norm_class(args), hnorm=norm_class(args), layer_norm=norm_class(args), eh_proj=ColumnParallelLinear,
         **{_INNER: layer_spec(args, args.num_layers if args is not None else 0, attention_backend=attention_backend,
                               rope=rope)},
     )
