@@ -126,3 +126,31 @@ def assert_hf_round_trip(hf, tp_size=2):
     shards = [hf_to_megatron(sd, args, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
     merged = megatron_to_hf(shards, args)
     assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
+
+
+def hf_float64_module(name: str):
+    """A copy of transformers' modeling module ``name`` (e.g. ``"transformers.models.qwen3_next.modeling_qwen3_next"``)
+    with the float32 upcasts of its linear-attention, norm and router code lifted to float64, so that a float64 model
+    of it is float64 throughout: ``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()``, the router's
+    ``softmax(..., dtype=torch.float, dim=-1)`` -> ``torch.float64``.  The RoPE angles keep float32
+    (``position_ids[..., None].float()``), as packfwd computes them.  One copy per module, registered in
+    ``sys.modules`` under ``._f64_modeling_...``."""
+    import importlib
+    import importlib.util
+    import sys
+
+    original = importlib.import_module(name)
+    lifted = name.replace(".modeling_", "._f64_modeling_")
+    if lifted in sys.modules:
+        return sys.modules[lifted]
+    source = open(original.__file__).read()
+    keep = "position_ids[..., None].float()"
+    assert source.count(".to(torch.float32") >= 4 and source.count("A_log.float()") == 1, "transformers changed"
+    source = (source.replace(keep, "@KEEP@").replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+              .replace("dtype=torch.float, dim=-1", "dtype=torch.float64, dim=-1").replace("@KEEP@", keep))
+    spec = importlib.util.spec_from_loader(lifted, loader=None, origin=original.__file__)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__, module.__file__ = original.__package__, original.__file__
+    sys.modules[lifted] = module  # before exec: transformers reads its classes' annotations from sys.modules
+    exec(compile(source, original.__file__, "exec"), module.__dict__)
+    return module

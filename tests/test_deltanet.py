@@ -9,15 +9,14 @@ Also: Qwen3.5's layer (flat projections), gradients, batch invariance bit for bi
 sync once ``max_seqlen`` is given).
 
 transformers computes the delta rule, the gated norm and the decay in float32 whatever the input dtype.  To compare
-in float64, :func:`_hf64` loads a copy of transformers' ``modeling_qwen3_next`` with those upcasts lifted to float64
-(``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()``, nothing else changed); one test runs the
+in float64, ``tests.oracles.hf_float64_module`` loads a copy of transformers' ``modeling_qwen3_next`` with those
+upcasts lifted to float64 (``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()``, the router's softmax
+too; the RoPE angles stay float32); one test runs the
 unmodified module in float32, at float32's tolerance, so the lift hides nothing.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -28,27 +27,12 @@ import packfwd
 from packfwd.models.mixers.deltanet import DeltaNetShape, gated_deltanet_packed, gated_rms_norm
 from packfwd.models.mixers.deltanet_ops import causal_conv1d_packed, chunk_gated_delta_rule_packed, sequence_rows
 
+from .oracles import hf_float64_module
+
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
-def _hf64(original):
-    """A copy of transformers' modeling module ``original`` with its float32 upcasts made float64 (see the module
-    docstring)."""
-    name = original.__name__.replace(".modeling_", "._f64_modeling_")
-    if name in sys.modules:
-        return sys.modules[name]
-    source = open(original.__file__).read()
-    assert source.count(".to(torch.float32") >= 4 and source.count("A_log.float()") == 1, "transformers changed"
-    source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-    spec = importlib.util.spec_from_loader(name, loader=None, origin=original.__file__)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__, module.__file__ = original.__package__, original.__file__
-    sys.modules[name] = module  # before exec: transformers reads its classes' annotations from sys.modules
-    exec(compile(source, original.__file__, "exec"), module.__dict__)
-    return module
-
-
-HF64 = _hf64(hf)
+HF64 = hf_float64_module(hf.__name__)  # the float32 upcasts lifted (the module docstring)
 
 
 @dataclass(frozen=True)
@@ -229,7 +213,7 @@ def test_layer_gqa_heads_and_dict_weights():
 
 def test_layer_qwen3_5_flat_projections():
     """Qwen3.5's layer: the same operators, its q/k/v/z/b/a projections flat instead of grouped per key head."""
-    q35 = _hf64(pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5"))
+    q35 = hf_float64_module(pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5").__name__)
     from transformers import Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,

@@ -8,7 +8,7 @@ its lone run.  Tiny float64 models (hidden 32, 4 layers: 3 Gated DeltaNet, 1 gat
 ``layer_types``; Qwen3-Next with a dense layer among its MoE ones), O(1)-scale weights.
 
 transformers computes the delta rule, its gated norm and decay, the zero-centred norms and the router's softmax in
-float32 whatever the model's dtype.  :func:`hf64` loads a copy of each modeling module with those upcasts lifted
+float32 whatever the model's dtype.  ``tests.oracles.hf_float64_module`` loads a copy of each modeling module with those upcasts lifted
 to float64 (``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()``, the router's
 ``dtype=torch.float`` -> ``torch.float64``; the RoPE angles keep float32, as packfwd's); one test runs the
 unmodified module in float32 at float32's tolerance, so the lift hides nothing.
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -35,7 +33,7 @@ from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
 from packfwd.models.convert.hf import args_from_hf_config
 from packfwd.models.convert.hf_weights import hf_to_megatron
 
-from .oracles import assert_equals_hf_per_sequence
+from .oracles import assert_equals_hf_per_sequence, hf_float64_module
 
 transformers = pytest.importorskip("transformers")
 MODULES = {
@@ -60,32 +58,12 @@ ATOL = {"qwen3_5": dict(atol=1e-10, rtol=0.0), "qwen3_5_moe": dict(atol=2e-5, rt
         "qwen3_next": dict(atol=2e-5, rtol=1e-5)}
 
 
-def hf64(name: str):
-    """A copy of transformers' modeling module ``name`` with its float32 upcasts lifted to float64 (module
-    docstring)."""
-    original = importlib.import_module(name)
-    lifted = name.replace(".modeling_", "._f64_modeling_")
-    if lifted in sys.modules:
-        return sys.modules[lifted]
-    source = open(original.__file__).read()
-    keep = "position_ids[..., None].float()"  # the RoPE angles stay float32 (packfwd's are)
-    assert source.count(keep) >= 1 and source.count(".to(torch.float32") >= 4, "transformers changed"
-    source = (source.replace(keep, "@KEEP@").replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-              .replace("dtype=torch.float, dim=-1", "dtype=torch.float64, dim=-1").replace("@KEEP@", keep))
-    spec = importlib.util.spec_from_loader(lifted, loader=None, origin=original.__file__)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__, module.__file__ = original.__package__, original.__file__
-    sys.modules[lifted] = module  # before exec: transformers reads its classes' annotations from sys.modules
-    exec(compile(source, original.__file__, "exec"), module.__dict__)
-    return module
-
-
 def hf_model(family: str, *, lifted: bool = True, seed: int = 0, **extra) -> torch.nn.Module:
     """The tiny float64 model of ``family`` (module docstring): weights ~ N(0, 1 / fan_in), norms and decays
     noisy around their starting values."""
     path, config_name, model_name = MODULES[family]
     config = getattr(transformers, config_name)(**TINY, **EXTRA[family], **extra)
-    model_cls = getattr(hf64(path) if lifted else importlib.import_module(path), model_name)
+    model_cls = getattr(hf_float64_module(path) if lifted else importlib.import_module(path), model_name)
     torch.manual_seed(seed)  # transformers draws A_log from the global generator: the same model in every process
     model = model_cls(config).double()
     g = torch.Generator().manual_seed(seed)
