@@ -269,3 +269,21 @@ def test_inference_mode_and_frozen_parameters_get_buckets_of_their_own(cpu_graph
     want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False))
     assert torch.equal(got.loss, want.loss) and got_grads.keys() == want_grads.keys()
     assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+
+
+def test_batches_of_another_width_share_the_buckets(cpu_graphs):
+    """A bucket's canvas is the batch's width rounded up (``WIDTH_STEP``): the same sequences padded to a wider
+    batch replay the graphs captured for the narrower one, with the same numbers in the real columns."""
+    model, forward, plan, d = _setup()
+    graphs = StepGraphs()
+    for _ in range(2):
+        narrow, narrow_grads = _step(model, forward, plan, d, graphs)
+    captured = graphs.captured
+    wide = {k: torch.nn.functional.pad(v, (0, 5)) if v.dim() == 2 else v for k, v in d.items()}
+    wide["labels"][:, 16:] = -100
+    got, got_grads = _step(model, forward, plan, wide, graphs)
+    assert graphs.captured == captured, graphs  # nothing captured again
+    torch.testing.assert_close(got.loss, narrow.loss, rtol=1e-14, atol=0)  # the eager loss sums 21 columns, not 16
+    assert all(torch.equal(got_grads[n], narrow_grads[n]) for n in narrow_grads)
+    for k in narrow.outputs:
+        assert got.outputs[k].shape[1] == 21 and torch.equal(got.outputs[k][:, :16], narrow.outputs[k]), k

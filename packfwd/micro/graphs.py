@@ -42,7 +42,9 @@ from torch import Tensor
 from ..layout import rules
 from ..layout.bucket import Bucket, _clone, copy_plan_
 
-__all__ = ["StepGraphs", "graphed_step", "why_eager"]
+__all__ = ["StepGraphs", "WIDTH_STEP", "graphed_step", "why_eager"]
+
+WIDTH_STEP = 256  # a bucket's canvas: the batch's width rounded up to this, so batches padded to other widths share it
 
 
 class StepGraphs:
@@ -179,6 +181,7 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         scored = min(tokens, -(-sum(counts[i] for i in mb.indices) // quarter) * quarter)
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
+    canvas = {**canvas, "padded": rules.round_up(canvas["width"], WIDTH_STEP)}
     key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) + (tuple(map(id, params)),)
     storage = _storage_of(model)  # per micro-batch: a buffer a module makes on its first call counts from then on
     entry = graphs._entries.get(key)
@@ -193,8 +196,8 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         entry = graphs._entries[key] = _Entry(model, forward, rows, mb.args, kwargs, canvas, storage)
     graphs._entries.move_to_end(key)
     entry.params = params
-    bucket = Bucket(tokens=tokens, max_seqlen=rules.round_up(canvas["width"], forward.layout.seq_align))
-    entry.load(mb.args, kwargs, forward.plan(entry.ids, _padded_mask(mask, rows), bucket=bucket,
+    bucket = Bucket(tokens=tokens, max_seqlen=rules.round_up(canvas["padded"], forward.layout.seq_align))
+    entry.load(mb.args, kwargs, forward.plan(entry.ids, _padded_mask(mask, rows, canvas["padded"]), bucket=bucket,
                                 seqlens=list(mb.kwargs["seqlens"]) + [0] * (rows - b)))
     capture = graphs.capture and _DEVICE.takes(ids)
     if capture and graphs._stream is None:
@@ -226,7 +229,8 @@ def _run(entry, b: int, params: list, grad: bool, mb, loss_fn):
     else:
         with torch.no_grad():
             flat = entry.forward(grad=False)
-    out = _unflatten(entry.names, [o[:b] for o in flat])
+    s = mb.args[0].shape[1]
+    out = _unflatten(entry.names, [o[:b, :s] if o.dim() > 1 else o[:b] for o in flat])  # the real rows and columns
     loss = None
     if grad:
         loss = mb.loss(loss_fn, out)
@@ -263,10 +267,10 @@ class _Entry:
     def __init__(self, model, forward, rows: int, args: tuple, kwargs: dict, canvas: dict, storage: tuple):
         self.model, self.forward_fn, self.storage = weakref.ref(model), forward, storage
         ids, _, positions = args
-        width = canvas["width"]
-        self.ids = ids.new_zeros(rows, width)
-        self.positions = None if positions is None else positions.new_zeros(_rows_shape(positions, rows))
-        self.kwargs = {k: (v.new_zeros(rows, *v.shape[1:]) if k in canvas["batch"] else v.clone())
+        self.ids = ids.new_zeros(_static_shape(ids, rows, canvas, 0))
+        self.positions = None if positions is None else positions.new_zeros(
+            _static_shape(positions, rows, canvas, _row_dim(positions)))
+        self.kwargs = {k: v.new_zeros(_static_shape(v, rows, canvas, 0 if k in canvas["batch"] else None))
                        if isinstance(v, Tensor) else v for k, v in kwargs.items() if k != "seqlens"}
         self.plan = self.names = self.params = self.diff = None
         self.graphs = None  # (forward graph, backward graph, static outputs, static output grads, static grads)
@@ -277,17 +281,12 @@ class _Entry:
     def load(self, args: tuple, kwargs: dict, plan) -> None:
         """Copy the micro-batch's rows (zeros after them) and its bucket plan into the static inputs."""
         ids, _, positions = args
-        b = ids.shape[0]
-        _copy_rows(self.ids, ids, b, 0)
+        _fill(self.ids, ids)
         if positions is not None:
-            _copy_rows(self.positions, positions, b, 1 if positions.dim() == 3 else 0)
+            _fill(self.positions, positions)
         for k, static in self.kwargs.items():
             if isinstance(static, Tensor):
-                v = kwargs[k]
-                if static.shape == v.shape:
-                    static.copy_(v)
-                else:
-                    _copy_rows(static, v, b, 0)
+                _fill(static, kwargs[k])
         if self.plan is None:
             self.plan = _clone(plan)
         else:
@@ -433,18 +432,18 @@ _DEVICE = _Device()
 
 
 def _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) -> tuple:
-    args = tuple(sorted((k, _signature(v, k in canvas["batch"])) for k, v in kwargs.items() if k != "seqlens"))
+    args = tuple(sorted((k, _signature(v, rows, canvas, 0 if k in canvas["batch"] else None))
+                        for k, v in kwargs.items() if k != "seqlens"))
     autocast = torch.is_autocast_enabled("cuda")
-    return (id(model), rows, tokens, canvas["width"], grad, torch.is_inference_mode_enabled(), model.training, autocast,
+    positions = None if positions is None else _signature(positions, rows, canvas, _row_dim(positions))
+    return (id(model), rows, tokens, canvas["padded"], grad, torch.is_inference_mode_enabled(), model.training, autocast,
             torch.get_autocast_dtype("cuda") if autocast else None,
-            torch.are_deterministic_algorithms_enabled(), ids.dtype, _signature(positions, True), args)
+            torch.are_deterministic_algorithms_enabled(), ids.dtype, positions, args)
 
 
-def _signature(v, per_row: bool):
-    if v is None:
-        return None
+def _signature(v, rows: int, canvas: dict, row_dim: int | None):
     if isinstance(v, Tensor):
-        return ("tensor", v.dtype, v.device, tuple(v.shape[1:]) if per_row else tuple(v.shape))
+        return ("tensor", v.dtype, v.device, _static_shape(v, rows, canvas, row_dim))
     try:
         hash(v)
     except TypeError:
@@ -452,20 +451,30 @@ def _signature(v, per_row: bool):
     return ("value", type(v).__name__, v)
 
 
-def _rows_shape(positions: Tensor, rows: int) -> tuple:
-    shape = list(positions.shape)
-    shape[1 if positions.dim() == 3 else 0] = rows
+def _row_dim(positions: Tensor) -> int:
+    return 1 if positions.dim() == 3 else 0  # [k, b, s] multimodal positions, else [b, s]
+
+
+def _static_shape(v: Tensor, rows: int, canvas: dict, row_dim: int | None) -> tuple:
+    """The static tensor a per-row value ``v`` is copied into: ``rows`` rows, and the bucket's padded width where
+    ``v`` runs over the batch's columns (the dimension after the rows, of the batch's width); others as they are."""
+    shape = list(v.shape)
+    if row_dim is not None:
+        shape[row_dim] = rows
+        if len(shape) > row_dim + 1 and shape[row_dim + 1] == canvas["width"]:
+            shape[row_dim + 1] = canvas["padded"]
     return tuple(shape)
 
 
-def _copy_rows(static: Tensor, value: Tensor, b: int, dim: int) -> None:
-    static.narrow(dim, 0, b).copy_(value)
-    static.narrow(dim, b, static.shape[dim] - b).zero_()
+def _fill(static: Tensor, value: Tensor) -> None:
+    """``value`` into the leading block of ``static`` (its rows and columns), zeros elsewhere."""
+    static.zero_()
+    static[tuple(slice(0, n) for n in value.shape)].copy_(value)
 
 
-def _padded_mask(mask: Tensor, rows: int) -> Tensor:
-    out = torch.zeros(rows, mask.shape[1], dtype=torch.bool, device=mask.device)
-    out[: mask.shape[0]] = mask.to(torch.bool)
+def _padded_mask(mask: Tensor, rows: int, width: int) -> Tensor:
+    out = torch.zeros(rows, width, dtype=torch.bool, device=mask.device)
+    out[: mask.shape[0], : mask.shape[1]] = mask.to(torch.bool)
     return out
 
 
