@@ -303,6 +303,79 @@ def test_flex_backend_forward_equals_the_reference(window, chunks):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
+# ---------------------------------------------------------------------------------- the experts, grouped or not
+
+
+def _oss_experts(dtype, grouped):
+    """GPT-OSS-style experts (biases, quick_gelu, clamp 1.0, offset 1.0) built as the model builds them, and
+    Megatron-Core's ``SequentialMLP`` with the same weights (biases O(1): Megatron initialises them to zero)."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    from .test_moe_grouped import experts_pair
+
+    mine, theirs = experts_pair(dtype, grouped=grouped, add_bias_linear=True, activation_func=quick_gelu,
+                                glu_linear_offset=1.0, activation_func_clamp_value=1.0)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for e in mine.local_experts:
+            for linear in (e.linear_fc1, e.linear_fc2):
+                linear.bias.copy_(torch.randn(linear.bias.shape, generator=g, dtype=dtype))
+    theirs.load_state_dict(mine.state_dict())
+    return mine, theirs
+
+
+def test_biased_clamped_experts_sequential_is_megatrons_and_grouped_equals_it():
+    """The out-of-place loop equals Megatron-Core's ``SequentialMLP`` bit for bit (float64, forward: its backward
+    fails on the in-place bias add); the grouped path (``grouped_glu_mlp``, float32: torch's ``_grouped_mm``)
+    equals the loop, outputs and every gradient (the biases' too), also with sink rows past the groups holding NaN
+    (the sync-free dispatcher's layout), which reach no gradient."""
+    from .test_moe_grouped import dispatched
+
+    counts = torch.tensor([3, 0, 5, 1])
+    mine, theirs = _oss_experts(torch.float64, None)
+    x, probs, _ = dispatched(counts.tolist(), torch.float64)
+    with torch.no_grad():
+        assert torch.equal(mine(x, counts, probs)[0], theirs(x, counts, probs)[0])
+    loop, _ = _oss_experts(torch.float32, False)
+    grouped, _ = _oss_experts(torch.float32, True)
+    x, probs, grad = dispatched(counts.tolist(), torch.float32)
+    sinks = torch.full((3, x.shape[1]), float("nan"))
+    results = []
+    for module, rows in ((loop, x), (grouped, x), (grouped, torch.cat([x, sinks]))):
+        module.zero_grad()
+        inp = rows.clone().requires_grad_()
+        scale = torch.cat([probs, torch.full((rows.shape[0] - x.shape[0],), float("nan"))])
+        out = module(inp, counts, scale)[0]
+        out[: x.shape[0]].backward(grad)
+        results.append((out[: x.shape[0]].detach(), inp.grad[: x.shape[0]],
+                        {n: p.grad.clone() for n, p in module.named_parameters()}))
+    for out, dx, grads in results[1:]:
+        torch.testing.assert_close(out, results[0][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dx, results[0][1], atol=1e-5, rtol=1e-5)
+        for name, want in results[0][2].items():
+            torch.testing.assert_close(grads[name], want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_a_float32_model_on_grouped_experts_equals_the_loop():
+    """The whole model (float32, 8 experts top-2 of width 16) with its experts grouped (the dispatcher's sync-free
+    layout, sink rows included) gives the sequential loop's logits and gradients within float32 rounding."""
+    from packfwd.models.mlp.experts import set_grouped_experts
+
+    hf = oss_model(oss_config(num_local_experts=8)).float()
+    ids, mask = ragged_batch()
+    results = []
+    for grouped in (False, True):
+        model = from_hf(hf)
+        assert set_grouped_experts(model, grouped) == 3
+        logits = make_forward("thd")(model, ids, mask)
+        logits[mask].sin().sum().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
+    assert sorted(results[1][1]) == sorted(results[0][1])
+    for name, want in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], want, atol=1e-4, rtol=1e-4, msg=name)
+
+
 # ------------------------------------------------------------------------------------------------- refusals
 
 

@@ -172,12 +172,14 @@ def test_choices_and_refusals():
     x, probs, _ = dispatched([2, 1, 0, 1], torch.float32)
     with pytest.raises(ValueError, match="sums to 5 but x has 4 rows"):
         fp32(x, torch.tensor([2, 1, 1, 1]), probs)
-    with pytest.raises(ValueError, match="have biases"):
-        experts_pair(torch.float32, grouped=True, add_bias_linear=True)
-    biased, _ = experts_pair(torch.float32, add_bias_linear=True)  # automatic: the sequential path computes it
+    with pytest.raises(ValueError, match="are not a gated linear unit"):
+        experts_pair(torch.float32, grouped=True, gated_linear_unit=False)
+    plain, _ = experts_pair(torch.float32, gated_linear_unit=False)  # automatic: the sequential path computes it
     with torch.no_grad():
-        out = biased(x, torch.tensor([2, 1, 0, 1]), probs)[0]
-    assert biased.unsupported == "have biases" and out.shape == x.shape
+        out = plain(x, torch.tensor([2, 1, 0, 1]), probs)[0]
+    assert plain.unsupported == "are not a gated linear unit" and out.shape == x.shape
+    # biased experts and GPT-OSS's clamped GLU: grouped_glu_mlp (tests/test_gpt_oss.py)
+    assert experts_pair(torch.float32, grouped=True, add_bias_linear=True)[0].unsupported == ""
 
 
 def test_models_are_built_with_grouped_experts_and_match_transformers_per_sequence():

@@ -7,7 +7,9 @@ backend's forward in eager mode.  Here, on CUDA: the compiled kernel's output an
 sinks) equal the reference's (float32 math) within bf16 rounding, on ragged sequences longer than the window, with
 grouped heads, for self-attention and for context parallelism's bottom-right chunks; the automatic choice takes it
 for a window or sinks; a bf16 GPT-OSS model built with it gives the reference backend's logits within bf16 rounding,
-and its backward runs (the sinks' gradients as the reference's).  CUDA only (skipped elsewhere).
+and its backward runs (the sinks' gradients as the reference's); its biased, clamped experts as grouped GEMMs
+(``grouped_glu_mlp``, the automatic path on sm90 bf16) give the loop over experts' logits and gradients.  CUDA
+only (skipped elsewhere).
 
     PYTHONPATH=. python3 -m pytest -q tests/gpu/test_gpt_oss_cuda.py
 """
@@ -93,12 +95,18 @@ def test_a_bf16_gpt_oss_on_flex_equals_the_reference_backend():
     ids = torch.randint(1, 512, (4, 300), device="cuda")
     mask = torch.arange(300, device="cuda")[None] < torch.tensor(lengths, device="cuda")[:, None]
     ids = ids.masked_fill(~mask, 0)
+    from packfwd.models.mlp.experts import set_grouped_experts
+
     out = {}
-    for backend in ("flex", "reference"):
+    for backend, grouped in (("flex", None), ("reference", None), ("flex", False)):
         model = from_hf(hf, device="cuda", params_dtype=torch.bfloat16, attention_backend=backend)
+        set_grouped_experts(model, grouped)  # None: grouped_glu_mlp on sm90 bf16; False: the loop over experts
         logits = pf.make_forward("thd")(model, ids, mask)
         logits[mask].float().logsumexp(-1).sum().backward()
         sinks = model.decoder.layers[0].self_attention.core_attention.softmax_offset.grad
-        out[backend] = (logits[mask].float(), sinks.float())
-    assert rel_err(out["flex"][0], out["reference"][0]) < 2e-2, rel_err(out["flex"][0], out["reference"][0])
-    assert rel_err(out["flex"][1], out["reference"][1]) < 5e-2, rel_err(out["flex"][1], out["reference"][1])
+        bias = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.bias.grad
+        out[backend, grouped] = (logits[mask].float(), sinks.float(), bias.float())
+    for other in (("reference", None), ("flex", False)):
+        for i, name in enumerate(("logits", "sinks' gradient", "an expert bias's gradient")):
+            err = rel_err(out["flex", None][i], out[other][i])
+            assert err < (2e-2 if i == 0 else 5e-2), (other, name, err)

@@ -34,8 +34,10 @@ them as one tensor and hands each parameter its slice of the gradient.  Where th
 block (``model.to(...)``, ``.cuda()``, or a distributed optimizer's buffer relocates each parameter) they are
 stacked in the forward and again in the backward (a transient copy each time, never kept), same numbers.  Tensor parallelism: each rank's experts are
 its shards along ``f`` (Megatron's expert linears communicate nothing; the dispatcher does), so the same code
-runs on every rank.  Bias, other activations, FP8 and ``moe_apply_probs_on_input`` are left to the sequential
-path (``grouped=True`` with them is a ValueError).  This module imports Megatron-Core;
+runs on every rank.  Biased experts and other gated activations (GPT-OSS's clamped SwiGLU) take
+:func:`grouped_glu_mlp`: the same GEMMs, the biases gathered by each row's expert and the activation in torch;
+a non-gated MLP, FP8 and ``moe_apply_probs_on_input`` are left to the sequential path (``grouped=True`` with them
+is a ValueError).  This module imports Megatron-Core;
 :func:`packfwd.models.mlp.moe.moe_spec` imports it only when a model is built.
 """
 
@@ -49,7 +51,8 @@ from torch import Tensor
 from packfwd.ops.swiglu import swiglu, swiglu_scaled  # noqa: F401  (swiglu: the doctests use it)
 from packfwd.ops.zero_groups import zero_groups_
 
-__all__ = ["GroupedExperts", "GroupedLinear", "grouped_kernel", "grouped_swiglu_mlp", "set_grouped_experts"]
+__all__ = ["GroupedExperts", "GroupedLinear", "grouped_glu_mlp", "grouped_kernel", "grouped_swiglu_mlp",
+           "set_grouped_experts"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what torch._grouped_mm takes (its kernel: bf16 only)
 
@@ -84,6 +87,45 @@ def grouped_swiglu_mlp(x: Tensor, fc1, fc2, tokens_per_expert: Tensor, probs: Te
     y = GroupedLinear.apply(x, *groups, *fc1)  # [n, 2f]
     a = swiglu_scaled(y, probs)  # Megatron's MLP: per_token_scale after the activation (one kernel on CUDA)
     return GroupedLinear.apply(a, *groups, *fc2)  # [n, h]
+
+
+def grouped_glu_mlp(x: Tensor, fc1, fc2, tokens_per_expert: Tensor, probs: Tensor, glu, bias1=None,
+                    bias2=None) -> Tensor:
+    """:func:`grouped_swiglu_mlp` for experts with biases and another gated activation (GPT-OSS's clamped one),
+    op for op as Megatron-Core's expert MLP: ``y = x W1.T + b1[e]``, ``a = (glu(y) * p).to(dtype)``, ``out = a W2.T +
+    b2[e] * p``; ``glu`` the activation module (:class:`packfwd.ops.swiglu.SwiGLU` of the config: clamp, offset,
+    ``activation_func``), ``bias1``/``bias2``: the experts' ``[2f]`` / ``[h]`` biases (sequences of ``E``, or None).
+    Each row's expert comes from the groups' ends on the device (no host sync); the rows past the last group
+    (sinks: :func:`packfwd.models.mlp.dispatch.fixed_rows`) are zeroed before the activation and get no
+    probability, so whatever the GEMMs leave there never reaches a bias's gradient.
+
+    >>> from types import SimpleNamespace
+    >>> from packfwd.ops.swiglu import SwiGLU
+    >>> glu = SwiGLU(SimpleNamespace(activation_func=torch.sigmoid, glu_linear_offset=1.0,
+    ...                              activation_func_clamp_value=2.0))
+    >>> x, probs = torch.randn(5, 8), torch.rand(5)
+    >>> fc1, fc2, b1, b2 = torch.randn(3, 8, 8), torch.randn(3, 8, 4), torch.randn(3, 8), torch.randn(3, 8)
+    >>> out = grouped_glu_mlp(x, fc1, fc2, torch.tensor([2, 0, 3]), probs, glu, b1, b2)
+    >>> def one(rows, e):
+    ...     return (glu(x[rows] @ fc1[e].T + b1[e]) * probs[rows, None]) @ fc2[e].T + b2[e] * probs[rows, None]
+    >>> torch.allclose(out, torch.cat([one(slice(0, 2), 0), one(slice(2, 5), 2)]), atol=1e-5)
+    True
+    """
+    groups = _groups(tokens_per_expert, x)
+    offs = groups[0]
+    rows = torch.arange(x.shape[0], device=x.device)
+    inside = rows < offs[-1].to(rows.dtype)  # sink rows past the last group: none of the GEMMs write them
+    expert = torch.searchsorted(offs.to(rows.dtype), rows, right=True).clamp(max=len(fc1) - 1)
+    scale = torch.where(inside, probs, torch.zeros_like(probs)).unsqueeze(-1)  # a sink's probability: any bits
+    y = GroupedLinear.apply(x, *groups, *fc1)  # [n, 2f]
+    if bias1 is not None:
+        y = y + torch.stack(list(bias1)).index_select(0, expert)
+    y = torch.where(inside[:, None], y, torch.zeros_like(y))
+    a = (glu(y) * scale).to(x.dtype)
+    out = GroupedLinear.apply(a, *groups, *fc2)  # [n, h]
+    if bias2 is not None:
+        out = out + torch.stack(list(bias2)).index_select(0, expert) * scale
+    return out
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -138,6 +180,12 @@ class GroupedExperts(SequentialMLP):
                  **kwargs):
         super().__init__(num_local_experts, config, submodules, pg_collection, **kwargs)
         self.unsupported = _unsupported(self.config)
+        self.glu = None  # the activation of experts that are not plain SwiGLU (grouped_glu_mlp), else None
+        if _glu_variant(self.config):
+            from packfwd.ops.swiglu import SwiGLU
+
+            self.glu = SwiGLU(self.config)
+            self.glu.kernel = False  # Megatron's own glu op for op (the kernel is plain SwiGLU's)
         self.grouped = grouped
         with torch.no_grad():
             for name in ("linear_fc1", "linear_fc2"):
@@ -166,6 +214,10 @@ class GroupedExperts(SequentialMLP):
             return super().forward(x, tokens_per_expert, permuted_probs)
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        if self.glu is not None:  # biases or another gated activation (GPT-OSS)
+            b1, b2 = ([getattr(e, name).bias for e in self.local_experts] if self.config.add_bias_linear else None
+                      for name in ("linear_fc1", "linear_fc2"))
+            return grouped_glu_mlp(x.contiguous(), fc1, fc2, tokens_per_expert, permuted_probs, self.glu, b1, b2), None
         return grouped_swiglu_mlp(x.contiguous(), fc1, fc2, tokens_per_expert, permuted_probs), None
 
     def _biased_forward(self, x: Tensor, tokens_per_expert: Tensor, probs: Tensor) -> Tensor:
@@ -226,17 +278,21 @@ def set_grouped_experts(model: torch.nn.Module, grouped: bool | None) -> int:
 def _unsupported(config) -> str:
     """Why the grouped path cannot compute these experts as Megatron's MLP would ('' when it can)."""
     why = []
-    if config.add_bias_linear:
-        why.append("have biases")
-    if not config.gated_linear_unit or config.activation_func is not F.silu:
-        why.append("are not SwiGLU")
-    if getattr(config, "glu_linear_offset", 0.0) or getattr(config, "activation_func_clamp_value", None) is not None:
-        why.append("offset or clamp their GLU")
+    if not config.gated_linear_unit:
+        why.append("are not a gated linear unit")
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         why.append("run in FP8 / FP4")
     if getattr(config, "moe_apply_probs_on_input", False):
         why.append("apply the probabilities on the input")
     return ", ".join(why)
+
+
+def _glu_variant(config) -> bool:
+    """Whether gated experts are other than plain SwiGLU without biases (biases, another activation, an offset or a
+    clamp: :func:`grouped_glu_mlp` computes them)."""
+    return bool(config.gated_linear_unit and (
+        config.add_bias_linear or config.activation_func is not F.silu or getattr(config, "glu_linear_offset", 0.0)
+        or getattr(config, "activation_func_clamp_value", None) is not None))
 
 
 def _aligned(x: Tensor, ffn: int) -> bool:
