@@ -13,7 +13,7 @@ to float64 (``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()`
 ``dtype=torch.float`` -> ``torch.float64``; the RoPE angles keep float32, as packfwd's); one test runs the
 unmodified module in float32 at float32's tolerance, so the lift hides nothing.
 
-Also: gradients equal transformers'; Qwen3.5's MTP layer against the per-sequence reference of
+Also: a Gated DeltaNet layer under ``torch.compile(fullgraph=True)``; gradients equal transformers'; Qwen3.5's MTP layer against the per-sequence reference of
 ``tests/mtp_support.py``; two pipeline stages equal to the whole model; conversion both ways bit for bit (whole and from two TP
 shards); the MoE aux loss equal to transformers'
 load-balancing loss over the real tokens and unchanged by padding; context parallelism refused with its name; and,
@@ -29,11 +29,12 @@ import pytest
 import torch
 
 from packfwd.forward import make_forward
-from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
+from packfwd.models import build_model, from_hf, megatron_to_hf, to_hf_state_dict
 from packfwd.models.convert.hf import args_from_hf_config
 from packfwd.models.convert.hf_weights import hf_to_megatron
 
 from .oracles import assert_equals_hf_per_sequence, hf_float64_module
+from .test_compile_layer import quiet_megatron  # noqa: F401 (a fixture)
 
 transformers = pytest.importorskip("transformers")
 MODULES = {
@@ -272,6 +273,20 @@ def test_mtp_layer_matches_the_per_sequence_reference(data_format):
     got = ms.grads(model)
     for name, grad in want_grads.items():
         torch.testing.assert_close(got[name], grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.usefixtures("quiet_megatron")
+def test_gated_deltanet_layer_compiles_fullgraph():
+    """A Gated DeltaNet decoder layer under ``torch.compile(fullgraph=True, dynamic=True)`` (THD, max_seqlen
+    given: no host sync), forward and input gradients equal to eager (tests/test_compile_layer.py's check)."""
+    from .test_compile_layer import SMALL, compiled_matches_eager
+
+    args = dataclasses.replace(args_from_hf_config(hf_model("qwen3_5").config), fused=False)
+    assert args.hidden_size == SMALL.hidden_size
+    torch.manual_seed(0)
+    layer = build_model(args).decoder.layers[0]
+    assert type(layer.self_attention).__name__ == "PackedGatedDeltaNet"
+    compiled_matches_eager(layer)
 
 
 def test_context_parallelism_is_refused():
