@@ -94,9 +94,11 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float().cpu() - want.float()).abs().max() / want.float().abs().max())
 
 
-# fp32: fla's Triton dots may round through TF32; bf16: the logits' own rounding after 4 bf16 layers
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 5e-3), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", sorted(MODELS))
+# fp32: fla's Triton dots may round through TF32; bf16: the logits' own rounding after 4 bf16 layers (dense only: in
+# bf16 a router may pick another expert for a token whose scores tie within rounding)
+@pytest.mark.parametrize("name, dtype, tolerance", [("dense", torch.float32, 5e-3), ("moe", torch.float32, 5e-3),
+                                                    ("dense", torch.bfloat16, 5e-2)], ids=["dense-fp32", "moe-fp32",
+                                                                                           "dense-bf16"])
 def test_cuda_equals_the_cpu_torch_path(name, dtype, tolerance):
     seqs = random_sequences([5, 130, 300, 64], MODELS[name].vocab_size, 4)
     forward = pf.make_forward("thd", seq_align=16)
