@@ -13,7 +13,7 @@ Variants (``--variants``; one that cannot run is recorded as skipped with its re
 the run goes on):
 
 * ``packfwd``: ``plan_micro_batches(lengths, max_tokens=--max-tokens, cost=("flops", 12 h, 1))`` then
-  ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ...)`` with default arguments: CUDA graphs
+  ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ..., graphs=True)``: CUDA graphs
   of each bucket (``forward.step_graphs``), the automatic attention backend, scored tokens only.
 * ``packfwd_eager``: the same with ``graphs=False``.
 * ``verl``: verl 0.9.1's own code: ``rearrange_micro_batches`` (its dynamic batching: micro-batches of at most

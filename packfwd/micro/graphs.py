@@ -1,6 +1,6 @@
 """``run_micro_batches``' fast path: each micro-batch padded to its bucket (:mod:`packfwd.micro.buckets`) and its
 forward and backward replayed from CUDA graphs captured once per bucket; the cache is a :class:`StepGraphs` the
-caller holds (by default the forward's ``forward.step_graphs``).
+caller holds (with ``graphs=True``, the forward's ``forward.step_graphs``).  Opt-in: not yet run on a GPU.
 
 **What is captured.**  The model's forward on the bucket's static inputs (the padded rows of ``input_ids``, the
 positions, the processor's arguments, and a bucket plan, ``packfwd.layout.bucket``), and as a second graph its
@@ -50,8 +50,8 @@ WIDTH_STEP = 256  # a bucket's canvas: the batch's width rounded up to this, so 
 class StepGraphs:
     """The CUDA graphs of ``run_micro_batches``' micro-batch steps, one pair (forward, backward) per bucket.
 
-    ``run_micro_batches(..., graphs=True)`` (the default) keeps one on the forward (``forward.step_graphs``); pass
-    your own to hold it elsewhere, ``graphs=False`` for today's eager path.  ``capture=False``: the padded bucket
+    ``run_micro_batches(..., graphs=True)`` keeps one on the forward (``forward.step_graphs``); pass your own to
+    hold it elsewhere; ``graphs=False`` (the default until the graphed step has run on a GPU) is the eager path.  ``capture=False``: the padded bucket
     step runs eagerly (what the graphs replay, for comparing and debugging).  ``max_graphs``: buckets kept; past it
     every graph is dropped and captured again as needed.  All graphs share one memory pool.
 

@@ -74,7 +74,7 @@ def run_micro_batches(
     loss_tokens: Sequence[int] | None = None,
     normalize: str = "token_mean",
     multi_modal_inputs: Sequence[Mapping[str, Tensor] | None] | None = None,
-    graphs: bool | StepGraphs = True,
+    graphs: bool | StepGraphs = False,
     **processor_args,
 ) -> StepResult | None:
     """Run rank ``dp_rank``'s micro-batches of ``plan`` (see the module docstring).
@@ -102,10 +102,11 @@ def run_micro_batches(
     Every rank of ``pp_group`` passes the same batch and plan; the result comes back on the rank that holds the
     last stage, None on the others.
 
-    ``graphs`` (CUDA): each micro-batch is padded to its bucket (``plan.buckets(dp_rank)``) and its forward and
-    backward replayed from CUDA graphs captured once per bucket and kept in ``forward.step_graphs`` (a
-    :class:`~packfwd.micro.graphs.StepGraphs`; pass your own to hold it elsewhere, ``graphs=False`` for the plain
-    eager step).  Where graphs cannot work (the CPU; see :mod:`packfwd.micro.graphs`) the eager step runs, unchanged.
+    ``graphs=True`` (CUDA; off by default until the graphed step has run on a GPU, docs/micro-batches.md): each
+    micro-batch is padded to its bucket (``plan.buckets(dp_rank)``) and its forward and backward replayed from CUDA
+    graphs captured once per bucket and kept in ``forward.step_graphs`` (a :class:`~packfwd.micro.graphs.StepGraphs`;
+    pass your own to hold it elsewhere).  Where graphs cannot work (the CPU; see :mod:`packfwd.micro.graphs`) the
+    eager step runs, unchanged.
     """
     if schedule not in ("packfwd", "megatron"):
         raise ValueError(f"schedule={schedule!r}; pass 'packfwd' or 'megatron'")

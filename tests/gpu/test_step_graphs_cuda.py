@@ -1,9 +1,9 @@
-"""``run_micro_batches``' default path on CUDA: micro-batches padded to their buckets and replayed from CUDA graphs
+"""``run_micro_batches(..., graphs=True)`` on CUDA: micro-batches padded to their buckets and replayed from CUDA graphs
 (``packfwd.micro.graphs``).  Oracle: the same padded steps run eagerly (``StepGraphs(capture=False)``), which the
 graphs must equal bit for bit (same kernels, torch's deterministic mode so the flash backward is too): the loss,
 every output row and every parameter gradient, over two steps (the first warms up and captures each bucket, the
 second only replays), forward + backward and forward-only.  Against the plain eager step (``graphs=False``, other
-GEMM row counts) within bf16 rounding.  Also: the default keeps its graphs on the forward and reports their memory;
+GEMM row counts) within bf16 rounding.  Also: it keeps its graphs on the forward and reports their memory;
 parameters updated in place (an optimizer) or replaced are seen by the replays; a processor that synchronises with
 the host cannot be captured: one warning, and the bucket's eager step gives the same bits.
 
@@ -112,7 +112,7 @@ def test_graphs_equal_the_padded_eager_step_bit_for_bit(grad, deterministic):
         assert torch.isclose(plain[0].loss, second[0].loss, rtol=2e-2, atol=1e-3), (plain[0].loss, second[0].loss)
 
 
-def test_default_keeps_graphs_on_the_forward_and_sees_parameter_updates(deterministic):
+def test_graphs_are_kept_on_the_forward_and_see_parameter_updates(deterministic):
     from packfwd.micro import StepGraphs
 
     model, forward, data, plan = setup()
