@@ -45,6 +45,7 @@ BENCHMARKS = {
     "invariance": ("bench_invariance.py", _file_args("invariance")),
     "moe": ("bench_moe.py", _file_args("moe")),
     "deltanet": ("bench_deltanet.py", _file_args("deltanet")),
+    "hybrid": ("bench_hybrid.py", _file_args("hybrid")),
 }
 
 

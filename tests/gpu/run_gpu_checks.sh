@@ -32,4 +32,5 @@ want bench_moe && step bench_moe python3 benchmarks/bench_moe.py --out "$OUT/moe
 want bench_invariance && step bench_invariance python3 benchmarks/bench_invariance.py --out "$OUT/invariance.json" ${BENCH_INV_ARGS:-}
 want bench_transforms && step bench_transforms python3 benchmarks/bench_transforms.py --out "$OUT/transforms.json" ${BENCH_TR_ARGS:-}
 want bench_deltanet && step bench_deltanet python3 benchmarks/bench_deltanet.py --out "$OUT/deltanet.json" ${BENCH_DN_ARGS:-}
+want bench_hybrid && step bench_hybrid python3 benchmarks/bench_hybrid.py --out "$OUT/hybrid.json" ${BENCH_HYBRID_ARGS:-}
 exit $status
