@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "out" / "hybrid.json", help="JSON file to write")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    ap.add_argument("--batch", type=int, default=None, help="rows (default 8; smoke 2)")
+    ap.add_argument("--batch", type=int, default=None, help="rows (default 6; smoke 2)")
     ap.add_argument("--seq", type=int, default=None, help="padded width (default 4096; smoke 96)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt columns, left-padded (default 1024; smoke 16)")
     ap.add_argument("--fill", type=float, default=0.54, help="real tokens / (batch * seq)")
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not cfg.smoke
     cfg.device = torch.device("cuda" if cuda else "cpu")
     cfg.dtype = torch.bfloat16 if cuda else torch.float32
-    cfg.batch = cfg.batch or (2 if cfg.smoke else 8)
+    cfg.batch = cfg.batch or (2 if cfg.smoke else 6)
     cfg.seq = cfg.seq or (96 if cfg.smoke else 4096)
     cfg.prompt = cfg.prompt if cfg.prompt is not None else (16 if cfg.smoke else 1024)
     cfg.runs = cfg.runs or (1 if cfg.smoke else 5)
