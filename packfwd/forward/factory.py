@@ -164,7 +164,9 @@ def make_forward(
     each real token's experts at each of the model's ``L`` MoE layers in layer order, ``-1`` at padding.  Any
     forward takes ``routed_experts=`` of that shape (any integer dtype): router replay, each real token of MoE layer
     ``l`` goes to those experts with the weights the current router gives them (values at padding ignored); with
-    ``record_routing`` it records what it replayed.  See :class:`packfwd.forward.moe.RoutingReplay`.
+    ``replay_mask`` (bool ``[b, s]`` like the attention mask) only the tokens where it is True are replayed, the
+    others routed by the current router as without replay (their rows of ``routed_experts`` ignored).  With
+    ``record_routing`` it records the experts used.  See :class:`packfwd.forward.moe.RoutingReplay`.
 
     **Scored tokens only** (``scored_only=True``, the default): with a logits processor, a token whose label is
     ignored (``labels < 0``, e.g. -100), or outside ``loss_mask`` (a ``[b, s]`` forward argument) or the
@@ -238,8 +240,8 @@ def make_forward(
     bare = logits_processor is None and not (moe_aux_loss or mtp or record_routing)  # the logits alone, not a dict
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
-                seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, routed_experts=None, loss_mask=None,
-                scored_tokens=None, **processor_args):
+                seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, routed_experts=None, replay_mask=None,
+                loss_mask=None, scored_tokens=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
         check_scoring(loss_mask, scored_tokens, logits_processor, scored_only, processor_args)
         if plan is not None and vision:
@@ -254,7 +256,7 @@ def make_forward(
         batch = Batch(input_ids, attention_mask, position_ids, seqlens=seqlens, plan=plan, inputs=processor_args,
                       model_inputs=dict(multi_modal_inputs or {}),
                       options=dict(moe_routing=moe_routing, mtp_loss_mask=mtp_loss_mask, routed_experts=routed_experts,
-                                   loss_mask=loss_mask, scored_tokens=scored_tokens))
+                                   replay_mask=replay_mask, loss_mask=loss_mask, scored_tokens=scored_tokens))
         result = engine(model, batch)
         if result.outputs is None:  # a stage before the last: hidden states (and routing sums) for the next one
             return result.hand_on

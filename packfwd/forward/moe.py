@@ -74,14 +74,20 @@ class RoutingReplay(Extension):
     replay (:mod:`packfwd.models.mlp.replay`).  ``routed_experts [b, s, L, k]`` (``L``: this model's (stage's) MoE
     layers in layer order, ``k`` its top-k; jagged like jagged ids) travels with its tokens through the plan like
     every per-token input; a real token of MoE layer ``l`` goes to the experts ``[b, t, l, :]``, whatever is at
-    padding is ignored.  ``record``: the outputs get ``"routed_experts"`` of that shape, int64, ``-1`` at padding
-    (the replayed experts when replaying)."""
+    padding is ignored.  ``replay_mask [b, s]`` (bool like the attention mask, jagged like jagged ids; optional,
+    with ``routed_experts``): replay only where it is True; a token where it is False is routed by the current
+    router's own top-k, as without replay, and its row of ``routed_experts`` is ignored (a placeholder is fine).
+    ``record``: the outputs get ``"routed_experts"`` of that shape, int64, ``-1`` at padding (the experts used:
+    replayed or the router's own, token by token)."""
 
     def __init__(self, record: bool):
         self.record = record
 
     def check(self, model, facts, batch) -> None:
-        given = batch.options.get("routed_experts")
+        given, mask = batch.options.get("routed_experts"), batch.options.get("replay_mask")
+        if mask is not None and given is None:
+            raise TypeError("replay_mask= (which tokens to replay) needs routed_experts= (the experts to replay "
+                            "there); pass both, or drop replay_mask")
         if given is None and not self.record:
             return
         found = _routers(model)
@@ -90,11 +96,15 @@ class RoutingReplay(Extension):
             raise ValueError(f"{what} on a model (or pipeline stage) without MoE layers: there is no routing to "
                              "replay or record; drop it for this model or stage")
         if given is not None:
-            _check_routed(given, batch, len(found), unwrap(model).config)
+            if mask is not None:
+                _check_replay_mask(mask, batch)
+            _check_routed(given, batch, len(found), unwrap(model).config, mask)
 
     def inputs(self, step) -> dict:
-        given = step.batch.options.get("routed_experts")
-        return {} if given is None else {"routed_experts": given}
+        given, mask = step.batch.options.get("routed_experts"), step.batch.options.get("replay_mask")
+        if given is None:
+            return {}
+        return {"routed_experts": given} if mask is None else {"routed_experts": given, "replay_mask": mask}
 
     def context(self, step):
         from ..models.mlp.replay import routing_hooks
@@ -103,14 +113,16 @@ class RoutingReplay(Extension):
         if given is None and not self.record:
             return None
         found = _routers(step.model)
-        targets = [None] * len(found)
+        targets, replay = [None] * len(found), None
         if given is not None:
-            rows = _router_rows(self._sanitised(given, step), step)  # [n_local, L, k]
+            given, replay = self._sanitised(given, step.packed.get("replay_mask"), step)
+            rows = _router_rows(given, step)  # [n_local, L, k]
             targets = [rows[:, i] for i in range(len(found))]
+            replay = None if replay is None else _router_rows(replay, step)  # [n_local]
 
         @contextlib.contextmanager
         def hooked():
-            with routing_hooks(found, targets, self.record) as hooks:
+            with routing_hooks(found, targets, self.record, replay) as hooks:
                 step.state[self] = hooks
                 yield
 
@@ -136,13 +148,17 @@ class RoutingReplay(Extension):
         return out
 
     @staticmethod
-    def _sanitised(packed: Tensor, step) -> Tensor:
-        """The packed experts with ``0..k-1`` at the layout's padding slots (any valid experts: the router empties
-        those rows), so that garbage never reaches a gather."""
-        pads = step.layout.padding_mask(step.plan).reshape(-1)  # [t'] in token order
+    def _sanitised(packed: Tensor, mask: Tensor | None, step) -> tuple[Tensor, Tensor | None]:
+        """``(experts [t', L, k], replay [t'] or None)``: the packed experts with ``0..k-1`` at the layout's padding
+        slots (any valid experts: the router empties those rows) and, with a packed ``replay_mask``, at the real
+        tokens it leaves to the router, so that garbage never reaches a gather; ``replay``: where the hooks
+        replay (the mask's real tokens and the padding slots, as without a mask)."""
+        pads = step.layout.padding_mask(step.plan).reshape(-1).to(packed.device)  # [t'] in token order
+        used = None if mask is None else mask.to(device=packed.device, dtype=torch.bool) & ~pads
         k = packed.shape[-1]
         spare = torch.arange(k, device=packed.device).expand_as(packed)
-        return torch.where(pads.to(packed.device)[:, None, None], spare, packed.long())
+        experts = torch.where((pads if used is None else ~used)[:, None, None], spare, packed.long())
+        return experts, None if used is None else used | pads
 
 
 def _routers(model) -> list:
@@ -184,9 +200,29 @@ def _token_rows(rows: Tensor, step) -> Tensor:
     return seq_major(rows, _batch_rows(step), inverse=True)
 
 
-def _check_routed(given, batch, layers: int, config) -> None:
-    """``routed_experts``: integer ``[b, s, L, k]`` (jagged ``[b, j, L, k]``) with, at every real token, ``k``
-    distinct experts in ``[0, E)``; eagerly on the CPU, with ``torch._assert_async`` on CUDA."""
+def _check_replay_mask(mask, batch) -> None:
+    """``replay_mask``: bool ``[b, s]`` like ``input_ids`` (jagged ``[b, j]`` like jagged ids, as many tokens)."""
+    ids = batch.input_ids
+    fix = "pass a bool tensor shaped like input_ids (jagged like jagged ids), True where routed_experts is replayed"
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"replay_mask must be a bool tensor, got {got}; {fix}")
+    if ids is None or not ids.is_nested:
+        want = tuple(ids.shape[:2]) if ids is not None else tuple(batch.plan.source.mask.shape)
+        if mask.is_nested or tuple(mask.shape) != want:
+            shape = "jagged" if mask.is_nested else tuple(mask.shape)
+            raise ValueError(f"replay_mask has shape {shape}; {fix}: {list(want)}")
+    elif not mask.is_nested or mask.dim() != 2 or mask.shape[0] != ids.shape[0] \
+            or mask.values().shape[0] != ids.values().shape[0]:
+        shape = f"jagged with {mask.values().shape[0]} tokens" if mask.is_nested else tuple(mask.shape)
+        raise ValueError(f"replay_mask has shape {shape}; {fix}: jagged [b={ids.shape[0]}, j] with "
+                         f"{ids.values().shape[0]} tokens")
+
+
+def _check_routed(given, batch, layers: int, config, replay_mask=None) -> None:
+    """``routed_experts``: integer ``[b, s, L, k]`` (jagged ``[b, j, L, k]``) with, at every real token (that
+    ``replay_mask`` replays, when given), ``k`` distinct experts in ``[0, E)``; eagerly on the CPU, with
+    ``torch._assert_async`` on CUDA."""
     k, experts = config.moe_router_topk, config.num_moe_experts
     if not isinstance(given, Tensor) or given.dtype.is_floating_point or given.dtype == torch.bool:
         got = given.dtype if isinstance(given, Tensor) else type(given).__name__
@@ -198,12 +234,17 @@ def _check_routed(given, batch, layers: int, config) -> None:
         raise ValueError(f"routed_experts has shape {shape}; pass [b, s, L, k] = "
                          f"{list(want) if want else ['b', 'j', layers, k]}: this model's {layers} MoE layers in layer "
                          f"order, its top-{k} experts per token (jagged like input_ids for jagged ids)")
-    if given.is_nested:
-        values, real = given.values(), None  # every value is a real token's
-    else:  # no boolean indexing (a host sync): padding passes every check
+    if given.is_nested:  # every value is a real token's
+        values = given.values()
+        real = None if replay_mask is None else replay_mask.values().to(given.device)[..., None, None]
+    else:  # no boolean indexing (a host sync): padding (and tokens not replayed) passes every check
         mask = batch.attention_mask if batch.plan is None else batch.plan.source.mask
         values = given
-        real = None if mask is None else mask.to(device=given.device, dtype=torch.bool)[..., None, None]
+        real = None if mask is None else mask.to(device=given.device, dtype=torch.bool)
+        if replay_mask is not None:
+            replay = replay_mask.to(given.device)
+            real = replay if real is None else real & replay
+        real = None if real is None else real[..., None, None]
     if values.numel() == 0:
         return
     ordered = values.sort(-1).values
@@ -212,7 +253,7 @@ def _check_routed(given, batch, layers: int, config) -> None:
     if real is not None:
         in_range, distinct = in_range | ~real, distinct | ~real
     in_range, distinct = in_range.all(), distinct.all()
-    fix = f"pass, at every real token and MoE layer, {k} distinct expert ids in [0, {experts})"
+    fix = f"pass, at every real token that is replayed and MoE layer, {k} distinct expert ids in [0, {experts})"
     if values.device.type != "cpu":
         torch._assert_async(in_range & distinct, f"routed_experts: an expert id out of range or repeated; {fix}")
         return

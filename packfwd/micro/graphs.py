@@ -114,7 +114,7 @@ def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, mul
         return f"the forward's layout ({spec.data_format}, tp_size={spec.tp_size}, cp_size={spec.cp_size}): graphs " \
                "take THD without tensor or context parallelism"
     if any(isinstance(e, Mtp) or (isinstance(e, RoutingReplay) and e.record) or type(e).__name__ == "MoeAuxLoss"
-           for e in engine.extensions) or "routed_experts" in (processor_args or {}):
+           for e in engine.extensions) or {"routed_experts", "replay_mask"} & set(processor_args or {}):
         return "the forward records or replays routing, or has MTP or the MoE aux loss"
     if not isinstance(model, torch.nn.Module):
         return "the model is not one torch.nn.Module"

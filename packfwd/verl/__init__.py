@@ -14,6 +14,10 @@ batch, one host sync to plan).  Where the results differ from verl's (labels at 
 timing and positions given to a vision model, a few arguments verl crashes on): docs/verl.md, "Where
 ``packfwd.verl`` differs from verl".
 
+``r3_replay_inputs(routed_experts, input_ids, response_mask)`` (:mod:`packfwd.verl.replay`): verl's R3 router
+replay inputs (the rollout's routes aligned to the ids, the per-token ``replay_mask``) for
+``gptmodel_forward_model_engine(..., routed_experts=, replay_mask=)``.
+
 ``packfwd_bridge(hf_config, dtype)`` (:mod:`packfwd.verl.bridge`): verl's HF <-> Megatron-Core bridge mbridge,
 loading and exporting the weights of a model packfwd builds.
 
@@ -23,5 +27,6 @@ Importing this package imports neither verl, mbridge nor Megatron-Core.
 from .bridge import packfwd_bridge as packfwd_bridge
 from .nested import gptmodel_forward_model_engine as gptmodel_forward_model_engine
 from .padded import model_forward_gen as model_forward_gen
+from .replay import r3_replay_inputs as r3_replay_inputs
 
-__all__ = ["gptmodel_forward_model_engine", "model_forward_gen", "packfwd_bridge"]
+__all__ = ["gptmodel_forward_model_engine", "model_forward_gen", "packfwd_bridge", "r3_replay_inputs"]

@@ -65,6 +65,7 @@ def gptmodel_forward_model_engine(
     *,
     scored_only: bool = True,
     routed_experts: Tensor | None = None,
+    replay_mask: Tensor | None = None,
 ):
     """verl's nested-tensor forward (see the module docstring).
 
@@ -83,8 +84,11 @@ def gptmodel_forward_model_engine(
     ``routed_experts`` (packfwd's; verl's engine hands its ``model_inputs["routed_experts"]`` to its patched
     routers instead): router replay, the routes verl records (R2) or takes from the rollout (R3, aligned to the
     ids), jagged like ``input_ids`` ``[b, j, L, k]`` in any integer dtype: each token of MoE layer ``l`` goes to
-    those experts (``make_forward``'s ``routed_experts=``, :class:`packfwd.forward.moe.RoutingReplay`).  verl's
-    R3 ``replay_mask`` (each sequence's last token routed natively) has no counterpart: every token is replayed.
+    those experts (``make_forward``'s ``routed_experts=``, :class:`packfwd.forward.moe.RoutingReplay`).
+    ``replay_mask`` (verl's name for what its R3 mode hands its routers; jagged ``[b, j]`` bool like
+    ``input_ids``): replay only where True, the other tokens routed natively by the current router, their rows of
+    ``routed_experts`` ignored (verl's zero placeholder row is fine).  verl's R3 inputs, its routes aligned and its
+    mask: :func:`packfwd.verl.r3_replay_inputs`; R2 passes no mask (every token replayed).
 
     >>> import torch
     >>> from packfwd.models.runtime import ensure_model_parallel
@@ -139,7 +143,10 @@ def gptmodel_forward_model_engine(
         if not (isinstance(routed_experts, Tensor) and routed_experts.is_nested):
             raise TypeError("routed_experts must be jagged like input_ids ([b, j, L, k], torch.nested with "
                             "layout=torch.jagged), as verl records them")
-        options = {**options, "routed_experts": routed_experts}
+        options = {**options, "routed_experts": routed_experts, "replay_mask": replay_mask}
+    elif replay_mask is not None:
+        raise TypeError("replay_mask= (which tokens to replay) needs routed_experts= (the experts to replay there); "
+                        "pass both, or drop replay_mask")
     replay = (RoutingReplay(False),) if routed_experts is not None else ()
     engine = Engine(layout, processor=logits_processor, extensions=replay + (VerlMtp(factor),) * mtp, rows=True,
                     call=call,
