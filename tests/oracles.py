@@ -133,7 +133,8 @@ def hf_float64_module(name: str):
     with the float32 upcasts of its linear-attention, norm and router code lifted to float64, so that a float64 model
     of it is float64 throughout: ``torch.float32`` -> ``torch.float64``, ``.float()`` -> ``.double()``, the router's
     ``softmax(..., dtype=torch.float, dim=-1)`` -> ``torch.float64``.  The RoPE angles keep float32
-    (``position_ids[..., None].float()``), as packfwd computes them.  One copy per module, registered in
+    (``position_ids[..., None].float()``, ``inv_freq.float()``: transformers 5.17's spelling too), as packfwd computes
+    them.  One copy per module, registered in
     ``sys.modules`` under ``._f64_modeling_...``."""
     import importlib
     import importlib.util
@@ -144,10 +145,16 @@ def hf_float64_module(name: str):
     if lifted in sys.modules:
         return sys.modules[lifted]
     source = open(original.__file__).read()
-    keep = "position_ids[..., None].float()"
+    # the RoPE angles' float32 casts, as transformers 5.17 to 5.25 write them (packfwd computes them in float32)
+    keep = ("position_ids[..., None].float()", "position_ids_expanded.float()", "inv_freq.float()",
+            "inv_freq_expanded.float()", "[:, :, None, :].float()")
     assert source.count(".to(torch.float32") >= 4 and source.count("A_log.float()") == 1, "transformers changed"
-    source = (source.replace(keep, "@KEEP@").replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-              .replace("dtype=torch.float, dim=-1", "dtype=torch.float64, dim=-1").replace("@KEEP@", keep))
+    for i, text in enumerate(keep):
+        source = source.replace(text, f"@KEEP{i}@")
+    source = (source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+              .replace("dtype=torch.float, dim=-1", "dtype=torch.float64, dim=-1"))
+    for i, text in enumerate(keep):
+        source = source.replace(f"@KEEP{i}@", text)
     spec = importlib.util.spec_from_loader(lifted, loader=None, origin=original.__file__)
     module = importlib.util.module_from_spec(spec)
     module.__package__, module.__file__ = original.__package__, original.__file__
