@@ -50,9 +50,11 @@ def hf_topk(hf, ids, mask):
 
 
 @contextlib.contextmanager
-def forced_routers(hf, routed_row):
+def forced_routers(hf, routed_row, replay_row=None, used=None):
     """transformers' MoE routers forced to ``routed_row [n, L, k]`` (one sequence's real tokens): the family's
-    weights for them (softmax over all experts gathered, renormalised over the k when the family does)."""
+    weights for them (softmax over all experts gathered, renormalised over the k when the family does).  With
+    ``replay_row [n]`` only where it is True, elsewhere transformers' own top-k of this run's router logits;
+    ``used``: a list that gets each layer's ``(router logits, experts chosen)``."""
     blocks = hf_moe_blocks(hf)
     normalise = getattr(hf.config, "norm_topk_prob", True)  # Mixtral always renormalises
     saved = [b.gate.forward for b in blocks]
@@ -60,7 +62,12 @@ def forced_routers(hf, routed_row):
         def forced(hidden, gate=b.gate, idx=routed_row[:, layer]):
             hidden = hidden.reshape(-1, gate.weight.shape[1])
             logits = torch.nn.functional.linear(hidden, gate.weight)
-            probs = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+            probs = torch.softmax(logits.float(), dim=-1)
+            if replay_row is not None:
+                idx = torch.where(replay_row[:, None], idx, probs.topk(idx.shape[1], dim=-1).indices)
+            if used is not None:
+                used.append((logits, idx))
+            probs = probs.gather(1, idx)
             if normalise:
                 probs = probs / probs.sum(-1, keepdim=True)
             return logits, probs.to(logits.dtype), idx

@@ -13,8 +13,6 @@ rows included) equals ``make_forward``'s replay with the same mask.  Bad masks a
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ from packfwd.forward import make_forward
 from packfwd.models import from_hf
 
 from .test_moe import hf_model, ragged_batch
-from .test_replay import as_sets, hf_moe_blocks, updated
+from .test_replay import as_sets, forced_routers, updated
 
 LAYOUTS = [("thd", {}), ("bshd", {})]
 
@@ -51,29 +49,6 @@ def with_garbage(recorded, mask, replay):
     return garbage.masked_fill(~mask[..., None, None], -7)
 
 
-@contextlib.contextmanager
-def forced_per_token(hf, routed_row, replay_row, used):
-    """transformers' routers: the given experts ``routed_row [n, L, k]`` where ``replay_row [n]``, else its own
-    top-k of this run's router logits; the family's weights for them; each layer's choice appended to ``used``."""
-    blocks = hf_moe_blocks(hf)
-    saved = [b.gate.forward for b in blocks]
-    for layer, b in enumerate(blocks):
-        def forced(hidden, gate=b.gate, idx=routed_row[:, layer]):
-            hidden = hidden.reshape(-1, gate.weight.shape[1])
-            logits = torch.nn.functional.linear(hidden, gate.weight)
-            probs = torch.softmax(logits.float(), dim=-1)
-            chosen = torch.where(replay_row[:, None], idx, probs.topk(idx.shape[1], dim=-1).indices)
-            weights = probs.gather(1, chosen)
-            used.append((logits, chosen))
-            return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), chosen  # Mixtral renormalises
-        b.gate.forward = forced
-    try:
-        yield
-    finally:
-        for b, f in zip(blocks, saved):
-            b.gate.forward = f
-
-
 def hf_mixed(hf, ids, mask, routed, replay):
     """transformers per sequence, routers forced per token: ``(logits [b, s, v], used [b, s, L, k] (-1 at
     padding), router logits [L, t, E] of the real tokens)``."""
@@ -85,7 +60,7 @@ def hf_mixed(hf, ids, mask, routed, replay):
         if not mask[i].any():
             continue
         used = []
-        with torch.no_grad(), forced_per_token(hf, routed[i][mask[i]], replay[i][mask[i]], used):
+        with torch.no_grad(), forced_routers(hf, routed[i][mask[i]], replay[i][mask[i]], used):
             logits[i, mask[i]] = hf(ids[i][mask[i]][None]).logits[0].double()
         used_all[i, mask[i]] = torch.stack([c for _, c in used], 1)
         for layer, (x, _) in enumerate(used):
