@@ -14,7 +14,7 @@ the run goes on):
 
 * ``packfwd``: ``plan_micro_batches(lengths, max_tokens=--max-tokens, cost=("flops", 12 h, 1))`` then
   ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ..., graphs=True)``: CUDA graphs
-  of each bucket (``forward.step_graphs``), the automatic attention backend, scored tokens only.
+  of each bucket (``forward.step_graphs``), ``--attention`` (default ``prefer_cudnn``), scored tokens only.
 * ``packfwd_eager``: the same with ``graphs=False``.
 * ``verl``: verl 0.9.1's own code: ``rearrange_micro_batches`` (its dynamic batching: micro-batches of at most
   ``--max-tokens`` real tokens) and per micro-batch ``model_forward_gen()(..., data_format="thd")`` (its THD packing
@@ -222,12 +222,16 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", default=None, help="global batches as NxS (default 128x4096 256x2048)")
     ap.add_argument("--max-tokens", type=int, default=None, help="micro-batch budget (default 16384; smoke 96)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--attention", default="prefer_cudnn",
+                    help="attention_backend of the packfwd model every packfwd and verl row runs (default "
+                         "prefer_cudnn: cuDNN where it passes its check; none: the automatic choice)")
     ap.add_argument("--passes", nargs="+", choices=PASSES, default=None, help="default fwd+bwd (smoke: both)")
     ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 2; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps first, each a new batch (captures, compilation; default 2; smoke 1)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16, fewer on a small card)")
     cfg = ap.parse_args(argv)
+    cfg.attention = None if cfg.attention in ("none", "None") else cfg.attention
     cuda = torch.cuda.is_available() and not cfg.smoke
     cfg.device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -250,9 +254,9 @@ def main(argv=None) -> int:
     if layers != hf.config.num_hidden_layers:
         hf.model.layers = hf.model.layers[:layers]
         hf.config.num_hidden_layers = layers
-    model = from_hf(hf, device=cfg.device, params_dtype=dtype)
+    model = from_hf(hf, device=cfg.device, params_dtype=dtype, attention_backend=cfg.attention)
     args = args_from_hf_config(hf.config)
-    backend = choose_backend(cfg.device, dtype, args.kv_channels)
+    backend = choose_backend(cfg.device, dtype, args.kv_channels, backend=cfg.attention)
     ceiling = matmul_tflops(cfg.device, dtype, timer)
     print(f"device {environment()['device']}, {layers} layers, attention {backend}, matmul ceiling {ceiling} TFLOP/s",
           flush=True)

@@ -1,6 +1,7 @@
-"""The automatic attention backend on CUDA (``packfwd.models.mixers.varlen.choose_backend``), without a GPU: the
+"""The attention backend chosen on CUDA (``packfwd.models.mixers.varlen.choose_backend``), without a GPU: the
 CUDA kernels are stood in for (cuDNN's op by the reference with flash-attn's semantics) and the device check's
-verdict is set.  cuDNN is taken for fp16/bf16 with one head dim of at most 128 once its check passed, never when
+verdict is set.  The automatic choice (``backend=None``) is the flash kernel; with ``backend="prefer_cudnn"`` cuDNN
+is taken for fp16/bf16 with one head dim of at most 128 once its check passed, never when
 it failed, for other head dims, under split-K control (batch invariance) or for a layer with a window or sinks;
 the check itself runs (forward and gradients against the reference) and a wrong kernel fails it with a warning;
 a named backend is kept.  The real kernels: ``tests/gpu/check_attention_backends.py`` and the GPU tests."""
@@ -36,27 +37,32 @@ def test_cudnn_is_chosen_where_it_is_faster_once_checked(cuda_kernels):
     checks = []
     cuda_kernels.setattr(varlen, "cudnn_check", lambda device, dtype: checks.append((device, dtype)) or True)
     cuda = torch.device("cuda", 0)
-    assert choose_backend(cuda, torch.bfloat16, 128) == choose_backend(cuda, torch.bfloat16, 64) == "cudnn"
+    assert choose_backend(cuda, torch.bfloat16, 128) == "torch_varlen" and not checks  # automatic: the flash kernel
+
+    def prefer(*args, **kwargs):
+        return choose_backend(*args, backend="prefer_cudnn", **kwargs)
+
+    assert prefer(cuda, torch.bfloat16, 128) == prefer(cuda, torch.bfloat16, 64) == "cudnn"
     assert checks == [(cuda, torch.bfloat16)]  # once per device and dtype
-    assert choose_backend(cuda, torch.float16, 128) == "cudnn" and len(checks) == 2
-    assert choose_backend(cuda, torch.bfloat16, 192) == "torch_varlen"  # a head dim it was not measured on
-    assert choose_backend(cuda, torch.bfloat16, 192, 128) == "torch_varlen"  # MLA's two head dims
-    assert choose_backend(cuda, torch.float32, 128) == "reference"
+    assert prefer(cuda, torch.float16, 128) == "cudnn" and len(checks) == 2
+    assert prefer(cuda, torch.bfloat16, 192) == "torch_varlen"  # a head dim it was not measured on
+    assert prefer(cuda, torch.bfloat16, 192, 128) == "torch_varlen"  # MLA's two head dims
+    assert prefer(cuda, torch.float32, 128) == "reference"
     assert choose_backend(cuda, torch.bfloat16, 128, backend="torch_varlen") == "torch_varlen"  # named: kept
-    assert choose_backend(cuda, torch.bfloat16, 128, features=("window",)) != "cudnn"  # cuDNN has no window
+    assert prefer(cuda, torch.bfloat16, 128, features=("window",)) != "cudnn"  # cuDNN has no window
     matmul = torch.backends.cuda.matmul
     if hasattr(matmul, "allow_bf16_reduced_precision_reduction_split_k"):
         previous = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction_split_k)
         try:
             matmul.allow_bf16_reduced_precision_reduction = (False, False)  # what batch_invariant=True sets
-            assert choose_backend(cuda, torch.bfloat16, 128) == "torch_varlen"
+            assert prefer(cuda, torch.bfloat16, 128) == "torch_varlen"
         finally:
             matmul.allow_bf16_reduced_precision_reduction = previous
 
 
 def test_a_failed_check_keeps_the_flash_kernel(cuda_kernels):
     cuda_kernels.setattr(varlen, "cudnn_check", lambda device, dtype: False)
-    assert choose_backend(torch.device("cuda", 0), torch.bfloat16, 128) == "torch_varlen"
+    assert choose_backend(torch.device("cuda", 0), torch.bfloat16, 128, backend="prefer_cudnn") == "torch_varlen"
 
 
 def test_the_check_compares_forward_and_gradients_with_the_reference(cuda_kernels):

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .varlen import BACKENDS, available_backends, choose_backend, varlen_attention
+from .varlen import BACKENDS, PREFER_CUDNN, available_backends, choose_backend, varlen_attention
 
 __all__ = ["CoreAttention", "attention_backends"]
 
@@ -71,8 +71,8 @@ class CoreAttention(torch.nn.Module):
         if dropout:
             raise ValueError(f"attention_dropout={dropout}: packfwd's core attention has no dropout; set it to 0.0")
         self.window = _layer_window(config, layer_number)
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None")
+        if backend is not None and backend not in BACKENDS + (PREFER_CUDNN,):
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS + (PREFER_CUDNN,)}; pass one of them or None")
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.backend = backend
@@ -154,8 +154,8 @@ class CoreAttention(torch.nn.Module):
 def attention_backends(model: torch.nn.Module) -> dict[str, int]:
     """What the attention layers of ``model`` run on its parameters' device and dtype: ``{backend: layers}``, each
     :class:`CoreAttention`'s named backend, or ``backend=None`` resolved as
-    :func:`~packfwd.models.mixers.varlen.choose_backend` resolves it (cuDNN on CUDA once checked, a backend that
-    honours a layer's window or sinks).  ``forward.attention_backend(model)`` says it in words.
+    :func:`~packfwd.models.mixers.varlen.choose_backend` resolves it (with ``backend='prefer_cudnn'``: cuDNN on CUDA
+    once checked; a backend that honours a layer's window or sinks).  ``forward.attention_backend(model)`` says it in words.
 
     >>> import torch
     >>> from packfwd.models import ModelArgs, build_model

@@ -11,10 +11,10 @@ Backends (``backend=`` a name, or None for the best available one for the inputs
 * ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16), when flash-attn is installed.
 * ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16), PyTorch's own flash kernel.
 * ``"cudnn"``: cuDNN's fused attention over ragged offsets (CUDA, fp16/bf16), through the ``nvidia-cudnn-frontend``
-  package's torch op (``cudnn.sdpa_torch``) and the cuDNN torch ships; the optional extra ``packfwd[cudnn]``.  The
-  automatic choice takes it where it is faster (:func:`choose_backend`: fp16/bf16, one head dim of at most 128)
-  once it has passed a check on the device (a small attention, forward and backward, against the reference), not
-  under split-K control (batch invariance: cuDNN plans per batch shape).  One cuDNN graph per distinct ``(n, max_seqlen)`` (forward) and
+  package's torch op (``cudnn.sdpa_torch``) and the cuDNN torch ships; the optional extra ``packfwd[cudnn]``.
+  Named, or taken by ``backend="prefer_cudnn"`` where it is faster (:func:`choose_backend`: fp16/bf16, one head dim
+  of at most 128) once it has passed a check on the device (a small attention, forward and backward, against the
+  reference), not under split-K control (batch invariance: cuDNN plans per batch shape).  One cuDNN graph per distinct ``(n, max_seqlen)`` (forward) and
   per token total (backward) is built on first use and cached (``max_seqlen`` is rounded up to a multiple of 64
   here so that batches of similar lengths share one); takes ``d_v != d`` without padding.
 
@@ -38,8 +38,8 @@ than 1).  ``flex`` and the reference compute them (``BACKEND_FEATURES``): with e
 is ``flex`` on CUDA where this torch has it, else the reference (on CUDA with a one-time warning: it pads to
 ``max_seqlen``), and a named backend that cannot honour them raises.
 
-Automatic choice (``backend=None``, :func:`choose_backend`): for fp16/bf16 inputs on CUDA cuDNN's where it is
-faster and has passed its check on the device, else the first flash backend present; else the reference.  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
+Automatic choice (``backend=None``, :func:`choose_backend`): for fp16/bf16 inputs on CUDA the first flash backend
+present; else the reference (``"prefer_cudnn"``: cuDNN first, where checked).  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
 reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2`` per head, against
 ``sum(len_i**2)`` for a varlen kernel); a warning says so once per dtype (run the model in bfloat16 to get
 ``torch_varlen`` or ``flash_attn``).
@@ -62,10 +62,14 @@ from torch import Tensor
 
 from packfwd.layout.rules import round_up
 
-__all__ = ["BACKENDS", "BACKEND_FEATURES", "available_backends", "choose_backend", "cudnn_check", "varlen_attention",
+__all__ = ["BACKENDS", "BACKEND_FEATURES", "PREFER_CUDNN", "available_backends", "choose_backend", "cudnn_check", "varlen_attention",
            "varlen_attention_reference"]
 
 BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "flex", "reference")
+# cuDNN where it passes cudnn_check on the device, else the automatic choice (choose_backend).  Not the automatic
+# choice itself yet: cuDNN builds a graph per new shape, and a whole RL step of varied micro-batches has not been
+# measured with it (benchmarks/bench_rl_step.py); the fixed-shape 1B step was (benchmarks/RESULTS.md).
+PREFER_CUDNN = "prefer_cudnn"
 # What each backend computes beyond plain (causal) attention: a sliding window, per-head sinks (module docstring).
 BACKEND_FEATURES = {"flash_attn": (), "torch_varlen": (), "cudnn": (), "flex": ("window", "sinks"),
                     "reference": ("window", "sinks")}
@@ -140,12 +144,14 @@ def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype, feat
     ``features``: what the call needs beyond plain attention (``"window"``, ``"sinks"``: ``BACKEND_FEATURES``);
     ``head_dims``: ``(d, d_v)`` (None: cuDNN is not considered)."""
     if features:
-        return _resolve_features(backend, device, dtype, features)
+        return _resolve_features(None if backend == PREFER_CUDNN else backend, device, dtype, features)
     usable = available_backends(device)
-    if backend is None:
-        automatic = [name for name in usable if name in _AUTOMATIC]
+    if backend == PREFER_CUDNN:
         if dtype in _HALF and head_dims is not None and _cudnn_is_automatic(device, dtype, *head_dims):
             return "cudnn"
+        backend = None
+    if backend is None:
+        automatic = [name for name in usable if name in _AUTOMATIC]
         if dtype in _HALF and automatic:
             return automatic[0]
         # a CUDA device with a flash kernel, which takes fp16/bf16 only (a compiled call cannot warn unbroken)
@@ -202,13 +208,14 @@ def choose_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int
     """The backend :func:`varlen_attention` runs for inputs of ``dtype`` on ``device`` with these head dims
     (``backend=None``: the automatic choice; ``features``: ``("window",)``, ``("sinks",)``, what the call needs).
 
-    On CUDA for fp16/bf16: cuDNN's ragged attention when ``nvidia-cudnn-frontend`` is importable, the head dims are
+    Automatic, on CUDA for fp16/bf16: the first flash kernel present; else the reference.  ``backend="prefer_cudnn"``
+    (:data:`PREFER_CUDNN`): cuDNN's ragged attention when ``nvidia-cudnn-frontend`` is importable, the head dims are
     one value of at most 128 (the 1B step's attention: 20-22 ms against the flash kernel's 35-39 ms,
-    benchmarks/RESULTS.md) and
-    it has passed :func:`cudnn_check` on the device (run once per device and dtype: it reads a value back, so a
-    first call under CUDA graph capture or ``torch.compile`` takes the flash kernel instead); else the first flash
-    kernel present; else the reference.  Not cuDNN under split-K control (``batch_invariant``: cuDNN plans per
-    batch shape).  A layer with a window or sinks gets a backend that honours them.
+    benchmarks/RESULTS.md) and it has passed :func:`cudnn_check` on the device (run once per device and dtype: it
+    reads a value back, so a first call under CUDA graph capture or ``torch.compile`` takes the flash kernel
+    instead), else the automatic choice; not cuDNN under split-K control (``batch_invariant``: cuDNN plans per batch
+    shape).  It is not the automatic choice until a whole RL step of varied micro-batches has measured it (cuDNN
+    builds a graph per new shape).  A layer with a window or sinks gets a backend that honours them.
 
     >>> choose_backend("cpu", torch.bfloat16, 128)
     'reference'
