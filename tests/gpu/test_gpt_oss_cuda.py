@@ -5,8 +5,8 @@ sliding windows and sinks, against the exact reference.
 The CPU tests check the model against transformers per sequence in float64 with the reference backend, and the flex
 backend's forward in eager mode.  Here, on CUDA: the compiled kernel's output and its gradients (q, k, v and the
 sinks) equal the reference's (float32 math) within bf16 rounding, on ragged sequences longer than the window, with
-grouped heads, for self-attention and for context parallelism's bottom-right chunks; the automatic choice takes it
-for a window or sinks; a bf16 GPT-OSS model built with it gives the reference backend's logits within bf16 rounding,
+grouped heads, for self-attention and for context parallelism's bottom-right chunks (named: the automatic choice stays
+the reference until this file has passed); a bf16 GPT-OSS model built with it gives the reference backend's logits within bf16 rounding,
 and its backward runs (the sinks' gradients as the reference's); its biased, clamped experts as grouped GEMMs
 (``grouped_glu_mlp``, the automatic path on sm90 bf16) give the loop over experts' logits and gradients.  CUDA
 only (skipped elsewhere).
@@ -44,7 +44,7 @@ def test_flex_equals_the_reference_with_window_and_sinks(chunks):
     from packfwd.models.mixers import varlen
 
     _flex_or_skip()
-    assert varlen._resolve(None, torch.device("cuda"), torch.bfloat16, ("window", "sinks")) == "flex"
+    assert varlen._resolve("flex", torch.device("cuda"), torch.bfloat16, ("window", "sinks")) == "flex"
     g = torch.Generator(device="cuda").manual_seed(0)
     lens_k = torch.tensor([300, 17, 1, 700, 128])
     lens_q = torch.tensor([100, 17, 1, 350, 64]) if chunks else lens_k
