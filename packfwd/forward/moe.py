@@ -208,7 +208,8 @@ def _check_replay_mask(mask, batch) -> None:
         got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
         raise TypeError(f"replay_mask must be a bool tensor, got {got}; {fix}")
     if ids is None or not ids.is_nested:
-        want = tuple(ids.shape[:2]) if ids is not None else tuple(batch.plan.source.mask.shape)
+        source = batch.attention_mask if batch.plan is None else batch.plan.source.mask
+        want = tuple((ids if ids is not None else source).shape[:2])
         if mask.is_nested or tuple(mask.shape) != want:
             shape = "jagged" if mask.is_nested else tuple(mask.shape)
             raise ValueError(f"replay_mask has shape {shape}; {fix}: {list(want)}")

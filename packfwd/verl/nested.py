@@ -139,15 +139,13 @@ def gptmodel_forward_model_engine(
     if scored_only and logits_processor is not None and args.get("loss_mask") is not None:
         scored = engine_loss_mask(input_ids, args["loss_mask"], args.get("response_attention_mask"))
         options = {**options, "loss_mask": shift_in_sequence(scored, None, 1, 0)}  # verl rolls it onto the log-probs
-    if routed_experts is not None:
-        if not (isinstance(routed_experts, Tensor) and routed_experts.is_nested):
-            raise TypeError("routed_experts must be jagged like input_ids ([b, j, L, k], torch.nested with "
+    if routed_experts is not None and not (isinstance(routed_experts, Tensor) and routed_experts.is_nested):
+        raise TypeError("routed_experts must be jagged like input_ids ([b, j, L, k], torch.nested with "
                             "layout=torch.jagged), as verl records them")
+    replaying = routed_experts is not None or replay_mask is not None  # RoutingReplay checks them together
+    if replaying:
         options = {**options, "routed_experts": routed_experts, "replay_mask": replay_mask}
-    elif replay_mask is not None:
-        raise TypeError("replay_mask= (which tokens to replay) needs routed_experts= (the experts to replay there); "
-                        "pass both, or drop replay_mask")
-    replay = (RoutingReplay(False),) if routed_experts is not None else ()
+    replay = (RoutingReplay(False),) if replaying else ()
     engine = Engine(layout, processor=logits_processor, extensions=replay + (VerlMtp(factor),) * mtp, rows=True,
                     call=call,
                     tp_size=par.tp, cp_size=par.model_cp, cp_rank=par.cp_rank, cp_group=par.cp_group,
