@@ -250,3 +250,22 @@ def test_the_verl_drop_in_replays_an_r3_batch_as_packfwd(data_format):
         gptmodel_forward_model_engine(model, jagged, {}, data_format=data_format, routed_experts=aligned)
     with pytest.raises(TypeError, match="replay_mask= .* needs routed_experts="):
         gptmodel_forward_model_engine(model, jagged, {}, data_format=data_format, replay_mask=replay)
+
+
+def test_micro_batches_cut_the_mask_with_the_routes():
+    """``run_micro_batches(..., routed_experts=R, replay_mask=M)``: each micro-batch replays its rows of both (cut
+    like every per-token argument); outputs and record equal the whole batch's forward."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    ids, mask, recorded, hf, model = routed_and_updated()
+    replay = mixed_mask(mask)
+    forward = make_forward("thd", record_routing=True)
+    garbage = with_garbage(recorded, mask, replay)
+    with torch.no_grad():
+        want = forward(model, ids, mask, routed_experts=garbage, replay_mask=replay)
+        plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=12, **forward.layout.plan_args)
+        assert sum(len(mb) > 0 for mb in plan.micro_batches[0]) > 1  # several micro-batches
+        got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, routed_experts=garbage, replay_mask=replay)
+    assert got.rows == list(range(ids.shape[0]))
+    assert torch.equal(got.outputs["routed_experts"], want["routed_experts"])
+    torch.testing.assert_close(got.outputs["logits"], want["logits"], atol=1e-10, rtol=1e-10)
