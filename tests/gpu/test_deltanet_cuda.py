@@ -93,27 +93,11 @@ def test_rule_forward_and_gradients_within_bf16_of_the_torch_path(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_rule_other_dtypes(dtype, monkeypatch):
-    """float16 and float32 inputs take fla too: forward and gradients within 2e-2 of the float32 torch path's max
-    (fla's dots may round float32 to tf32)."""
-    lengths = (100, 1, 64)
-    cu, cu_pad = _cu(lengths)
-    t = sum(lengths)
-    inputs = [x.requires_grad_() for x in _inputs(t, seed=4, dtype=dtype)]
-    assert deltanet_cuda.fla_takes(*inputs)
-    upstream = torch.randn(t, HV, D, device="cuda", dtype=dtype)
-
-    def rule(xs):
-        return chunk_gated_delta_rule_packed(*xs, cu, 64, max_seqlen=100, use_qk_l2norm_in_kernel=True)
-
-    out = rule(inputs)
-    grads = torch.autograd.grad(out, inputs, upstream)
-    _torch(monkeypatch)
-    exact_in = [x.detach().float().requires_grad_() for x in inputs]
-    exact = rule(exact_in)
-    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (out, *grads),
-                          (exact, *torch.autograd.grad(exact, exact_in, upstream.float()))):
-        assert _rel(a, b) < 2e-2, f"{name} in {dtype} on fla differs from the float32 torch path by {_rel(a, b):.2e}"
+def test_other_dtypes_take_the_torch_path(dtype):
+    """Only bfloat16 takes fla (the dtype it has run in here): float32 would round to tf32 in fla's dots."""
+    inputs = _inputs(64, seed=4, dtype=dtype)
+    assert not deltanet_cuda.fla_takes(*inputs)
+    assert deltanet_cuda.fla_takes(*_inputs(64, seed=4))
 
 
 def test_conv_forward_and_backward_within_bf16(monkeypatch):

@@ -1,8 +1,8 @@
 """Gated DeltaNet's two sequence operators on CUDA: flash-linear-attention's (fla's) varlen Triton kernels for the
 forward, and for the delta rule a backward of packfwd's own.
 
-:mod:`~packfwd.models.mixers.deltanet_ops` calls this module when :func:`fla_takes` says so: CUDA tensors of
-float32, bfloat16 or float16, fla importable (an optional dependency, imported on first use), and the switch
+:mod:`~packfwd.models.mixers.deltanet_ops` calls this module when :func:`fla_takes` says so: CUDA tensors,
+bfloat16 inputs (the dtype it has run in on a GPU), fla importable (an optional dependency, imported on first use), and the switch
 ``PACKFWD_DELTANET=torch`` not set (it forces the torch path; ``recompute`` keeps fla's forward with the torch path
 recomputed as the delta rule's backward).  Anything else takes the torch path, which is exact.
 
@@ -54,7 +54,8 @@ __all__ = ["CONV_CHUNK", "ChunkLayout", "SWITCH", "chunk_layout", "chunk_local_g
            "fla_takes"]
 
 SWITCH = "PACKFWD_DELTANET"  # environment variable: "torch" forces the torch path; "recompute" the torch backward
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# bfloat16 only: the dtype this path ran in on a GPU (float32 would round to tf32 in fla's dots; float16 has not run)
+_DTYPES = (torch.bfloat16,)
 _FLA_CHUNKS = (64,)  # fla takes 16 and 32 too; 64 (every layer's) is the one tested on the GPU
 CONV_CHUNK = 64  # the chunk of the layout fla's convolution runs on (its rows per program)
 _MAX_HEAD_DIM = 256  # fla's state kernels tile the key dimension in up to four blocks of 64
@@ -72,22 +73,23 @@ def _fla():
 
 
 def fla_takes(*tensors: Tensor | None, op: str = "rule", chunk_size: int = 64) -> bool:
-    """Whether the ``op`` (``"rule"`` or ``"conv"``) over ``tensors`` runs on fla: all on CUDA, floating point of
-    float32 / bfloat16 / float16 (the rule: q, k, v of one dtype, head dims up to 256, ``chunk_size`` 64;
-    the convolution: one dtype for x, weight and bias), fla importable, and ``PACKFWD_DELTANET`` not ``torch``.
+    """Whether the ``op`` (``"rule"`` or ``"conv"``) over ``tensors`` runs on fla: all on CUDA; the
+    rule's q, k, v (the convolution's x, weight and bias) all bfloat16, the dtype this path has run in on a GPU
+    (float32 and float16 take the torch path); the rule's head dims up to 256 and ``chunk_size`` 64; fla
+    importable, and ``PACKFWD_DELTANET`` not ``torch``.
 
     >>> fla_takes(torch.zeros(2, 1, 4), op="conv")  # a CPU tensor: the torch path
     False
     """
     present = [x for x in tensors if x is not None]
-    if os.environ.get(SWITCH, "").lower() == "torch" or not all(x.is_cuda and x.dtype in _DTYPES for x in present):
+    if os.environ.get(SWITCH, "").lower() == "torch" or not all(x.is_cuda and x.is_floating_point() for x in present):
         return False
-    if op == "rule":
+    if op == "rule":  # the decay and beta may be wider (the layer computes the decay in float32)
         q, k, v = present[:3]
-        if not (q.dtype == k.dtype == v.dtype and chunk_size in _FLA_CHUNKS and k.shape[-1] <= _MAX_HEAD_DIM
-                and v.shape[-1] <= _MAX_HEAD_DIM):
+        if not (q.dtype == k.dtype == v.dtype and q.dtype in _DTYPES and chunk_size in _FLA_CHUNKS
+                and k.shape[-1] <= _MAX_HEAD_DIM and v.shape[-1] <= _MAX_HEAD_DIM):
             return False
-    elif len({x.dtype for x in present}) != 1:
+    elif len({x.dtype for x in present}) != 1 or present[0].dtype not in _DTYPES:
         return False
     return _fla() is not None
 
