@@ -234,9 +234,10 @@ def test_bad_routed_experts_name_the_argument():
         make_forward("thd", record_routing=True)(dense, ids, mask)
 
 
-def _parallel_worker(rank: int, world: int, hf, layouts, recorded, update):
-    """Per layout ``(name, tp, cp)`` (TP with sequence parallelism): this rank's recording of the model and its
-    replay of ``recorded`` on the updated model (``update``: the updated state dict)."""
+def _parallel_worker(rank: int, world: int, hf, layouts, recorded, update, replay_mask):
+    """Per layout ``(name, tp, cp)`` (TP with sequence parallelism): this rank's recording of the model, its
+    replay of ``recorded`` on the updated model (``update``: the updated state dict), and that replay with
+    ``replay_mask`` (its record and logits)."""
     from megatron.core import parallel_state as ps
 
     from packfwd.models.runtime import ensure_model_parallel
@@ -257,35 +258,44 @@ def _parallel_worker(rank: int, world: int, hf, layouts, recorded, update):
             hf.load_state_dict(update)
             model = from_hf(hf, tp_size=tp, tp_rank=tp_rank, sequence_parallel=tp > 1)
             replay = forward(model, ids, mask, routed_experts=recorded)
+            masked = forward(model, ids, mask, routed_experts=recorded, replay_mask=replay_mask)
         results[name] = dict(record=record["routed_experts"], replay=replay["routed_experts"],
-                             logits=replay["logits"])
+                             logits=replay["logits"], masked=masked)
     ps.destroy_model_parallel()
     return results
 
 
 def test_tp2_sp_and_cp2_over_gloo_equal_one_process():
     """Sequence-parallel TP=2 (each rank routes its half of the tokens) and CP=2 (each rank its zigzag share):
-    every rank's record is the one process's, and replaying it on the updated model gives its logits."""
+    every rank's record is the one process's, and replaying it on the updated model gives its logits; so does a
+    replay with a ``replay_mask`` (the mask split with the routes: its record and logits are the one process's)."""
     import copy
 
     from packfwd.testing import run_local
 
     hf = hf_model("mixtral")
     ids, mask = ragged_batch()
+    replay_mask = mask & (torch.arange(mask.shape[1]) % 2 == 0)
     forward = make_forward("thd", record_routing=True)
     with torch.no_grad():
         recorded = forward(from_hf(hf), ids, mask)["routed_experts"]
         new = updated(copy.deepcopy(hf))
         want = forward(from_hf(new), ids, mask, routed_experts=recorded)["logits"]
+        masked = forward(from_hf(new), ids, mask, routed_experts=recorded, replay_mask=replay_mask)
+    assert not torch.equal(masked["routed_experts"], recorded)  # the mask left some moved tokens to the router
     ranks = run_local(_parallel_worker, 2, hf, [("tp2_sp", 2, 1), ("cp2", 1, 2)], recorded, new.state_dict(),
-                      backend="gloo", timeout=300)
+                      replay_mask, backend="gloo", timeout=300)
     for layout in ("tp2_sp", "cp2"):
         for r in ranks:
             assert torch.equal(r[layout]["record"], recorded), layout
             assert torch.equal(r[layout]["replay"], recorded), layout
+            assert torch.equal(r[layout]["masked"]["routed_experts"], masked["routed_experts"]), layout
     torch.testing.assert_close(torch.cat([r["tp2_sp"]["logits"] for r in ranks], -1), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([r["tp2_sp"]["masked"]["logits"] for r in ranks], -1), masked["logits"],
+                               atol=1e-5, rtol=1e-5)
     for r in ranks:
         torch.testing.assert_close(r["cp2"]["logits"], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r["cp2"]["masked"]["logits"], masked["logits"], atol=1e-5, rtol=1e-5)
 
 
 def test_micro_batches_slice_the_routing_like_every_per_token_input():
