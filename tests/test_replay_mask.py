@@ -269,3 +269,47 @@ def test_micro_batches_cut_the_mask_with_the_routes():
     assert got.rows == list(range(ids.shape[0]))
     assert torch.equal(got.outputs["routed_experts"], want["routed_experts"])
     torch.testing.assert_close(got.outputs["logits"], want["logits"], atol=1e-10, rtol=1e-10)
+
+
+def test_routes_of_every_decoder_layer_replay_the_moe_layers_rows():
+    """``routed_experts`` covering every decoder layer (``[b, s, num_layers, k]``, as a rollout engine may give them,
+    verl indexing them by layer number): each MoE layer takes its own layer's row, the dense layer's row (here a
+    placeholder of zeros) is ignored; equal bit for bit to the MoE layers' routes, on the whole model, on a
+    pipeline stage and through the verl drop-in with verl's R3 mask."""
+    from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.verl import gptmodel_forward_model_engine
+
+    from .test_parallel_families import moe_model
+
+    ensure_model_parallel()
+    hf = moe_model(layers=4)  # Qwen3-MoE, layer 1 dense: MoE layers 0, 2, 3
+    ids, mask = ragged_batch()
+    replay = mixed_mask(mask)
+    forward = make_forward("thd", record_routing=True)
+    with torch.no_grad():
+        recorded = forward(from_hf(hf), ids, mask)["routed_experts"]  # [b, s, 3, k]
+    every = torch.zeros(*recorded.shape[:2], 4, recorded.shape[3], dtype=torch.int32)
+    every[:, :, [0, 2, 3]] = recorded.to(torch.int32)
+    hf = updated(hf)
+    model = from_hf(hf)
+    stage = from_hf(hf, pp_rank=1, pp_size=2)  # decoder layers 2 and 3
+    with torch.no_grad():
+        for kwargs in ({}, {"replay_mask": replay}):
+            want = forward(model, ids, mask, routed_experts=recorded, **kwargs)
+            got = forward(model, ids, mask, routed_experts=every, **kwargs)
+            assert torch.equal(got["logits"], want["logits"]) and torch.equal(got["routed_experts"],
+                                                                              want["routed_experts"])
+        plain = make_forward("thd")
+        hidden = plain(from_hf(hf, pp_rank=0, pp_size=2), ids, mask, routed_experts=recorded[:, :, :1])
+        stage.set_input_tensor(hidden)
+        want = plain(stage, ids, mask, routed_experts=recorded[:, :, 1:])
+        stage.set_input_tensor(hidden)
+        assert torch.equal(plain(stage, ids, mask, routed_experts=every), want)
+        jagged = torch.nested.nested_tensor([ids[i][mask[i]] for i in range(4)], layout=torch.jagged)
+        nested = [torch.nested.nested_tensor([x[i][mask[i]] for i in range(4)], layout=torch.jagged)
+                  for x in (recorded, every, replay)]
+        want = gptmodel_forward_model_engine(model, jagged, {}, routed_experts=nested[0], replay_mask=nested[2])
+        got = gptmodel_forward_model_engine(model, jagged, {}, routed_experts=nested[1], replay_mask=nested[2])
+        assert torch.equal(got.values(), want.values())
+        with pytest.raises(ValueError, match=r"routed_experts has shape .*\(or every one of its 4 decoder layers"):
+            forward(model, ids, mask, routed_experts=every[:, :, :2])

@@ -77,8 +77,10 @@ class RoutingReplay(Extension):
     padding is ignored.  ``replay_mask [b, s]`` (bool like the attention mask, jagged like jagged ids; optional,
     with ``routed_experts``): replay only where it is True; a token where it is False is routed by the current
     router's own top-k, as without replay, and its row of ``routed_experts`` is ignored (a placeholder is fine).
-    ``record``: the outputs get ``"routed_experts"`` of that shape, int64, ``-1`` at padding (the experts used:
-    replayed or the router's own, token by token)."""
+    ``routed_experts`` may also cover every decoder layer (``[b, s, num_layers, k]``, the whole model's, as a
+    rollout engine may give them): each MoE layer then takes its own layer's row, the dense layers' rows are
+    ignored.  ``record``: the outputs get ``"routed_experts" [b, s, L, k]``, int64, ``-1`` at padding (the experts
+    used: replayed or the router's own, token by token)."""
 
     def __init__(self, record: bool):
         self.record = record
@@ -98,12 +100,14 @@ class RoutingReplay(Extension):
         if given is not None:
             if mask is not None:
                 _check_replay_mask(mask, batch)
-            _check_routed(given, batch, len(found), unwrap(model).config, mask)
+            config = unwrap(model).config
+            _check_routed(_moe_layers(given, found, config), batch, len(found), config, mask)
 
     def inputs(self, step) -> dict:
         given, mask = step.batch.options.get("routed_experts"), step.batch.options.get("replay_mask")
         if given is None:
             return {}
+        given = _moe_layers(given, _routers(step.model), unwrap(step.model).config)
         return {"routed_experts": given} if mask is None else {"routed_experts": given, "replay_mask": mask}
 
     def context(self, step):
@@ -200,6 +204,19 @@ def _token_rows(rows: Tensor, step) -> Tensor:
     return seq_major(rows, _batch_rows(step), inverse=True)
 
 
+def _moe_layers(given, found: list, config):
+    """``routed_experts`` given for every decoder layer (``config.num_layers`` of them, the whole model's, as a
+    rollout engine may record them): the rows of this model's (stage's) MoE layers, by layer number, the others
+    dropped; anything else as given."""
+    if not isinstance(given, Tensor) or given.dim() != 4 or given.shape[2] != config.num_layers \
+            or len(found) == config.num_layers:
+        return given
+    index = torch.tensor([r.layer_number - 1 for r in found], device=given.device)
+    if given.is_nested:
+        return torch.nested.nested_tensor_from_jagged(given.values().index_select(1, index), given.offsets())
+    return given.index_select(2, index)
+
+
 def _check_replay_mask(mask, batch) -> None:
     """``replay_mask``: bool ``[b, s]`` like ``input_ids`` (jagged ``[b, j]`` like jagged ids, as many tokens)."""
     ids = batch.input_ids
@@ -234,7 +251,8 @@ def _check_routed(given, batch, layers: int, config, replay_mask=None) -> None:
     if (want is not None and shape != want) or (want is None and (not given.is_nested or shape[2:] != (layers, k))):
         raise ValueError(f"routed_experts has shape {shape}; pass [b, s, L, k] = "
                          f"{list(want) if want else ['b', 'j', layers, k]}: this model's {layers} MoE layers in layer "
-                         f"order, its top-{k} experts per token (jagged like input_ids for jagged ids)")
+                         f"order (or every one of its {config.num_layers} decoder layers, the dense ones' rows "
+                         f"ignored), its top-{k} experts per token (jagged like input_ids for jagged ids)")
     if given.is_nested:  # every value is a real token's
         values = given.values()
         real = None if replay_mask is None else replay_mask.values().to(given.device)[..., None, None]
