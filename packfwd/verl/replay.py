@@ -21,7 +21,7 @@ def r3_replay_inputs(routed_experts: Tensor, input_ids: Tensor, response_mask: T
     """``(routed_experts [b, j, L, k], replay_mask [b, j])``, both jagged like ``input_ids``: the rollout's routes
     (jagged ``[b, j', L, k]``, each sequence's ``j'`` its ``j`` or ``j - 1``) with a row of zeros appended where
     one is short, and True at every token but each sequence's last, all False for a sequence whose
-    ``response_mask`` (``[b, r]``, padded or jagged, verl's ``response_mask``) holds no response token.  One host
+    ``response_mask`` (``[b, r]``, padded or jagged, verl's ``response_mask``) holds no response token.  Two host
     reads of the lengths, to check them and size the result (verl reads them too).
 
     >>> ids = torch.nested.nested_tensor([torch.tensor([5, 6, 7]), torch.tensor([8, 9])], layout=torch.jagged)
