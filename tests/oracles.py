@@ -161,3 +161,10 @@ def hf_float64_module(name: str):
     sys.modules[lifted] = module  # before exec: transformers reads its classes' annotations from sys.modules
     exec(compile(source, original.__file__, "exec"), module.__dict__)
     return module
+
+
+def rmsnorm_in_input_dtype(self, x):
+    """A transformers RMSNorm's ``forward`` computed in the input's dtype (transformers casts to float32): set it on a
+    family's norm class (``monkeypatch.setattr(SomeRMSNorm, "forward", rmsnorm_in_input_dtype)``) so that a float64
+    model is float64 throughout, as packfwd's norm is."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))

@@ -38,7 +38,7 @@ from packfwd.models.convert.hf import args_from_hf_config, load_weights
 from packfwd.models.convert.hf_weights import hf_to_megatron
 from packfwd.models.mixers.latent import Mla, Yarn
 
-from .oracles import assert_hf_round_trip
+from .oracles import assert_hf_round_trip, rmsnorm_in_input_dtype
 from .test_glm4_moe import (LAYOUTS, assert_ep2_equals_transformers, assert_layout_equals_per_sequence,
                              assert_parallel_equal_per_sequence, assert_two_stages_equal_one, parallel_worker,
                              per_sequence, ragged_batch, with_expert_bias)
@@ -70,10 +70,7 @@ def ds_model(cfg: DeepseekV3Config, seed: int = 0) -> DeepseekV3ForCausalLM:
 @pytest.fixture
 def hf_norm_in_input_dtype(monkeypatch):
     """transformers' RMSNorm computed in the input's dtype (it casts to float32 otherwise)."""
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3RMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3RMSNorm, "forward", rmsnorm_in_input_dtype)
 
 
 def test_the_config_is_read_as_deepseek_v3_and_yarn_is_transformers():

@@ -42,7 +42,7 @@ from packfwd.models.convert.hf_weights import hf_to_megatron
 from packfwd.models.norm import RMSNorm
 from packfwd.testing import run_local
 
-from .oracles import assert_equals_hf_per_sequence, assert_hf_round_trip
+from .oracles import assert_equals_hf_per_sequence, assert_hf_round_trip, rmsnorm_in_input_dtype
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=96)
 CASES = {  # name: (config class, model class, config fields)
@@ -58,15 +58,11 @@ LAYOUTS = {"thd": dict(data_format="thd"), "thd-align8": dict(data_format="thd",
            "bshd": dict(data_format="bshd")}
 
 
-def _rmsnorm_in_input_dtype(self, x):
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
 @pytest.fixture
 def hf_norm_in_input_dtype(monkeypatch):
     """transformers' RMSNorms computed in the input's dtype (they cast to float32 otherwise)."""
     for cls in NORMS:
-        monkeypatch.setattr(cls, "forward", _rmsnorm_in_input_dtype)
+        monkeypatch.setattr(cls, "forward", rmsnorm_in_input_dtype)
 
 
 def hf_model(name: str, seed: int = 0) -> torch.nn.Module:

@@ -33,7 +33,7 @@ from packfwd.models.runtime.gpt import build_model, model_args
 from packfwd.models.convert.hf import args_from_hf_config, load_weights
 from packfwd.models.convert.hf_weights import hf_to_megatron
 
-from .oracles import assert_hf_round_trip
+from .oracles import assert_hf_round_trip, rmsnorm_in_input_dtype
 from .test_moe import randomise
 
 V = 64
@@ -74,10 +74,7 @@ def ragged_batch(seed: int = 0):
 @pytest.fixture
 def hf_norm_in_input_dtype(monkeypatch):
     """transformers' RMSNorm computed in the input's dtype (it casts to float32 otherwise)."""
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(modeling_glm4_moe.Glm4MoeRMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_glm4_moe.Glm4MoeRMSNorm, "forward", rmsnorm_in_input_dtype)
 
 
 def per_sequence(hf, ids, mask, positions=None):

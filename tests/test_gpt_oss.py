@@ -38,7 +38,7 @@ from packfwd.models.mixers import varlen  # noqa: E402
 from packfwd.models.mixers.latent import yarn_inv_freq  # noqa: E402
 from packfwd.models.runtime.gpt import build_model, model_args  # noqa: E402
 
-from .oracles import assert_hf_round_trip  # noqa: E402
+from .oracles import assert_hf_round_trip, rmsnorm_in_input_dtype  # noqa: E402
 from .test_glm4_moe import (LAYOUTS, V, assert_layout_equals_per_sequence, assert_two_stages_equal_one,  # noqa: E402
                             per_sequence, ragged_batch)
 from .test_moe import more_padding, randomise  # noqa: E402
@@ -64,10 +64,7 @@ def oss_model(cfg: GptOssConfig | None = None, seed: int = 0) -> GptOssForCausal
 @pytest.fixture
 def hf_norm_in_input_dtype(monkeypatch):
     """transformers' RMSNorm computed in the input's dtype (it casts to float32 otherwise)."""
-    def forward(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    monkeypatch.setattr(gpt_oss.GptOssRMSNorm, "forward", forward)
+    monkeypatch.setattr(gpt_oss.GptOssRMSNorm, "forward", rmsnorm_in_input_dtype)
 
 
 def test_the_config_is_read_as_gpt_oss_and_yarn_is_transformers():
