@@ -16,8 +16,9 @@ unmodified module in float32 at float32's tolerance, so the lift hides nothing.
 Also: a Gated DeltaNet layer under ``torch.compile(fullgraph=True)``; gradients equal transformers'; Qwen3.5's MTP layer against the per-sequence reference of
 ``tests/mtp_support.py``; two pipeline stages equal to the whole model; conversion both ways bit for bit (whole and from two TP
 shards); the MoE aux loss equal to transformers'
-load-balancing loss over the real tokens and unchanged by padding; context parallelism refused with its name; and,
-over gloo, TP=2 with sequence parallelism (Qwen3.5, THD and BSHD) and EP=2 (Qwen3.5-MoE) equal to transformers.
+load-balancing loss over the real tokens and unchanged by padding; and, over gloo, TP=2 with sequence parallelism
+(Qwen3.5, THD and BSHD), CP=2 (Qwen3.5, THD and THD aligned: logits equal transformers', the ranks' gradients summed
+equal one process's) and EP=2 (Qwen3.5-MoE) equal to transformers; CP refused where the heads do not divide.
 """
 
 from __future__ import annotations
@@ -289,31 +290,54 @@ def test_gated_deltanet_layer_compiles_fullgraph():
     compiled_matches_eager(layer)
 
 
-def test_context_parallelism_is_refused():
+def test_context_parallelism_refuses_heads_that_do_not_divide():
+    """CP cuts each TP rank's key heads over the CP ranks: 2 key heads split over cp=2 (built), not over cp=4."""
     from packfwd.models.mixers.gdn import PackedGatedDeltaNet
     from packfwd.models.runtime import ensure_model_parallel
     from packfwd.models.runtime.config import transformer_config
 
     ensure_model_parallel()
     args = args_from_hf_config(hf_model("qwen3_5").config)
-    config = transformer_config(args, cp_size=2, init=False)
-    with pytest.raises(ValueError, match=r"context parallelism \(cp_size=2\) with Gated DeltaNet"):
-        PackedGatedDeltaNet(config, layer_number=1, deltanet=args.linear_attention)
+    assert args.linear_attention.num_k_heads == 2
+    PackedGatedDeltaNet(transformer_config(args, cp_size=2, init=False), layer_number=1,
+                        deltanet=args.linear_attention)
+    with pytest.raises(ValueError, match=r"context parallelism \(cp_size=4\) with Gated DeltaNet .* "
+                                         r"linear_num_key_heads=2 must be divisible by tp_size \* cp_size = 4"):
+        PackedGatedDeltaNet(transformer_config(args, cp_size=4, init=False), layer_number=1,
+                            deltanet=args.linear_attention)
 
 
 # ------------------------------------------------------------------------------------------------- two ranks
 
 
+CP_LAYOUTS = {"cp2_thd": {}, "cp2_thd_aligned": {"seq_align": 16}}
+
+
+def _loss(logits, mask):
+    return (logits.logsumexp(-1) * mask).sum()
+
+
 def _ranks_worker(rank: int, world: int):
-    """TP=2 + SP (Qwen3.5, THD and BSHD) then EP=2 (Qwen3.5-MoE, THD): {case: this rank's logits}.  The models are
-    made here, the same seeds (the lifted modeling modules cannot be pickled to the children)."""
+    """TP=2 + SP (Qwen3.5, THD and BSHD), CP=2 (Qwen3.5, THD and THD aligned: logits and gradients of
+    :func:`_loss`), then EP=2 (Qwen3.5-MoE, THD): {case: this rank's logits (and gradients)}.  The models are made
+    here, the same seeds (the lifted modeling modules cannot be pickled to the children)."""
     dense, moe = hf_model("qwen3_5"), hf_model("qwen3_5_moe")
     from megatron.core import parallel_state as ps
 
     from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.models.runtime.cpu import host_collectives
 
     ids, mask = ragged_batch()
     out = {}
+    ensure_model_parallel(cp_size=2)
+    for case, layout in CP_LAYOUTS.items():
+        model = from_hf(dense)
+        logits = make_forward("thd", **layout, cp_size=2, cp_rank=ps.get_context_parallel_rank(),
+                              cp_group=ps.get_context_parallel_group())(model, ids, mask)
+        with host_collectives():
+            _loss(logits, mask).backward()
+        out[case] = dict(logits=logits.detach(), grads={n: p.grad for n, p in model.named_parameters()})
+    ps.destroy_model_parallel()
     ensure_model_parallel(tp_size=2)
     model = from_hf(dense, tp_size=2, tp_rank=rank, sequence_parallel=True)
     with torch.no_grad():
@@ -343,6 +367,25 @@ def test_tp2_with_sequence_parallelism(two_ranks, data_format):
     ids, mask = ragged_batch()
     logits = torch.cat([r[f"tp2_sp_{data_format}"] for r in ranks], -1)  # each rank its vocabulary half
     assert_equals_hf_per_sequence(dense, logits, ids, mask, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", sorted(CP_LAYOUTS))
+def test_cp2_logits_and_gradients_equal_one_process(two_ranks, case):
+    """Under CP=2 each Gated DeltaNet layer trades its zigzag tokens for whole sequences of half its heads and
+    back: every rank's gathered logits equal transformers' per sequence, and the ranks' gradients summed (each
+    rank's part: its tokens, its heads) equal one process's, to 1e-10 in float64 (sequences of 1 to 150 tokens,
+    several 64-token chunks of the delta rule, odd lengths)."""
+    dense, _, ranks = two_ranks
+    ids, mask = ragged_batch()
+    for r in ranks:
+        assert_equals_hf_per_sequence(dense, r[case]["logits"], ids, mask, atol=1e-10)
+    model = from_hf(dense)
+    _loss(make_forward("thd", **CP_LAYOUTS[case])(model, ids, mask), mask).backward()
+    for name, p in model.named_parameters():
+        got = [r[case]["grads"][name] for r in ranks]
+        assert not torch.equal(got[0], p.grad), f"{name}: one rank's part alone is the whole gradient"
+        torch.testing.assert_close(got[0] + got[1], p.grad, atol=1e-10 * float(p.grad.abs().max()), rtol=0,
+                                   msg=f"{case} {name}")
 
 
 def test_ep2(two_ranks):

@@ -4,7 +4,9 @@ across ranks.
 
 The public names are re-exported here: ``context_parallel_attention``, ``zigzag_to_global``, ``all_gather_cp``,
 ``pipeline_forward_backward``, ``check_across_ranks``; ``context`` also holds ``plan_zigzag_attention`` (the index
-tensors of one rank's attention) and ``ZigzagAttentionPlan``.
+tensors of one rank's attention), ``ZigzagAttentionPlan`` and ``global_to_zigzag`` (``zigzag_to_global``'s inverse);
+``heads`` the all-to-all that trades a CP rank's zigzag tokens for whole sequences of its share of the heads
+(``zigzag_to_heads``, ``heads_to_zigzag``, ``all_to_all_cp``: context parallelism for Gated DeltaNet layers).
 """
 
 from .agree import check_across_ranks as check_across_ranks

@@ -27,6 +27,7 @@ from .gather import all_gather_cp
 __all__ = [
     "ZigzagAttentionPlan",
     "context_parallel_attention",
+    "global_to_zigzag",
     "plan_zigzag_attention",
     "zigzag_to_global",
 ]
@@ -72,6 +73,25 @@ def zigzag_to_global(gathered: Tensor, cu_seqlens_padded: Tensor) -> Tensor:
     cp, local = gathered.shape[:2]
     index = _zigzag_global_index(cu_seqlens_padded, cp, local)
     return gathered.flatten(0, 1).index_select(0, index.to(gathered.device))
+
+
+def global_to_zigzag(x: Tensor, cu_seqlens_padded: Tensor, cp_size: int) -> Tensor:
+    """The inverse of :func:`zigzag_to_global`: ``x: [t, *]`` in the global padded THD order (``t =
+    cu_seqlens_padded[-1]``, a multiple of ``cp_size``) -> ``[cp_size, t / cp_size, *]``, every CP rank's zigzag
+    shard in rank order.  An index copy (its backward is a gather); no host sync.
+
+    >>> shards = global_to_zigzag(torch.arange(8), torch.tensor([0, 8], dtype=torch.int32), 2)
+    >>> shards.tolist(), zigzag_to_global(shards, torch.tensor([0, 8], dtype=torch.int32)).tolist()
+    ([[0, 1, 6, 7], [2, 3, 4, 5]], [0, 1, 2, 3, 4, 5, 6, 7])
+    """
+    check_tensor("x", x)
+    cp = check_positive_int("cp_size", cp_size)
+    if x.dim() < 1 or x.shape[0] % cp:
+        raise ValueError(f"x must be [t, *] with t a multiple of cp_size={cp} (the whole padded batch), got shape "
+                         f"{tuple(x.shape)}")
+    local = x.shape[0] // cp
+    index = _zigzag_global_index(cu_seqlens_padded, cp, local).to(x.device)
+    return x.new_zeros(x.shape).index_copy(0, index, x).view(cp, local, *x.shape[1:])
 
 
 # ---------------------------------------------------------------------------------------------- attention

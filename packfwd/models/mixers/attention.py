@@ -16,7 +16,7 @@ import torch
 
 from .varlen import BACKENDS, PREFER_CUDNN, available_backends, choose_backend, varlen_attention
 
-__all__ = ["CoreAttention", "attention_backends"]
+__all__ = ["CoreAttention", "attention_backends", "thd_cp_place"]
 
 
 class CoreAttention(torch.nn.Module):
@@ -128,13 +128,8 @@ class CoreAttention(torch.nn.Module):
         return out.reshape(out.shape[0], -1)
 
     def cp_place(self, params) -> tuple[int, int, object]:
-        """``(cp_size, cp_rank, cp_group)`` of a THD batch: the CP place its params carry (``params.cp``, checked
-        by the model against its group), else its group's (``params.cp_group``, else the one Megatron passed)."""
-        group = params.cp_group if getattr(params, "cp_group", None) is not None else self.cp_group
-        place = getattr(params, "cp", None)  # the plan's CP place (packfwd.layout.params), checked by the model
-        cp_size = place.size if place is not None else _group_size(group)
-        cp_rank = place.rank if place is not None else group.rank() if cp_size > 1 else 0
-        return cp_size, cp_rank, group
+        """:func:`thd_cp_place` of a THD batch, with the CP group Megatron passed."""
+        return thd_cp_place(params, self.cp_group)
 
     def _bshd(self, q, k, v, causal):
         if _group_size(self.cp_group) > 1:
@@ -149,6 +144,23 @@ class CoreAttention(torch.nn.Module):
                                backend=self.backend, window=self.window, sinks=self.softmax_offset)
         return out.reshape(b, s, -1).transpose(0, 1)
 
+
+
+def thd_cp_place(params, cp_group) -> tuple[int, int, object]:
+    """``(cp_size, cp_rank, group)`` of a THD batch's ``params`` in a token mixer built with ``cp_group`` (the one
+    Megatron passed in ``pg_collection.cp``, or None): the CP place the params carry (``params.cp``, checked by the
+    model against its group), else the group's (``params.cp_group``, else ``cp_group``; ``params=None``, a BSHD
+    batch: ``cp_group``'s).
+
+    >>> from types import SimpleNamespace
+    >>> thd_cp_place(SimpleNamespace(cp=None, cp_group=None), None)
+    (1, 0, None)
+    """
+    group = params.cp_group if getattr(params, "cp_group", None) is not None else cp_group
+    place = getattr(params, "cp", None)  # the plan's CP place (packfwd.layout.params), checked by the model
+    cp_size = place.size if place is not None else _group_size(group)
+    cp_rank = place.rank if place is not None else group.rank() if cp_size > 1 else 0
+    return cp_size, cp_rank, group
 
 
 def attention_backends(model: torch.nn.Module) -> dict[str, int]:

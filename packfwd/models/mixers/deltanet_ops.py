@@ -20,8 +20,9 @@ The arithmetic is transformers' torch fallback (``transformers.models.qwen3_next
 the inputs' dtype promoted to at least float32 (transformers always uses float32; float64 stays float64 here, so
 the CPU path is exact enough to test against).  On CUDA with flash-linear-attention installed both operators run
 on its varlen kernels instead (:mod:`~packfwd.models.mixers.deltanet_cuda`: when, how, the backward and its cost;
-``PACKFWD_DELTANET=torch`` keeps this path).  Context parallelism would hand the state from rank to rank; these
-operators take one rank's whole sequences only.
+``PACKFWD_DELTANET=torch`` keeps this path).  They take whole sequences only: under context parallelism the
+module (:mod:`~packfwd.models.mixers.gdn`) first trades each CP rank's zigzag tokens for whole sequences of its
+share of the heads.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ Weights (``hk`` key heads of ``dk``, ``hv`` value heads of ``dv``, ``r = hv / hk
 Tensor parallelism splits the heads as Megatron-Core does: rank ``p`` of ``tp`` holds key heads ``[p hk/tp, (p+1)
 hk/tp)`` and the value heads they serve, so its rows of ``in_proj`` are ``[q_p | k_p | v_p | z_p | b_p | a_p]``
 (each section cut in ``tp``), of ``conv1d`` ``[q_p | k_p | v_p]``, of ``A_log`` / ``dt_bias`` its value heads; the
-columns of ``out_proj`` its value channels.  Context parallelism would hand each sequence's state from rank to
-rank: not built, refused when the model is built (:mod:`packfwd.models.mixers.gdn`).
+columns of ``out_proj`` its value channels.  Context parallelism keeps the weights whole on every CP rank: the
+module cuts each TP rank's heads over the CP ranks at run time (an all-to-all trading tokens for heads,
+:mod:`packfwd.models.mixers.gdn`), so the mapping does not change.
 """
 
 from __future__ import annotations

@@ -19,9 +19,20 @@ for softmax attention; each TP rank runs its own heads over every token.  Betwee
   tokens through a causal convolution and a causal state).  A padding mask is refused: a BSHD batch with padding
   reaches the layers packed (``PackedGPTModel.forward`` with ``attention_mask``).
 
-Context parallelism is refused when the layer is built (a ``ValueError`` naming it): each sequence's state would
-have to pass from CP rank to rank in the zigzag order, which packfwd does not build.  This module imports
-Megatron-Core; ``packfwd.models`` imports it only when a model is built.
+* THD under context parallelism (the CP place of :func:`~packfwd.models.mixers.attention.thd_cp_place`, as for
+  softmax attention): each CP rank holds its zigzag share of every sequence, but the convolution and the state need
+  each sequence whole, so the layer trades tokens for heads instead of handing a state from rank to rank: after
+  ``in_proj`` an all-to-all over the CP group (:func:`packfwd.parallel.heads.zigzag_to_heads`) gives each CP rank
+  every token, in each sequence's natural order (``cu_seqlens_q_padded`` of the whole sequences), of ``1 / cp`` of
+  this TP rank's key heads and the value heads they serve (``[q | k | v | z | b | a]`` each cut in ``cp``; its rows
+  of ``conv1d``, ``A_log``, ``dt_bias`` with them, ``out_norm`` whole); the packed math runs on them, and the
+  inverse all-to-all (:func:`~packfwd.parallel.heads.heads_to_zigzag`) returns the zigzag rows of every head to
+  ``out_proj``.  Exact: each head sees its sequences whole.  The key heads must divide by ``tp * cp`` (refused when
+  built, and when a batch's CP place says another ``cp``, naming context parallelism); a parameter's gradient on
+  a CP rank is its heads' part over all tokens, summed over the CP ranks as Megatron's data-parallel reduction
+  does.  BSHD under context parallelism is refused (THD only, as for softmax attention).
+
+This module imports Megatron-Core; ``packfwd.models`` imports it only when a model is built.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from ..norm import RMSNorm
+from .attention import thd_cp_place
 from .deltanet import deltanet_mix
 
 __all__ = ["GatedSelfAttention", "PackedGatedDeltaNet", "gated_deltanet_spec"]
@@ -65,17 +77,14 @@ class PackedGatedDeltaNet(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         self.pg_collection, self.layer_number, self.name, self.deltanet = pg_collection, layer_number, name, deltanet
-        cp = getattr(pg_collection, "cp", None)
-        cp_size = max(cp.size() if cp is not None else 1, getattr(config, "context_parallel_size", 1))
-        if cp_size > 1:
-            raise ValueError(f"context parallelism (cp_size={cp_size}) with Gated DeltaNet layers: a linear-attention "
-                             "layer would need each sequence's state handed from CP rank to rank, which packfwd does "
-                             "not build; run hybrid models (Qwen3.5, Qwen3-Next) with cp_size=1")
         tp = pg_collection.tp.size() if pg_collection.tp is not None else 1
         for what, heads in (("linear_num_key_heads", deltanet.num_k_heads), ("linear_num_value_heads",
                                                                             deltanet.num_v_heads)):
             if heads % tp:
                 raise ValueError(f"{what}={heads} is not divisible by the TP size {tp}; pick one that is")
+        self.tp = tp
+        cp = getattr(pg_collection, "cp", None)
+        self._check_cp(max(cp.size() if cp is not None else 1, getattr(config, "context_parallel_size", 1)))
         self.sections = deltanet.in_proj_sections(tp)
         self.shape = deltanet.shape(config.hidden_size, config.layernorm_epsilon, tp)
         conv = sum(self.sections[:3])
@@ -107,6 +116,15 @@ class PackedGatedDeltaNet(MegatronModule):
             dt = dt.clamp(min=1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    def _check_cp(self, cp_size: int) -> None:
+        """Context parallelism cuts each TP rank's key heads (and the value heads they serve) in ``cp_size``."""
+        heads = self.deltanet.num_k_heads
+        if cp_size > 1 and heads % (self.tp * cp_size):
+            raise ValueError(f"context parallelism (cp_size={cp_size}) with Gated DeltaNet layers splits each TP "
+                             f"rank's heads over the CP ranks: linear_num_key_heads={heads} must be divisible by "
+                             f"tp_size * cp_size = {self.tp * cp_size}; pick a cp_size that divides "
+                             f"{heads // self.tp}")
+
     def forward(self, hidden_states, attention_mask=None, inference_context=None, rotary_pos_emb=None,
                 rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
                 packed_seq_params=None, sequence_len_offset=None, *, inference_params=None, **unused):
@@ -120,28 +138,60 @@ class PackedGatedDeltaNet(MegatronModule):
             raise ValueError("packfwd's Gated DeltaNet layer takes attention_mask=None: it runs per packed sequence "
                              "(THD) or per row (BSHD, real tokens first); pack the batch with packfwd.to_thd or "
                              "packfwd.to_bshd instead")
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed_seq_params is not None and not thd:
+            raise ValueError(f"qkv_format={packed_seq_params.qkv_format!r} is not supported; use 'thd' or no params")
+        cp_size, cp_rank, group = thd_cp_place(packed_seq_params, getattr(self.pg_collection, "cp", None))
+        if cp_size > 1 and not thd:
+            raise ValueError("context parallelism needs the THD layout; use data_format='thd'")
         x, _ = self.in_proj(hidden_states)  # [s, b, in_proj / tp]: every token (sequence parallelism gathers them)
         s, b = x.shape[:2]
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:
             params = packed_seq_params
             if b != 1:
                 raise ValueError(f"a THD batch is one packed row [t, 1, h], got hidden_states of shape "
                                  f"{tuple(hidden_states.shape)}")
             x, cu, cu_pad, longest = x[:, 0], params.cu_seqlens_q, params.cu_seqlens_q_padded, params.max_seqlen_q
-        elif packed_seq_params is not None:
-            raise ValueError(f"qkv_format={packed_seq_params.qkv_format!r} is not supported; use 'thd' or no params")
         else:  # [s, b, *] -> [b * s, *]: each row one sequence
             x = x.transpose(0, 1).reshape(b * s, -1)
             cu, cu_pad, longest = torch.arange(b + 1, device=x.device, dtype=torch.int32) * s, None, s
-        qkv, z, beta, alpha = x.split([sum(self.sections[:3]), *self.sections[3:]], dim=-1)
-        weights = {"conv1d.weight": self.conv1d.weight, "A_log": self.A_log, "dt_bias": self.dt_bias,
-                   "norm.weight": self.out_norm.weight}
-        out = deltanet_mix(qkv, z, beta, alpha, weights, self.shape, cu, cu_seqlens_padded=cu_pad,
-                           max_seqlen=longest if isinstance(longest, int) else None,
-                           chunk_size=self.deltanet.chunk_size)
+        longest = longest if isinstance(longest, int) else None
+        if cp_size > 1:
+            out = self._mix_context_parallel(x, cu, cu_pad if cu_pad is not None else cu, longest, cp_size, cp_rank,
+                                             group)
+        else:
+            out = self._mix(x, self.sections, self.shape, self._weights(), cu, cu_pad, longest)
         out = out[:, None] if thd else out.reshape(b, s, -1).transpose(0, 1)
         return self.out_proj(out)
+
+    def _weights(self, cp_size: int = 1, cp_rank: int = 0) -> dict:
+        """The math's weights (:func:`~packfwd.models.mixers.deltanet.deltanet_mix`'s names) of CP rank
+        ``cp_rank``'s heads: its piece of each ``conv1d`` section, of ``A_log`` and ``dt_bias``; ``out_norm``
+        (over one head's channels) whole."""
+        conv = self.conv1d.weight
+        if cp_size > 1:
+            conv = torch.cat([w.chunk(cp_size)[cp_rank] for w in conv.split(list(self.sections[:3]))])
+        return {"conv1d.weight": conv, "A_log": self.A_log.chunk(cp_size)[cp_rank],
+                "dt_bias": self.dt_bias.chunk(cp_size)[cp_rank], "norm.weight": self.out_norm.weight}
+
+    def _mix(self, x, sections, shape, weights, cu, cu_pad, longest):
+        """``x: [t, sum(sections)]`` (``[q | k | v | z | b | a]``) -> ``[t, value_dim]`` of ``shape``'s heads."""
+        qkv, z, beta, alpha = x.split([sum(sections[:3]), *sections[3:]], dim=-1)
+        return deltanet_mix(qkv, z, beta, alpha, weights, shape, cu, cu_seqlens_padded=cu_pad, max_seqlen=longest,
+                            chunk_size=self.deltanet.chunk_size)
+
+    def _mix_context_parallel(self, x, cu, cu_pad, longest, cp_size, cp_rank, group):
+        """This CP rank's zigzag rows ``x: [t_local, in_proj / tp]`` -> ``[t_local, value_dim / tp]``, each head
+        computed over whole sequences on one CP rank (module docstring)."""
+        from packfwd.parallel.heads import heads_to_zigzag, zigzag_to_heads
+
+        self._check_cp(cp_size)
+        place = dict(cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
+        x = zigzag_to_heads(x, self.sections, cu_pad, **place)  # [t, in_proj / tp / cp]: whole sequences
+        shape = self.deltanet.shape(self.shape.hidden_size, self.shape.eps, self.tp * cp_size)
+        out = self._mix(x, [w // cp_size for w in self.sections], shape, self._weights(cp_size, cp_rank), cu,
+                        cu_pad, longest)
+        return heads_to_zigzag(out, [self.shape.value_dim], cu_pad, **place)
 
 
 def gated_deltanet_spec(args):
