@@ -18,7 +18,8 @@ Also: a Gated DeltaNet layer under ``torch.compile(fullgraph=True)``; gradients 
 shards); the MoE aux loss equal to transformers'
 load-balancing loss over the real tokens and unchanged by padding; and, over gloo, TP=2 with sequence parallelism
 (Qwen3.5, THD and BSHD), CP=2 (Qwen3.5, THD and THD aligned: logits equal transformers', the ranks' gradients summed
-equal one process's) and EP=2 (Qwen3.5-MoE) equal to transformers; CP refused where the heads do not divide.
+equal one process's), TP=2 + SP with CP=2 on four ranks (the same, a model with four key heads) and EP=2
+(Qwen3.5-MoE) equal to transformers; CP refused where the heads do not divide.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def hf_model(family: str, *, lifted: bool = True, seed: int = 0, **extra) -> tor
     """The tiny float64 model of ``family`` (module docstring): weights ~ N(0, 1 / fan_in), norms and decays
     noisy around their starting values."""
     path, config_name, model_name = MODULES[family]
-    config = getattr(transformers, config_name)(**TINY, **EXTRA[family], **extra)
+    config = getattr(transformers, config_name)(**{**TINY, **EXTRA[family], **extra})
     model_cls = getattr(hf_float64_module(path) if lifted else importlib.import_module(path), model_name)
     torch.manual_seed(seed)  # transformers draws A_log from the global generator: the same model in every process
     model = model_cls(config).double()
@@ -386,6 +387,63 @@ def test_cp2_logits_and_gradients_equal_one_process(two_ranks, case):
         assert not torch.equal(got[0], p.grad), f"{name}: one rank's part alone is the whole gradient"
         torch.testing.assert_close(got[0] + got[1], p.grad, atol=1e-10 * float(p.grad.abs().max()), rtol=0,
                                    msg=f"{case} {name}")
+
+
+FOUR_HEADS = dict(linear_num_key_heads=4, linear_num_value_heads=8)  # one key head per TP x CP rank
+
+
+def _vocab_loss(logits, mask, vocab_slice=slice(None)):
+    """Linear in the logits (a vocabulary-parallel rank's share adds up): fixed random weights per logit."""
+    weights = torch.randn(*mask.shape, TINY["vocab_size"], generator=torch.Generator().manual_seed(3),
+                          dtype=torch.float64)
+    return (logits * weights[..., vocab_slice] * mask[..., None]).sum()
+
+
+def _tp_cp_worker(rank: int, world: int):
+    """TP=2 + SP with CP=2 (Qwen3.5 with :data:`FOUR_HEADS`, THD): (TP rank, its vocabulary half of the logits,
+    its gradients of :func:`_vocab_loss` over that half)."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.models.runtime.cpu import host_collectives
+
+    ids, mask = ragged_batch()
+    ensure_model_parallel(tp_size=2, cp_size=2)
+    tp, half = ps.get_tensor_model_parallel_rank(), TINY["vocab_size"] // 2
+    model = from_hf(hf_model("qwen3_5", **FOUR_HEADS), tp_size=2, tp_rank=tp, sequence_parallel=True)
+    logits = make_forward("thd", tp_size=2, cp_size=2, cp_rank=ps.get_context_parallel_rank(),
+                          cp_group=ps.get_context_parallel_group())(model, ids, mask)
+    with host_collectives():
+        _vocab_loss(logits, mask, slice(tp * half, (tp + 1) * half)).backward()
+    ps.destroy_model_parallel()
+    return tp, logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_tp2_sp_with_cp2_equals_transformers_and_one_process():
+    """Four ranks: each TP rank's heads cut again over CP.  Logits (the TP ranks' vocabulary halves) equal
+    transformers' per sequence on both CP ranks; the gradients summed over CP (and over TP for what TP
+    replicates), merged from the TP shards, equal one process's, to 1e-10."""
+    from packfwd.testing import run_local
+
+    hf = hf_model("qwen3_5", **FOUR_HEADS)
+    ids, mask = ragged_batch()
+    by_tp = {0: [], 1: []}
+    for tp, logits, grads in run_local(_tp_cp_worker, 4, backend="gloo", timeout=300):
+        by_tp[tp].append((logits, grads))
+    for (lo, _), (hi, _) in zip(by_tp[0], by_tp[1]):  # the two CP ranks
+        assert_equals_hf_per_sequence(hf, torch.cat([lo, hi], -1), ids, mask, atol=1e-10)
+    model = from_hf(hf)
+    _vocab_loss(make_forward("thd")(model, ids, mask), mask).backward()
+    whole = {n: p.grad for n, p in model.named_parameters()}
+    shards = [{n: a[n] + b[n] for n in a} for (_, a), (_, b) in (by_tp[0], by_tp[1])]
+    for name, grad in whole.items():  # replicated over TP (the norms): each TP rank's tokens' or heads' part
+        if shards[0][name].shape == grad.shape:
+            shards[0][name] = shards[1][name] = shards[0][name] + shards[1][name]
+    args = args_from_hf_config(hf.config)
+    want, got = megatron_to_hf([whole], args), megatron_to_hf(shards, args)
+    assert sorted(got) == sorted(want)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-10 * float(grad.abs().max()), rtol=0, msg=name)
 
 
 def test_ep2(two_ranks):
