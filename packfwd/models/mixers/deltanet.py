@@ -13,8 +13,9 @@ are ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), :func:`gated_
 
 with transformers' head layout: ``num_k_heads`` query/key heads of ``head_k_dim``, ``num_v_heads`` value heads of
 ``head_v_dim``, each key head serving ``num_v_heads // num_k_heads`` consecutive value heads.  The two sequence
-operators are :mod:`~packfwd.models.mixers.deltanet_ops`.  Not yet a component: no Megatron-Core spec, tensor
-parallelism or family uses it (issue 30).
+operators are :mod:`~packfwd.models.mixers.deltanet_ops`.  The component is
+:mod:`~packfwd.models.mixers.gated_deltanet`, its Megatron-Core module (tensor and context parallelism)
+:mod:`~packfwd.models.mixers.gdn`; both run :func:`deltanet_mix`.
 """
 
 from __future__ import annotations
