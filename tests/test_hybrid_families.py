@@ -253,8 +253,8 @@ def test_what_is_refused_names_the_fix():
 def test_mtp_layer_matches_the_per_sequence_reference(data_format):
     """Qwen3.5's MTP layer (a gated full-attention layer after its zero-centred enorm / hnorm / eh_proj, the
     model's own MTP block) over a hybrid decoder, against tests/mtp_support.py's per-sequence reference (the decoder
-    run on each sequence alone, BSHD), logits, MTP log-probs and loss, and gradients.  Random weights: transformers
-    drops the checkpoint's ``mtp.*`` tensors, so ``from_hf`` builds without it."""
+    run on each sequence alone, BSHD), logits, MTP log-probs and loss, and gradients.  Random weights (the
+    checkpoint's ``mtp.*`` tensors through ``from_hf(hf, mtp_state_dict=)``: tests/test_qwen3_5_mtp_weights.py)."""
     from . import mtp_support as ms
 
     base = args_from_hf_config(hf_model("qwen3_5").config)

@@ -86,6 +86,7 @@ def from_hf(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     fused: bool = True,
+    mtp_state_dict: Mapping[str, Tensor] | None = None,
 ):
     """packfwd's Megatron-Core model (or pipeline stage) with the weights of a transformers causal LM of one of
     packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.families.FAMILIES`),
@@ -103,6 +104,12 @@ def from_hf(
     gives a value model whose head keeps its random initialisation.  ``device``/``params_dtype`` default to the
     HF model's.  Pipeline arguments as in :func:`packfwd.models.build_model`.  ``fused``: ``ModelArgs.fused``
     (False: Megatron-Core's plain modules, for checking; the weights are the same either way).
+
+    ``mtp_state_dict``: the checkpoint's ``mtp.*`` tensors (as safetensors reads them; transformers drops them),
+    for a family with an MTP mapping (Qwen3.5, Qwen3.5-MoE): the model is built with the config's
+    ``mtp_num_hidden_layers`` MTP depths (``ModelArgs.mtp_num_layers``, on the last stage) and loads them;
+    :func:`to_hf_state_dict` gives them back under the same names.  Missing, unexpected or misshapen tensors are a
+    ValueError naming them.
 
     >>> from transformers import Qwen2Config, Qwen2ForCausalLM
     >>> hf = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -133,6 +140,10 @@ def from_hf(
     if value_head and not has_score:
         args = _replace(args, value_head_bias=False)
     args = _replace(args, fused=fused)
+    hf_state = hf_model.state_dict()
+    if mtp_state_dict is not None:
+        args = _replace(args, mtp_num_layers=_mtp_depths(hf_model, mtp_state_dict))
+        hf_state = {**hf_state, **_checked_mtp_state(hf_model, args, mtp_state_dict)}
     first = next(hf_model.parameters())
     device = first.device if device is None else torch.device(device)
     params_dtype = first.dtype if params_dtype is None else params_dtype
@@ -152,10 +163,11 @@ def from_hf(
     )
     layers = layer_partition(args.num_layers, pp_size, vpp_size, first_stage_layers=first_stage_layers,
                              last_stage_layers=last_stage_layers)[pp_rank][vpp_rank]
-    weights = hf_to_megatron(hf_model.state_dict(), args, tp_size=tp, tp_rank=rank, layers=layers,
+    weights = hf_to_megatron(hf_state, args, tp_size=tp, tp_rank=rank, layers=layers,
                              pre_process=model.pre_process, post_process=model.post_process)
     if args.moe is not None and model.config.expert_tensor_parallel_size != tp:  # 1 (build_model): whole experts
-        whole = hf_to_megatron(hf_model.state_dict(), args, layers=layers, pre_process=False, post_process=False)
+        whole = hf_to_megatron(hf_state, args, layers=layers, pre_process=False,  # the MTP layer's experts too
+                               post_process=model.post_process and args.mtp_num_layers > 0)
         weights.update({n: t for n, t in whole.items() if ".local_experts." in n})
     ep = model.config.expert_model_parallel_size
     if ep > 1:
@@ -163,6 +175,46 @@ def from_hf(
     if value_head and not has_score:  # keep the head as initialised
         weights.update({n: p.detach() for n, p in model.named_parameters() if n.startswith("output_layer.")})
     return load_weights(model, weights)
+
+
+def _mtp_depths(hf_model, mtp_state_dict) -> int:
+    """The MTP depths ``mtp_state_dict`` is read into: the config's, for a family with an MTP mapping."""
+    if not isinstance(mtp_state_dict, Mapping) or not all(isinstance(t, Tensor) for t in mtp_state_dict.values()):
+        raise TypeError(f"mtp_state_dict must map the checkpoint's mtp.* names to tensors (as safetensors' load_file "
+                        f"reads them), got {type(mtp_state_dict).__name__}")
+    depths = family_of_hf_config(hf_model.config).mtp_depths(hf_model.config)
+    if not depths:
+        raise ValueError("mtp_state_dict given, but the config has no MTP layers (mtp_num_hidden_layers is 0 or "
+                         "absent); set config.mtp_num_hidden_layers as the checkpoint's config.json says, or leave "
+                         "mtp_state_dict out")
+    return depths
+
+
+def _checked_mtp_state(hf_model, args: ModelArgs, mtp_state_dict) -> dict[str, Tensor]:
+    """``mtp_state_dict`` checked against what the family's mapping reads, names and shapes: its own weights'
+    (``Family.mtp_weights``: norms of the hidden size, the projection ``[hidden, 2 hidden]``) and the inner layer's,
+    which are those of the model's decoder layers of the same components (the HF model's own tensors)."""
+    from ..families import family
+
+    entry, h = family(args.family), args.hidden_size
+    want = {f"mtp.{w.hf}": (h, 2 * h) if w.split == "rows" else (h,) for w in entry.mtp_weights}
+    inner = entry.components(args, args.num_layers)
+    like = next((i for i in range(args.num_layers) if entry.components(args, i) == inner), None)
+    if like is None:
+        raise ValueError(f"the MTP layer's components {[c.name for c in inner]} are in none of the decoder's layers, "
+                         "whose tensors would give their names; mtp_state_dict cannot be checked")
+    prefix = f"model.layers.{like}."
+    want.update({f"mtp.layers.0.{n[len(prefix):]}": tuple(t.shape) for n, t in hf_model.state_dict().items()
+                 if n.startswith(prefix)})
+    missing, extra = sorted(set(want) - set(mtp_state_dict)), sorted(set(mtp_state_dict) - set(want))
+    if missing or extra:
+        raise ValueError(f"mtp_state_dict does not match {entry.name}'s MTP layer: missing {missing}, unexpected "
+                         f"{extra}; pass the checkpoint's mtp.* tensors, named as in its safetensors files")
+    wrong = [f"{n} {tuple(t.shape)} (want {want[n]})" for n, t in mtp_state_dict.items() if tuple(t.shape) != want[n]]
+    if wrong:
+        raise ValueError(f"mtp_state_dict has tensors of the wrong shape: {', '.join(wrong)}; pass the mtp.* tensors "
+                         "of this model's checkpoint")
+    return dict(mtp_state_dict)
 
 
 def _check_whole_model(hf_model) -> None:

@@ -5,7 +5,10 @@ Per layer it applies the family entry's own rows (``Family.layer_weights``: the 
 components (:mod:`packfwd.models.component`: its token mixer and its MLP) for theirs, which are declarative tables
 (:mod:`packfwd.models.mapping`: each row a Megatron-Core tensor, its HF tensor(s) and its TP cut) but for the routed
 experts (:mod:`packfwd.models.mlp.moe_weights`).  The model's own tensors stay here: the embedding and the output
-layer (``vocab / tp`` rows each; tied embeddings, a value head's ``score``), the final norm (replicated).
+layer (``vocab / tp`` rows each; tied embeddings, a value head's ``score``), the final norm (replicated).  A model
+with an MTP layer (``args.mtp_num_layers``, on the last stage) converts it too where its family has an MTP mapping
+(``Family.mtp_weights``: Qwen3.5's ``mtp.*`` tensors; the inner layer is a decoder layer's table), and refuses
+otherwise.
 
 A TP rank holds a contiguous block of rows of the column-parallel weights and of columns of the row-parallel ones;
 norms, row-parallel biases and a value head are replicated.  :func:`hf_to_megatron` and :func:`megatron_to_hf`
@@ -43,7 +46,9 @@ def hf_to_megatron(
     ``layers``: the global layers the target model holds (a pipeline stage's range; default all); they become
     ``decoder.layers.0 ...`` in order.  ``pre_process``/``post_process``: whether it has the embedding / the
     final norm and output layer.  A value model (``args.value_head``) takes ``score.weight`` (and
-    ``score.bias``) as its output layer.  Returns new tensors (slices are copied).
+    ``score.bias``) as its output layer.  With ``args.mtp_num_layers`` the last stage also takes the MTP layer
+    from the ``mtp.*`` tensors of ``hf_state_dict`` (its family's MTP mapping; ValueError for a family without one)
+    and a copy of the embedding.  Returns new tensors (slices are copied).
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> from packfwd.models.convert.hf import args_from_hf_config
@@ -62,7 +67,8 @@ def hf_to_megatron(
     sd = hf_state_dict
     out: dict[str, Tensor] = {}
     rows = _shard_rows(tp_size, tp_rank)
-    if pre_process:
+    mtp = post_process and args.mtp_num_layers > 0
+    if pre_process or mtp:  # the last stage of an MTP model holds a copy of the embedding (Megatron-Core's rule)
         out["embedding.word_embeddings.weight"] = rows(sd["model.embed_tokens.weight"])
     entry = family(args.family)
     for local, i in enumerate(layers):
@@ -79,6 +85,8 @@ def hf_to_megatron(
         elif not (args.tie_embeddings and pre_process):
             source = "model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight"
             out["output_layer.weight"] = rows(sd[source])
+    if mtp:
+        out.update(_mtp_to_megatron(sd, args, entry, tp_size, tp_rank))
     return out
 
 
@@ -94,7 +102,8 @@ def megatron_to_hf(
 
     For a pipeline stage (``layers``, ``pre_process``, ``post_process`` as in :func:`hf_to_megatron`) the result
     holds that stage's part of the HF state dict.  With tied embeddings ``lm_head.weight`` is the embedding, as in
-    HF's own state dict.  Returns new tensors.
+    HF's own state dict; with ``args.mtp_num_layers`` the last stage gives the checkpoint's ``mtp.*`` tensors too.
+    Returns new tensors.
 
     >>> import torch
     >>> from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -135,6 +144,37 @@ def megatron_to_hf(
             out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
         else:
             out["lm_head.weight"] = rows("output_layer.weight")
+        if args.mtp_num_layers:
+            out.update(_mtp_to_hf(shards, args, entry))
+    return out
+
+
+def _mtp_layer(args: ModelArgs, entry) -> tuple[str, str]:
+    """The MTP layer's inner decoder layer's prefixes (HF, Megatron-Core); ValueError, naming the fix, for a model
+    whose MTP layers packfwd does not convert.  Its own weights are the family's ``mtp_weights`` (HF under ``mtp.``,
+    Megatron-Core under ``mtp.layers.0.``); the inner layer is converted as the decoder's global layer
+    ``num_layers`` (the layer its spec builds), under ``mtp.layers.0.`` and ``mtp.layers.0.<inner>.``."""
+    from ..runtime.mtp import inner_layer_name
+
+    entry.check_mtp(args.mtp_num_layers, f"mtp_num_layers={args.mtp_num_layers}")
+    return "mtp.layers.0.", f"mtp.layers.0.{inner_layer_name()}."
+
+
+def _mtp_to_megatron(sd, args: ModelArgs, entry, tp: int, rank: int) -> dict[str, Tensor]:
+    h, m = _mtp_layer(args, entry)
+    out = rows_to_megatron(entry.mtp_weights, args, sd, "mtp.", "mtp.layers.0.", tp, rank)
+    out.update(rows_to_megatron(entry.layer_weights, args, sd, h, m, tp, rank))
+    for component in entry.components(args, args.num_layers):
+        out.update(component.hf_to_megatron(args, sd, h, m, tp_size=tp, tp_rank=rank))
+    return out
+
+
+def _mtp_to_hf(shards, args: ModelArgs, entry) -> dict[str, Tensor]:
+    h, m = _mtp_layer(args, entry)
+    out = rows_to_hf(entry.mtp_weights, args, shards, "mtp.layers.0.", "mtp.")
+    out.update(rows_to_hf(entry.layer_weights, args, shards, m, h))
+    for component in entry.components(args, args.num_layers):
+        out.update(component.megatron_to_hf(args, shards, m, h))
     return out
 
 

@@ -37,6 +37,12 @@ QWEN3_ATTENTION_BIAS = (
     "biases all linears or none (add_bias_linear), so packfwd builds Qwen3 with attention_bias=False")
 
 
+def _families():
+    from . import FAMILIES  # the registry imports every family module, this one first
+
+    return FAMILIES.values()
+
+
 @dataclass(frozen=True)
 class Family:
     """What every model of one transformers family shares, and how to read a model's numbers from its config
@@ -62,6 +68,8 @@ class Family:
     layer_weights: tuple[Weight, ...] = LAYER_NORMS  # the decoder layer's own weights (its components' aside)
     linear_attention: Component | None = None  # a hybrid's linear-attention mixer, on ModelArgs.linear_attention's
     #                                            layers (read by read_attention); None: no such layers
+    mtp_weights: tuple[Weight, ...] = ()  # an MTP layer's own weights (Megatron-Core names under mtp.layers.0., HF
+    #                                       under mtp.; its inner layer is a decoder layer's table); (): not converted
 
     def __post_init__(self):
         if self.norm != "rmsnorm":
@@ -70,6 +78,37 @@ class Family:
     def components(self, args, layer: int) -> tuple[Component, Component]:
         """The (token mixer, MLP) components of global layer ``layer`` of a model of ``args``."""
         return mixer(args, layer), mlp(args, layer)
+
+    def mtp_depths(self, cfg) -> int:
+        """The MTP depths a checkpoint of config ``cfg`` carries (``mtp_num_hidden_layers``, 0 when it says
+        none), checked by :meth:`check_mtp`.
+
+        >>> from transformers import Qwen3_5TextConfig
+        >>> from packfwd.models.families import FAMILIES
+        >>> FAMILIES["qwen3_5"].mtp_depths(Qwen3_5TextConfig(mtp_num_hidden_layers=1))
+        1
+        """
+        text = getattr(cfg, "text_config", None) or cfg
+        depths = int(getattr(text, "mtp_num_hidden_layers", 0) or 0)
+        self.check_mtp(depths, f"mtp_num_hidden_layers={depths}")
+        if getattr(text, "mtp_use_dedicated_embeddings", False):
+            raise ValueError("mtp_use_dedicated_embeddings=True: packfwd's MTP layer embeds with the model's own "
+                             "embedding (Megatron-Core's); convert a checkpoint whose config sets it False")
+        return depths
+
+    def check_mtp(self, depths: int, source: str) -> None:
+        """ValueError, naming the fix, unless this family converts MTP layers of ``depths`` depths (``source``:
+        where the number comes from): it needs an MTP mapping (``mtp_weights``) and one depth, since a checkpoint's
+        MTP layers share one ``mtp.fc`` and its norms while each of Megatron-Core's depths has its own."""
+        if not self.mtp_weights:
+            with_mtp = ", ".join(sorted(f.name for f in _families() if f.mtp_weights))
+            raise ValueError(f"{source}: packfwd has no MTP weight mapping for family {self.name!r} (it converts "
+                             f"those of {with_mtp}); leave mtp_state_dict out of from_hf, or convert the model "
+                             "without its MTP layers (megatron_to_hf with dataclasses.replace(args, mtp_num_layers=0))")
+        if depths > 1:
+            raise ValueError(f"{source}: the checkpoint's MTP layers share one mtp.fc and its norms, while each of "
+                             "Megatron-Core's MTP depths has its own; packfwd converts one MTP depth "
+                             "(mtp_num_hidden_layers=1, every released checkpoint's)")
 
     def hf_fields(self, cfg) -> dict:
         """The :class:`~packfwd.models.args.ModelArgs` fields of the transformers config ``cfg`` (all but the

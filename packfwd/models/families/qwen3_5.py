@@ -3,15 +3,29 @@ DeltaNet on ``layer_types``' ``"linear_attention"`` layers, gated full attention
 zero-centred norms) with its linear attention's projections flat (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
 ``in_proj_a``) and dense SwiGLU MLPs.  Text positions: the config's multimodal RoPE sections
 (``mrope_section``) rotate every channel by the one text position, which is plain RoPE; the vision model
-(``Qwen3_5ForConditionalGeneration``) is not converted."""
+(``Qwen3_5ForConditionalGeneration``) is not converted.
+
+Its MTP layer (``mtp.*`` in the checkpoint, dropped by transformers: ``from_hf(hf, mtp_state_dict=)``) is
+Megatron-Core's MTP layer: ``MTP_WEIGHTS`` (the norms of the embedding and of the hidden state, ``fc`` over
+``[embedding, hidden]``, the final norm) around a full-attention decoder layer ``mtp.layers.0``, whose weights
+are named as the decoder's."""
 
 from __future__ import annotations
 
+from ..mapping import Weight
 from ..mixers import GATED_ATTENTION, GATED_DELTANET
 from .entry import QWEN3_ATTENTION_BIAS, Family
 from .qwen3_next import hybrid_attention_fields
 
-__all__ = ["FAMILY", "read_attention"]
+__all__ = ["FAMILY", "MTP_WEIGHTS", "read_attention"]
+
+# Megatron-Core's MTP layer (under mtp.layers.0.) <- the checkpoint's (under mtp.); eh_proj is column-parallel
+MTP_WEIGHTS = (
+    Weight("enorm.weight", "pre_fc_norm_embedding.weight"),
+    Weight("hnorm.weight", "pre_fc_norm_hidden.weight"),
+    Weight("eh_proj.weight", "fc.weight", "rows"),
+    Weight("final_layernorm.weight", "norm.weight"),
+)
 
 
 def read_attention(cfg) -> dict:
@@ -20,4 +34,5 @@ def read_attention(cfg) -> dict:
 
 
 FAMILY = Family("qwen3_5", ("qwen3_5_text",), attention=GATED_ATTENTION, read_attention=read_attention,
-                unsupported=(QWEN3_ATTENTION_BIAS,), rope_scalings=("default",), linear_attention=GATED_DELTANET)
+                unsupported=(QWEN3_ATTENTION_BIAS,), rope_scalings=("default",), linear_attention=GATED_DELTANET,
+                mtp_weights=MTP_WEIGHTS)

@@ -46,7 +46,7 @@ from megatron.core.utils import make_viewless_tensor
 from ..norm import norm_class
 from .spec import layer_spec
 
-__all__ = ["PackedMtpLayer", "check_mtp_layers", "mtp_block_spec", "postprocess", "with_logits"]
+__all__ = ["PackedMtpLayer", "check_mtp_layers", "inner_layer_name", "mtp_block_spec", "postprocess", "with_logits"]
 
 _SUBMODULE_FIELDS = {f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules)}
 # the inner layer's field: ``transformer_layer`` in Megatron-Core 0.16, ``mtp_model_layer`` from 0.19
@@ -94,6 +94,16 @@ def mtp_block_spec(num_layers: int, *, args=None, attention_backend: str | None 
     layer = ModuleSpec(module=PackedMtpLayer, submodules=submodules)
     return ModuleSpec(module=MultiTokenPredictionBlock,
                       submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_layers))
+
+
+def inner_layer_name() -> str:
+    """The name of an MTP layer's inner transformer layer in this Megatron-Core (module docstring): where its
+    weights sit in the state dict, ``mtp.layers.{k}.<name>.``.
+
+    >>> inner_layer_name() in ("mtp_model_layer", "transformer_layer")
+    True
+    """
+    return _INNER
 
 
 def check_mtp_layers(model, num_layers: int) -> None:
