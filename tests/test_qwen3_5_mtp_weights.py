@@ -1,4 +1,4 @@
-"""Qwen3.5's MTP weights in and out: ``from_hf(hf, mtp_state_dict=)`` and ``to_hf_state_dict``.
+"""Qwen3.5's and Qwen3-Next's MTP weights in and out: ``from_hf(hf, mtp_state_dict=)`` and ``to_hf_state_dict``.
 
 Strategy: a random ``mtp.*`` state dict, named as the checkpoints name it (transformers drops these tensors), is
 loaded; it must come back bit for bit (whole, and from two TP shards merged), and the loaded model's MTP outputs
@@ -9,6 +9,8 @@ hidden]``, a full-attention decoder layer holding ``mtp.layers.0.*``, ``mtp.norm
 each tensor's place is checked, not just the round trip; the negative control swaps the two pre-fc norms (and the
 reference must then differ).  Bad dicts and families without an MTP mapping are refused.  Tiny float64 models of
 ``tests/test_hybrid_families.py``; the batch of ``tests/mtp_support.py`` (ragged: left, right and holey padding).
+Qwen3-Next also as its checkpoints come: a config without ``mtp_num_hidden_layers`` and the MTP layer's routed
+experts one tensor per expert (``mtp.layers.0.mlp.experts.{e}.gate_proj.weight`` ...).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 
 import pytest
 import torch
+import transformers
 
 from packfwd.forward import make_forward
 from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
@@ -28,6 +31,7 @@ from . import mtp_support as ms
 from .test_hybrid_families import ATOL, hf_model
 
 FULL = 3  # the tiny models' full-attention layer (layer_types: 3 linear, then 1 full)
+MROPE = {"qwen3_5_text": True, "qwen3_5_moe_text": True, "qwen3_next": False}  # positions per M-RoPE section
 
 
 def mtp_state(hf, seed: int = 1) -> dict:
@@ -59,10 +63,10 @@ def hf_reference(hf, mtp: dict, seq: torch.Tensor) -> torch.Tensor:
         later = model.embed_tokens(torch.cat([seq[1:], seq.new_zeros(1)])[None])  # token i + 1 (0 past the end)
         x = torch.nn.functional.linear(torch.cat([norm("pre_fc_norm_embedding")(later),
                                                   norm("pre_fc_norm_hidden")(hidden)], dim=-1), mtp["mtp.fc.weight"])
-        positions = torch.arange(n).view(1, 1, n).expand(3, 1, n)
+        positions = torch.arange(n)[None]  # Qwen3.5's rotary embedding takes them per M-RoPE section, [3, 1, n]
         causal = torch.full((n, n), float("-inf"), dtype=x.dtype).triu(1)[None, None]
-        x = layer(x, position_embeddings=model.rotary_emb(x, positions), attention_mask=causal,
-                  position_ids=positions[0])
+        rope = model.rotary_emb(x, positions.expand(3, 1, n) if MROPE[hf.config.model_type] else positions)
+        x = layer(x, position_embeddings=rope, attention_mask=causal, position_ids=positions)
         log_p = torch.log_softmax(hf.lm_head(norm("norm")(x))[0], dim=-1)
     out = log_p.new_zeros(n)
     if n > 2:
@@ -77,7 +81,7 @@ def hf_reference_batch(hf, mtp, ids, mask) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_mtp_weights_load_into_the_right_places(family):
     """The loaded model's depth-1 log-probs (THD, a ragged batch) equal the HF-named reference; the main logits
     equal transformers'."""
@@ -95,10 +99,11 @@ def test_mtp_weights_load_into_the_right_places(family):
         torch.testing.assert_close(out["logits"][i][mask[i]], want, **ATOL[family])
 
 
-def test_the_reference_tells_the_norms_apart():
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_the_reference_tells_the_norms_apart(family):
     """Negative control: with the two pre-fc norms swapped the reference differs from the loaded model's outputs, so
     the test above would catch a mapping that swapped them."""
-    hf = hf_model("qwen3_5", mtp_num_hidden_layers=1)
+    hf = hf_model(family, mtp_num_hidden_layers=1)
     mtp = mtp_state(hf)
     model = from_hf(hf, mtp_state_dict=mtp)
     swapped = {**mtp, "mtp.pre_fc_norm_embedding.weight": mtp["mtp.pre_fc_norm_hidden.weight"],
@@ -109,7 +114,7 @@ def test_the_reference_tells_the_norms_apart():
     assert (got - hf_reference_batch(hf, swapped, ids, mask)).abs().amax() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_mtp_weights_convert_back_bit_for_bit(family):
     """``to_hf_state_dict`` gives the checkpoint's names back, MTP included, bit for bit; two TP shards merge back
     too, ``mtp.fc`` cut by rows as Megatron-Core's column-parallel ``eh_proj`` is; the last of two pipeline stages
@@ -148,8 +153,46 @@ def test_bad_mtp_state_dicts_are_refused():
         from_hf(hf_model("qwen3_5"), mtp_state_dict=mtp)
     with pytest.raises(ValueError, match="mtp_num_hidden_layers=2: .*packfwd converts one MTP depth"):
         from_hf(hf_model("qwen3_5", mtp_num_hidden_layers=2), mtp_state_dict=mtp)
-    with pytest.raises(ValueError, match="no MTP weight mapping for family 'qwen3_next'.*leave mtp_state_dict out"):
-        from_hf(hf_model("qwen3_next", mtp_num_hidden_layers=1), mtp_state_dict=mtp)
+    qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, mtp_num_hidden_layers=1))
+    with pytest.raises(ValueError, match="no MTP weight mapping for family 'qwen2'.*leave mtp_state_dict out"):
+        from_hf(qwen2, mtp_state_dict=mtp)
+
+
+def per_expert(mtp: dict) -> dict:
+    """``mtp`` with the MTP layer's fused routed experts cut into one tensor per expert, as Qwen3-Next's safetensors
+    files hold them (transformers' own conversion fuses ``[gate; up]`` along dim 1)."""
+    out, p = dict(mtp), "mtp.layers.0.mlp.experts."
+    gate_up, down = out.pop(p + "gate_up_proj"), out.pop(p + "down_proj")
+    for e in range(gate_up.shape[0]):
+        gate, up = gate_up[e].chunk(2)
+        out.update({f"{p}{e}.gate_proj.weight": gate.clone(), f"{p}{e}.up_proj.weight": up.clone(),
+                    f"{p}{e}.down_proj.weight": down[e].clone()})
+    return out
+
+
+def test_qwen3_next_as_its_checkpoints_come():
+    """A Qwen3-Next config without ``mtp_num_hidden_layers`` (the released configs name none) reads one MTP depth,
+    and the MTP experts one tensor per expert load to the same outputs as fused; they come back fused (transformers'
+    names, as the decoder's), bit for bit; per-expert tensors missing or misshapen are named."""
+    hf = hf_model("qwen3_next")
+    assert getattr(hf.config, "mtp_num_hidden_layers", None) is None
+    mtp = mtp_state(hf)
+    split = per_expert(mtp)
+    model = from_hf(hf, mtp_state_dict=split)
+    assert model.config.mtp_num_layers == 1
+    ids, mask, _, _ = ms.batch()
+    with torch.no_grad():
+        got = make_forward("thd", mtp=True)(model, ids, mask)["mtp_log_probs"][..., 0]
+    torch.testing.assert_close(got, hf_reference_batch(hf, mtp, ids, mask), **ATOL["qwen3_next"])
+    back = to_hf_state_dict(model)
+    assert all(torch.equal(back[n], t) for n, t in mtp.items()) and not set(split) - set(mtp) & set(back)
+    e3 = "mtp.layers.0.mlp.experts.3."
+    with pytest.raises(ValueError, match=r"missing \['mtp.layers.0.mlp.experts.3.down_proj.weight'\]"):
+        from_hf(hf, mtp_state_dict={n: t for n, t in split.items() if n != e3 + "down_proj.weight"})
+    with pytest.raises(ValueError, match=r"experts.3.up_proj.weight \(32, 16\) \(want \(16, 32\)\)"):
+        from_hf(hf, mtp_state_dict={**split, e3 + "up_proj.weight": split[e3 + "up_proj.weight"].T.contiguous()})
 
 
 def test_a_family_without_an_mtp_mapping_refuses_to_convert_its_mtp_layer():

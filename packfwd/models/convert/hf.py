@@ -106,10 +106,11 @@ def from_hf(
     (False: Megatron-Core's plain modules, for checking; the weights are the same either way).
 
     ``mtp_state_dict``: the checkpoint's ``mtp.*`` tensors (as safetensors reads them; transformers drops them),
-    for a family with an MTP mapping (Qwen3.5, Qwen3.5-MoE): the model is built with the config's
-    ``mtp_num_hidden_layers`` MTP depths (``ModelArgs.mtp_num_layers``, on the last stage) and loads them;
-    :func:`to_hf_state_dict` gives them back under the same names.  Missing, unexpected or misshapen tensors are a
-    ValueError naming them.
+    for a family with an MTP mapping (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): the model is built with the config's
+    ``mtp_num_hidden_layers`` MTP depths (``ModelArgs.mtp_num_layers``, on the last stage; Qwen3-Next's configs name
+    none: 1) and loads them (routed experts fused or one tensor per expert); :func:`to_hf_state_dict` gives them
+    back under the same names (the routed experts fused, as transformers names the decoder's).  Missing, unexpected
+    or misshapen tensors are a ValueError naming them.
 
     >>> from transformers import Qwen2Config, Qwen2ForCausalLM
     >>> hf = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -185,15 +186,17 @@ def _mtp_depths(hf_model, mtp_state_dict) -> int:
     depths = family_of_hf_config(hf_model.config).mtp_depths(hf_model.config)
     if not depths:
         raise ValueError("mtp_state_dict given, but the config has no MTP layers (mtp_num_hidden_layers is 0 or "
-                         "absent); set config.mtp_num_hidden_layers as the checkpoint's config.json says, or leave "
-                         "mtp_state_dict out")
+                         "absent); set config.mtp_num_hidden_layers as the checkpoint's config.json says (1 where it "
+                         "names none and its files hold mtp.layers.0), or leave mtp_state_dict out")
     return depths
 
 
 def _checked_mtp_state(hf_model, args: ModelArgs, mtp_state_dict) -> dict[str, Tensor]:
     """``mtp_state_dict`` checked against what the family's mapping reads, names and shapes: its own weights'
     (``Family.mtp_weights``: norms of the hidden size, the projection ``[hidden, 2 hidden]``) and the inner layer's,
-    which are those of the model's decoder layers of the same components (the HF model's own tensors)."""
+    which are those of the model's decoder layers of the same components (the HF model's own tensors).  The routed
+    experts may come fused (transformers' ``experts.gate_up_proj`` / ``down_proj``) or one tensor per expert
+    (``experts.{e}.gate_proj.weight`` ..., as Qwen3-Next's safetensors files hold them)."""
     from ..families import family
 
     entry, h = family(args.family), args.hidden_size
@@ -206,6 +209,7 @@ def _checked_mtp_state(hf_model, args: ModelArgs, mtp_state_dict) -> dict[str, T
     prefix = f"model.layers.{like}."
     want.update({f"mtp.layers.0.{n[len(prefix):]}": tuple(t.shape) for n, t in hf_model.state_dict().items()
                  if n.startswith(prefix)})
+    want = _per_expert_names(want, mtp_state_dict)
     missing, extra = sorted(set(want) - set(mtp_state_dict)), sorted(set(mtp_state_dict) - set(want))
     if missing or extra:
         raise ValueError(f"mtp_state_dict does not match {entry.name}'s MTP layer: missing {missing}, unexpected "
@@ -215,6 +219,22 @@ def _checked_mtp_state(hf_model, args: ModelArgs, mtp_state_dict) -> dict[str, T
         raise ValueError(f"mtp_state_dict has tensors of the wrong shape: {', '.join(wrong)}; pass the mtp.* tensors "
                          "of this model's checkpoint")
     return dict(mtp_state_dict)
+
+
+def _per_expert_names(want: dict, mtp_state_dict) -> dict:
+    """``want`` (names -> shapes) with the MTP layer's fused routed experts named per expert where
+    ``mtp_state_dict`` names them so: ``gate_proj`` / ``up_proj`` ``[f, h]`` and ``down_proj`` ``[h, f]`` of each of
+    the ``E`` experts of ``gate_up_proj [E, 2f, h]``."""
+    fused = [n for n in want if n.endswith(".experts.gate_up_proj")]
+    for name in fused:
+        experts = name[: -len("gate_up_proj")]
+        if not any(n.startswith(experts) and n[len(experts):].split(".")[0].isdigit() for n in mtp_state_dict):
+            continue
+        (num, f2, h), down = want.pop(name), want.pop(experts + "down_proj")
+        for e in range(num):
+            want.update({f"{experts}{e}.gate_proj.weight": (f2 // 2, h), f"{experts}{e}.up_proj.weight": (f2 // 2, h),
+                         f"{experts}{e}.down_proj.weight": down[1:]})
+    return want
 
 
 def _check_whole_model(hf_model) -> None:

@@ -7,8 +7,8 @@ components (:mod:`packfwd.models.component`: its token mixer and its MLP) for th
 experts (:mod:`packfwd.models.mlp.moe_weights`).  The model's own tensors stay here: the embedding and the output
 layer (``vocab / tp`` rows each; tied embeddings, a value head's ``score``), the final norm (replicated).  A model
 with an MTP layer (``args.mtp_num_layers``, on the last stage) converts it too where its family has an MTP mapping
-(``Family.mtp_weights``: Qwen3.5's ``mtp.*`` tensors; the inner layer is a decoder layer's table), and refuses
-otherwise.
+(``Family.mtp_weights``: Qwen3.5's and Qwen3-Next's ``mtp.*`` tensors; the inner layer is a decoder layer's
+table), and refuses otherwise.
 
 A TP rank holds a contiguous block of rows of the column-parallel weights and of columns of the row-parallel ones;
 norms, row-parallel biases and a value head are replicated.  :func:`hf_to_megatron` and :func:`megatron_to_hf`

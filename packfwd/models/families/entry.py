@@ -70,6 +70,7 @@ class Family:
     #                                            layers (read by read_attention); None: no such layers
     mtp_weights: tuple[Weight, ...] = ()  # an MTP layer's own weights (Megatron-Core names under mtp.layers.0., HF
     #                                       under mtp.; its inner layer is a decoder layer's table); (): not converted
+    mtp_depths_unnamed: int = 0  # the MTP depths of a checkpoint whose config has no mtp_num_hidden_layers
 
     def __post_init__(self):
         if self.norm != "rmsnorm":
@@ -80,8 +81,9 @@ class Family:
         return mixer(args, layer), mlp(args, layer)
 
     def mtp_depths(self, cfg) -> int:
-        """The MTP depths a checkpoint of config ``cfg`` carries (``mtp_num_hidden_layers``, 0 when it says
-        none), checked by :meth:`check_mtp`.
+        """The MTP depths a checkpoint of config ``cfg`` carries (``mtp_num_hidden_layers``; where the config has
+        no such field, ``mtp_depths_unnamed``: Qwen3-Next's released configs name none and its checkpoints hold
+        one), checked by :meth:`check_mtp`.
 
         >>> from transformers import Qwen3_5TextConfig
         >>> from packfwd.models.families import FAMILIES
@@ -89,7 +91,8 @@ class Family:
         1
         """
         text = getattr(cfg, "text_config", None) or cfg
-        depths = int(getattr(text, "mtp_num_hidden_layers", 0) or 0)
+        named = getattr(text, "mtp_num_hidden_layers", None)
+        depths = self.mtp_depths_unnamed if named is None else int(named)
         self.check_mtp(depths, f"mtp_num_hidden_layers={depths}")
         if getattr(text, "mtp_use_dedicated_embeddings", False):
             raise ValueError("mtp_use_dedicated_embeddings=True: packfwd's MTP layer embeds with the model's own "

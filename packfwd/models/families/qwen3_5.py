@@ -6,26 +6,17 @@ zero-centred norms) with its linear attention's projections flat (``in_proj_qkv`
 (``Qwen3_5ForConditionalGeneration``) is not converted.
 
 Its MTP layer (``mtp.*`` in the checkpoint, dropped by transformers: ``from_hf(hf, mtp_state_dict=)``) is
-Megatron-Core's MTP layer: ``MTP_WEIGHTS`` (the norms of the embedding and of the hidden state, ``fc`` over
-``[embedding, hidden]``, the final norm) around a full-attention decoder layer ``mtp.layers.0``, whose weights
-are named as the decoder's."""
+Qwen3-Next's (:mod:`packfwd.models.families.qwen3_next`, ``MTP_WEIGHTS``): the norms of the embedding and of the
+hidden state, ``fc`` over ``[embedding, hidden]`` and the final norm around a full-attention decoder layer
+``mtp.layers.0``, whose weights are named as the decoder's; its depths are the config's ``mtp_num_hidden_layers``."""
 
 from __future__ import annotations
 
-from ..mapping import Weight
 from ..mixers import GATED_ATTENTION, GATED_DELTANET
 from .entry import QWEN3_ATTENTION_BIAS, Family
-from .qwen3_next import hybrid_attention_fields
+from .qwen3_next import MTP_WEIGHTS, hybrid_attention_fields
 
 __all__ = ["FAMILY", "MTP_WEIGHTS", "read_attention"]
-
-# Megatron-Core's MTP layer (under mtp.layers.0.) <- the checkpoint's (under mtp.); eh_proj is column-parallel
-MTP_WEIGHTS = (
-    Weight("enorm.weight", "pre_fc_norm_embedding.weight"),
-    Weight("hnorm.weight", "pre_fc_norm_hidden.weight"),
-    Weight("eh_proj.weight", "fc.weight", "rows"),
-    Weight("final_layernorm.weight", "norm.weight"),
-)
 
 
 def read_attention(cfg) -> dict:
