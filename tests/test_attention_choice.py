@@ -83,3 +83,9 @@ def test_the_check_compares_forward_and_gradients_with_the_reference(cuda_kernel
     cuda_kernels.setattr(varlen, "_KERNELS", dict(varlen._KERNELS, cudnn=raises))
     with pytest.warns(UserWarning, match="RuntimeError: no cuDNN library"):
         assert not cudnn_check("cpu", torch.float32)
+
+
+def test_prefer_cudnn_on_the_cpu_is_the_automatic_choice():
+    assert choose_backend("cpu", torch.bfloat16, 64, backend="prefer_cudnn") == "reference"
+    with pytest.raises(ValueError, match="prefer_cudnn"):  # the message lists every name backend= takes
+        choose_backend("cpu", torch.bfloat16, 64, backend="fastest")

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .varlen import BACKENDS, PREFER_CUDNN, available_backends, choose_backend, varlen_attention
+from .varlen import CHOICES, available_backends, choose_backend, varlen_attention
 
 __all__ = ["CoreAttention", "attention_backends", "thd_cp_place"]
 
@@ -71,8 +71,8 @@ class CoreAttention(torch.nn.Module):
         if dropout:
             raise ValueError(f"attention_dropout={dropout}: packfwd's core attention has no dropout; set it to 0.0")
         self.window = _layer_window(config, layer_number)
-        if backend is not None and backend not in BACKENDS + (PREFER_CUDNN,):
-            raise ValueError(f"backend={backend!r} is not one of {BACKENDS + (PREFER_CUDNN,)}; pass one of them or None")
+        if backend is not None and backend not in CHOICES:
+            raise ValueError(f"backend={backend!r} is not one of {CHOICES}; pass one of them or None")
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.backend = backend

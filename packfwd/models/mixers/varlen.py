@@ -62,7 +62,7 @@ from torch import Tensor
 
 from packfwd.layout.rules import round_up
 
-__all__ = ["BACKENDS", "BACKEND_FEATURES", "PREFER_CUDNN", "available_backends", "choose_backend", "cudnn_check", "varlen_attention",
+__all__ = ["BACKENDS", "BACKEND_FEATURES", "CHOICES", "PREFER_CUDNN", "available_backends", "choose_backend", "cudnn_check", "varlen_attention",
            "varlen_attention_reference"]
 
 BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "flex", "reference")
@@ -70,6 +70,7 @@ BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "flex", "reference")
 # choice itself yet: cuDNN builds a graph per new shape, and a whole RL step of varied micro-batches has not been
 # measured with it (benchmarks/bench_rl_step.py); the fixed-shape 1B step was (benchmarks/RESULTS.md).
 PREFER_CUDNN = "prefer_cudnn"
+CHOICES = BACKENDS + (PREFER_CUDNN,)  # what backend= takes besides None
 # What each backend computes beyond plain (causal) attention: a sliding window, per-head sinks (module docstring).
 BACKEND_FEATURES = {"flash_attn": (), "torch_varlen": (), "cudnn": (), "flex": ("window", "sinks"),
                     "reference": ("window", "sinks")}
@@ -159,7 +160,7 @@ def _resolve(backend: str | None, device: torch.device, dtype: torch.dtype, feat
             _warn_slow_dtype(dtype, automatic[0])
         return "reference"
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None (automatic)")
+        raise ValueError(f"backend={backend!r} is not one of {CHOICES}; pass one of them or None (automatic)")
     if backend == "cudnn" and backend in usable and dtype not in _HALF:
         raise TypeError(f"backend='cudnn' takes float16/bfloat16 inputs, got {dtype}; cast them, or pass "
                         "backend='reference' (any dtype)")
@@ -183,7 +184,7 @@ def _resolve_features(backend: str | None, device: torch.device, dtype: torch.dt
             _warn_reference_features(features)
         return name
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; pass one of them or None (automatic)")
+        raise ValueError(f"backend={backend!r} is not one of {CHOICES}; pass one of them or None (automatic)")
     if backend not in honours:
         raise ValueError(f"backend={backend!r} cannot compute attention with {' and '.join(features)} (what each "
                          f"backend honours: {BACKEND_FEATURES}); pass backend=None or one of {honours}")
