@@ -51,7 +51,7 @@ class StepGraphs:
     """The CUDA graphs of ``run_micro_batches``' micro-batch steps, one pair (forward, backward) per bucket.
 
     ``run_micro_batches(..., graphs=True)`` keeps one on the forward (``forward.step_graphs``); pass your own to
-    hold it elsewhere; ``graphs=False`` (the default until the graphed step has run on a GPU) is the eager path.  ``capture=False``: the padded bucket
+    hold it elsewhere; ``graphs=False`` is the plain eager path (the default ``graphs=None`` graphs where they can work).  ``capture=False``: the padded bucket
     step runs eagerly (what the graphs replay, for comparing and debugging).  ``max_graphs``: buckets kept; past it
     every graph is dropped and captured again as needed.  All graphs share one memory pool.
 
@@ -416,6 +416,10 @@ class _Device:
                 result = fn()
         except BaseException:
             torch.cuda.set_stream(caller)  # a failed capture_end leaves the capture stream current
+            # and the device's random generator in capture mode (its capture epilogue never ran): every later random
+            # op outside a graph would raise; a clone of its state (same seed and offset) is out of capture mode
+            generator = torch.cuda.default_generators[torch.cuda.current_device()]
+            generator.graphsafe_set_state(generator.clone_state())
             raise
         return graph, result
 

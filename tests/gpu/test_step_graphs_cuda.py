@@ -149,4 +149,7 @@ def test_a_processor_that_syncs_falls_back_with_one_warning(deterministic):
     with pytest.warns(UserWarning, match="could not capture"):
         got = [step(forward, model, plan, data, graphs) for _ in range(2)][-1]
     assert graphs.captured == 0 and graphs.reason.startswith("capture failed"), graphs
+    # the abandoned capture leaves the device's random generator usable outside graphs (it used to stay in capture
+    # mode: every later random op raised 'Offset increment outside graph capture')
+    torch.randn(4, device="cuda")
     assert_same(got, step(forward, model, plan, data, StepGraphs(capture=False)), "fallback")
