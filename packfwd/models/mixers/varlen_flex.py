@@ -65,17 +65,23 @@ def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     torch.Size([5, 2, 16])
     """
     flex = _flex()
-    t_q, h, d = q.shape
+    t_q = q.shape[0]
+    # whole 128-token blocks, at least one (below 128 queries inductor picks a decoding kernel that has no valid
+    # configuration under dynamic shapes: seen on an H100, torch 2.11); the pad rows are in no sequence
+    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, max(128, -(-x.shape[0] // 128) * 128) - x.shape[0]))
+               for x in (q, k, v))
+    t_pad, h, d = q.shape
     cu_q, cu_k = cu_seqlens_q.to(q.device, torch.long), cu_seqlens_k.to(q.device, torch.long)
     n = cu_q.numel() - 1
-    doc_q = torch.searchsorted(cu_q[1:], torch.arange(t_q, device=q.device), right=True)  # n past the end
+    doc_q = torch.searchsorted(cu_q[1:], torch.arange(t_pad, device=q.device), right=True)  # n past the end
     doc_k = torch.searchsorted(cu_k[1:], torch.arange(k.shape[0], device=q.device), right=True)
     shift = torch.cat([cu_k.diff() - cu_q.diff() - cu_q[:-1], cu_q.new_zeros(1)])  # [n + 1]: past the end, 0
-    pos_q = torch.arange(t_q, device=q.device) + shift[doc_q]  # own position among the sequence's keys
-    pos_k = torch.arange(k.shape[0], device=q.device) - cu_k[doc_k]
+    pos_q = torch.arange(t_pad, device=q.device) + shift[doc_q]  # own position among the sequence's keys
+    pos_k = torch.arange(k.shape[0], device=q.device) - cu_k[torch.clamp(doc_k, max=n)]
 
     doc_q = torch.where(doc_q < n, doc_q, -1)  # past the end: no sequence (a tensor, not n: one compiled graph)
-    reach = torch.full((1,), t_q + k.shape[0] if window is None else window, device=q.device, dtype=torch.long)
+    doc_k = torch.where(doc_k < n, doc_k, -2)  # keys past the end: none, and never a query's -1
+    reach = torch.full((1,), t_pad + k.shape[0] if window is None else window, device=q.device, dtype=torch.long)
 
     def keep(b, head, i, j):
         kept = doc_q[i] == doc_k[j]
@@ -84,12 +90,12 @@ def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         return kept & (pos_q[i] - pos_k[j] <= reach[0])
 
     # compiled on CUDA: the mask is never laid out as [t_q, t_k] (only its (t / 128)**2 blocks)
-    mask = flex.create_block_mask(keep, None, None, t_q, k.shape[0], device=q.device, _compile=q.is_cuda)
+    mask = flex.create_block_mask(keep, None, None, t_pad, k.shape[0], device=q.device, _compile=q.is_cuda)
     attend = _compiled() if q.is_cuda else flex.flex_attention
     out, aux = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask,
                       scale=d**-0.5 if softmax_scale is None else softmax_scale, enable_gqa=h != k.shape[1],
                       return_aux=flex.AuxRequest(lse=True))
-    out, lse = out[0].transpose(0, 1), aux.lse[0].transpose(0, 1)  # [t_q, h, d_v], [t_q, h]
+    out, lse = out[0].transpose(0, 1)[:t_q], aux.lse[0].transpose(0, 1)[:t_q]  # [t_q, h, d_v], [t_q, h]
     if sinks is not None:  # one rounding: the product in at least float32
         work = torch.promote_types(out.dtype, torch.float32)
         out = (out.to(work) * torch.sigmoid(lse.to(work) - sinks.to(work))[..., None]).to(q.dtype)
