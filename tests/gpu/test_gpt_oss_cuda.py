@@ -5,9 +5,9 @@ sliding windows and sinks, against the exact reference.
 The CPU tests check the model against transformers per sequence in float64 with the reference backend, and the flex
 backend's forward in eager mode.  Here, on CUDA: the compiled kernel's output and its gradients (q, k, v and the
 sinks) equal the reference's (float32 math) within bf16 rounding, on ragged sequences longer than the window, with
-grouped heads, for self-attention and for context parallelism's bottom-right chunks (named: the automatic choice stays
-the reference until this file has passed); a bf16 GPT-OSS model built with it gives the reference backend's logits within bf16 rounding,
-and its backward runs (the sinks' gradients as the reference's); its biased, clamped experts as grouped GEMMs
+grouped heads, for self-attention and for context parallelism's bottom-right chunks (the automatic choice for windows
+and sinks in fp16/bf16 since this file passed on an H100); a bf16 GPT-OSS model built with it is as close to a float32
+run as the reference backend in bf16 (logits, the sinks' and an expert bias's gradients); its biased, clamped experts as grouped GEMMs
 (``grouped_glu_mlp``, the automatic path on sm90 bf16) give the loop over experts' logits and gradients.  CUDA
 only (skipped elsewhere).
 
@@ -98,15 +98,22 @@ def test_a_bf16_gpt_oss_on_flex_equals_the_reference_backend():
     from packfwd.models.mlp.experts import set_grouped_experts
 
     out = {}
-    for backend, grouped in (("flex", None), ("reference", None), ("flex", False)):
-        model = from_hf(hf, device="cuda", params_dtype=torch.bfloat16, attention_backend=backend)
+    runs = (("flex", None, torch.bfloat16), ("reference", None, torch.bfloat16), ("flex", False, torch.bfloat16),
+            ("reference", False, torch.float32))  # the last: the float32 truth every bf16 run is judged against
+    for backend, grouped, dtype in runs:
+        model = from_hf(hf, device="cuda", params_dtype=dtype, attention_backend=backend)
         set_grouped_experts(model, grouped)  # None: grouped_glu_mlp on sm90 bf16; False: the loop over experts
         logits = pf.make_forward("thd")(model, ids, mask)
         logits[mask].float().logsumexp(-1).sum().backward()
         sinks = model.decoder.layers[0].self_attention.core_attention.softmax_offset.grad
         bias = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.bias.grad
-        out[backend, grouped] = (logits[mask].float(), sinks.float(), bias.float())
-    for other in (("reference", None), ("flex", False)):
-        for i, name in enumerate(("logits", "sinks' gradient", "an expert bias's gradient")):
-            err = rel_err(out["flex", None][i], out[other][i])
-            assert err < (2e-2 if i == 0 else 5e-2), (other, name, err)
+        out[backend, grouped, dtype] = (logits[mask].float(), sinks.float(), bias.float())
+    # bf16 rounding flips a few tokens' top-2 experts in a 4-layer MoE, which moves their logits by whole percents
+    # whatever the attention kernel (seen on an H100: flex against the reference backend 4.3e-2 in norm); so each
+    # bf16 run is judged against the float32 truth, and flex must be as close to it as the reference backend is
+    truth = out["reference", False, torch.float32]
+    errors = {run[:2]: [rel_err(a, b) for a, b in zip(out[run], truth)] for run in runs[:3]}
+    print("gpt-oss bf16 against float32 (logits, sinks' gradient, expert bias gradient):", errors)
+    for i, name in enumerate(("logits", "sinks' gradient", "an expert bias's gradient")):
+        for run in (("flex", None), ("flex", False)):
+            assert errors[run][i] <= 1.5 * errors["reference", None][i] + 5e-3, (run, name, errors)
