@@ -21,6 +21,7 @@ Refusals name the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -412,3 +413,28 @@ def test_refusals_name_the_field_and_the_fix():
 
         _check_expert_parallel(args, 1, 2, 1, sequence_parallel=True, etp=2)
     assert ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)}) == args
+
+
+def test_the_automatic_choice_for_windows_and_sinks(monkeypatch):
+    """On CUDA in fp16/bf16 the automatic backend of a window or sinks is flex (its GPU tests passed on an H100);
+    float32, or a torch without flex, take the exact reference with a one-time warning; the CPU the reference, mute."""
+    features = ("window", "sinks")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(varlen, "available_backends",
+                        lambda device="cpu": ("torch_varlen", "flex", "reference") if torch.device(device).type == "cuda"
+                        else ("reference",))
+    monkeypatch.setattr(varlen, "_WARNED_FEATURES", set())
+    for dtype in (torch.bfloat16, torch.float16):
+        assert varlen._resolve_features(None, cuda, dtype, features) == "flex"
+        assert varlen._resolve_features(None, cuda, dtype, ("window",)) == "flex"
+    with pytest.warns(UserWarning, match="'reference' backend"):
+        assert varlen._resolve_features(None, cuda, torch.float32, features) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert varlen._resolve_features(None, torch.device("cpu"), torch.bfloat16, features) == "reference"
+    monkeypatch.setattr(varlen, "available_backends",
+                        lambda device="cpu": ("torch_varlen", "reference") if torch.device(device).type == "cuda"
+                        else ("reference",))
+    monkeypatch.setattr(varlen, "_WARNED_FEATURES", set())
+    with pytest.warns(UserWarning, match="'reference' backend"):
+        assert varlen._resolve_features(None, cuda, torch.bfloat16, features) == "reference"

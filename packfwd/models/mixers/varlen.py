@@ -35,8 +35,8 @@ bottom-right as the causal mask is: query ``i`` sees keys ``i + seqlen_k - seqle
 seqlen_q``; transformers' ``sliding_window`` W is ``w = W - 1``); ``sinks=[h]`` adds ``exp(sinks[head])`` to every
 softmax denominator of that query head (a learned logit with no value: the weights of the real keys sum to less
 than 1).  ``flex`` and the reference compute them (``BACKEND_FEATURES``): with either given the automatic choice
-is the reference (on CUDA with a one-time warning: it pads to ``max_seqlen``); ``flex`` when named (its GPU test
-has not run yet); a named backend that cannot honour them raises.
+is ``flex`` for fp16/bf16 on CUDA (torch >= 2.9), else the reference (on CUDA with a one-time warning: it pads to
+``max_seqlen``); a named backend that cannot honour them raises.
 
 Automatic choice (``backend=None``, :func:`choose_backend`): for fp16/bf16 inputs on CUDA the first flash backend
 present; else the reference (``"prefer_cudnn"``: cuDNN first, where checked).  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
@@ -177,9 +177,9 @@ def _resolve_features(backend: str | None, device: torch.device, dtype: torch.dt
     ``backend`` when it does; never one that would drop them."""
     honours = [name for name in available_backends(device) if set(features) <= set(BACKEND_FEATURES[name])]
     if backend is None:
-        # the reference, exact everywhere: flex is taken when named until its GPU test (tests/gpu/test_gpt_oss_cuda.py)
-        # has run on a GPU
-        name = "reference"
+        # flex for fp16/bf16 on CUDA (tests/gpu/test_gpt_oss_cuda.py and check_attention_backends.py passed on an
+        # H100); the reference, exact everywhere, for the rest (float32: flex's GPU test ran in bf16 only)
+        name = "flex" if device.type == "cuda" and dtype in _HALF and "flex" in honours else "reference"
         if name == "reference" and device.type == "cuda" and not torch.compiler.is_compiling():
             _warn_reference_features(features)
         return name
@@ -201,8 +201,8 @@ def _warn_reference_features(features: tuple[str, ...]) -> None:
     warnings.warn(
         f"packfwd attention: {' and '.join(features)} on CUDA run on the pure-PyTorch 'reference' backend, which "
         "pads every sequence to max_seqlen (memory and work ~ n * max_seqlen**2 per head); exact, but slow for long "
-        "sequences.  attention_backend='flex' (torch >= 2.9) honours them in a compiled kernel, not yet checked on "
-        "a GPU by packfwd's tests (tests/gpu/test_gpt_oss_cuda.py)",
+        "sequences.  In bfloat16 or float16 with torch >= 2.9 the automatic choice is 'flex', a compiled kernel "
+        "that honours them",
         stacklevel=3,
     )
 
