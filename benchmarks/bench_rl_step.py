@@ -101,7 +101,7 @@ def packfwd_runner(model, args, cfg, graphs: bool):
         plan = plan_micro_batches(batch["lengths"], max_tokens=cfg.max_tokens, cost=cost, **forward.layout.plan_args)
         kw = dict(loss_fn=lambda o: -o["log_probs"], loss_mask=batch["loss_mask"], loss_tokens=batch["counts"]) \
             if grad else {}
-        extra = {} if graphs else {"graphs": False}
+        extra = {"graphs": graphs}  # named both ways: the rows stay what they say whatever the default is
         with torch.set_grad_enabled(grad):
             res = run_micro_batches(forward, model, plan, batch["ids"], batch["mask"], dp_rank=0,
                                     labels=batch["labels"], **kw, **extra)
