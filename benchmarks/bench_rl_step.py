@@ -14,7 +14,7 @@ the run goes on):
 
 * ``packfwd``: ``plan_micro_batches(lengths, max_tokens=--max-tokens, cost=("flops", 12 h, 1))`` then
   ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ..., graphs=True)``: CUDA graphs
-  of each bucket (``forward.step_graphs``), ``--attention`` (default ``prefer_cudnn``), scored tokens only.
+  of each bucket (``forward.step_graphs``), ``--attention`` (default: the automatic choice), scored tokens only.
 * ``packfwd_eager``: the same with ``graphs=False``.
 * ``verl``: verl 0.9.1's own code: ``rearrange_micro_batches`` (its dynamic batching: micro-batches of at most
   ``--max-tokens`` real tokens) and per micro-batch ``model_forward_gen()(..., data_format="thd")`` (its THD packing
@@ -222,9 +222,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", default=None, help="global batches as NxS (default 128x4096 256x2048)")
     ap.add_argument("--max-tokens", type=int, default=None, help="micro-batch budget (default 16384; smoke 96)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    ap.add_argument("--attention", default="prefer_cudnn",
-                    help="attention_backend of the packfwd model every packfwd and verl row runs (default "
-                         "prefer_cudnn: cuDNN where it passes its check; none: the automatic choice)")
+    ap.add_argument("--attention", default="none",
+                    help="attention_backend of the packfwd model every packfwd and verl row runs (default none: "
+                         "the automatic choice, what a user gets; prefer_cudnn: cuDNN where it passes its check, "
+                         "whose per-shape graph cache is shared by the rows: a later row reuses the graphs an earlier "
+                         "one built for the same micro-batch shapes)")
     ap.add_argument("--passes", nargs="+", choices=PASSES, default=None, help="default fwd+bwd (smoke: both)")
     ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 2; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None,
