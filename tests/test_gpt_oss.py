@@ -261,8 +261,9 @@ def test_reference_window_and_sinks_equal_a_loop(window, with_sinks, chunks):
     if window is None and not with_sinks:
         pytest.skip("plain attention: tested in test_attention.py")
     g = torch.Generator().manual_seed(0)
-    lens_k = torch.tensor([7, 1, 4, 9])
-    lens_q = torch.tensor([3, 1, 0, 5]) if chunks else lens_k
+    # "blocks": 128 queries and 256 keys, whole blocks (the backend pads other counts to them: this runs unpadded)
+    lens_k = torch.tensor([100, 1, 40, 115]) if chunks == "blocks" else torch.tensor([7, 1, 4, 9])
+    lens_q = {False: lens_k, True: torch.tensor([3, 1, 0, 5]), "blocks": torch.tensor([60, 1, 0, 67])}[chunks]
     cu_q, cu_k = (torch.cat([torch.zeros(1, dtype=torch.long), x.cumsum(0)]).int() for x in (lens_q, lens_k))
     q = torch.randn(int(lens_q.sum()), 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(int(lens_k.sum()), 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -280,7 +281,7 @@ def test_reference_window_and_sinks_equal_a_loop(window, with_sinks, chunks):
 
 
 @pytest.mark.parametrize("window", [None, 0, 2])
-@pytest.mark.parametrize("chunks", [False, True], ids=["self", "bottom_right"])
+@pytest.mark.parametrize("chunks", [False, True, "blocks"], ids=["self", "bottom_right", "whole_128_blocks"])
 def test_flex_backend_forward_equals_the_reference(window, chunks):
     """The ``flex`` backend's block mask and sink rescaling (eager ``flex_attention`` on the CPU, forward only:
     torch has no CPU backward for it; the compiled CUDA kernel and its gradients: tests/gpu/test_gpt_oss_cuda.py)."""
@@ -289,14 +290,15 @@ def test_flex_backend_forward_equals_the_reference(window, chunks):
     if not flex_available():
         pytest.skip("this torch has no flex_attention with a log-sum-exp request")
     g = torch.Generator().manual_seed(0)
-    lens_k = torch.tensor([7, 1, 4, 9])
-    lens_q = torch.tensor([3, 1, 0, 5]) if chunks else lens_k
+    # "blocks": 128 queries and 256 keys, whole blocks (the backend pads other counts to them: this runs unpadded)
+    lens_k = torch.tensor([100, 1, 40, 115]) if chunks == "blocks" else torch.tensor([7, 1, 4, 9])
+    lens_q = {False: lens_k, True: torch.tensor([3, 1, 0, 5]), "blocks": torch.tensor([60, 1, 0, 67])}[chunks]
     cu_q, cu_k = (torch.cat([torch.zeros(1, dtype=torch.long), x.cumsum(0)]).int() for x in (lens_q, lens_k))
     q = torch.randn(int(lens_q.sum()), 4, 16, generator=g, dtype=torch.float64)
     k, v = (torch.randn(int(lens_k.sum()), 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
     for sinks in (None, torch.randn(4, generator=g, dtype=torch.float64)):
-        want = varlen.varlen_attention_reference(q, k, v, cu_q, cu_k, int(lens_q.max()), 9, window=window,
-                                                 sinks=sinks)
+        want = varlen.varlen_attention_reference(q, k, v, cu_q, cu_k, int(lens_q.max()), int(lens_k.max()),
+                                                 window=window, sinks=sinks)
         got = flex_varlen_attention(q, k, v, cu_q, cu_k, window=window, sinks=sinks)
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 

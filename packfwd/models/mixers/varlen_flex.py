@@ -68,8 +68,7 @@ def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     t_q = q.shape[0]
     # whole 128-token blocks, at least one (below 128 queries inductor picks a decoding kernel that has no valid
     # configuration under dynamic shapes: seen on an H100, torch 2.11); the pad rows are in no sequence
-    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, max(128, -(-x.shape[0] // 128) * 128) - x.shape[0]))
-               for x in (q, k, v))
+    q, k, v = (_whole_blocks(x) for x in (q, k, v))
     t_pad, h, d = q.shape
     cu_q, cu_k = cu_seqlens_q.to(q.device, torch.long), cu_seqlens_k.to(q.device, torch.long)
     n = cu_q.numel() - 1
@@ -100,3 +99,11 @@ def flex_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
         work = torch.promote_types(out.dtype, torch.float32)
         out = (out.to(work) * torch.sigmoid(lse.to(work) - sinks.to(work))[..., None]).to(q.dtype)
     return torch.where(torch.isfinite(lse)[..., None], out, torch.zeros_like(out))  # no key: zeros
+
+
+def _whole_blocks(x: Tensor) -> Tensor:
+    """``x [t, ...]`` with zero rows after it up to a whole number of 128-token blocks, at least one (no copy when
+    it has them)."""
+    extra = max(128, -(-x.shape[0] // 128) * 128) - x.shape[0]
+    return x if extra == 0 else torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, extra))
+
