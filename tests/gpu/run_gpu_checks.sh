@@ -20,7 +20,17 @@ step() { name=$1; shift; echo "=== $name: $*"; ( "$@" ) > "$OUT/$name.log" 2>&1;
 STEPS=${STEPS:-attention_backends gpu_tests cuda_unit logprobs_bench}
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 want attention_backends && step attention_backends python3 tests/gpu/check_attention_backends.py
-want gpu_tests && step gpu_tests python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu}
+# each test file in its own process: one that breaks process-wide state (a CUDA error, the random generator left in
+# capture mode) cannot fail the files after it; GPU_TESTS may also carry pytest options (words starting with -)
+per_file() {
+  local opts=() files=() rc=0
+  for w in ${GPU_TESTS:-tests/gpu}; do case $w in -*) opts+=("$w");; *) files+=("$w");; esac; done
+  for f in $(for p in "${files[@]}"; do if [ -d "$p" ]; then ls "$p"/test_*.py; else echo "$p"; fi; done); do
+    echo "--- $f"; python3 -m pytest -q -p no:cacheprovider -rfEs "${opts[@]}" "$f" || rc=1
+  done
+  return $rc
+}
+want gpu_tests && step gpu_tests per_file
 want cuda_unit && step cuda_unit python3 -m pytest -q -p no:cacheprovider tests/test_context_parallel.py tests/test_logits.py tests/gpu/test_logprob_kernel.py tests/test_layers.py tests/test_gather_op.py
 # the Triton kernels compiled (the same files CI runs in Triton's interpreter: the Makefile's KERNEL_TESTS)
 want kernels && step kernels python3 -m pytest -q -p no:cacheprovider $(grep -o 'tests/gpu/test_[a-z_]*kernel\.py' Makefile | sort -u)
