@@ -3,9 +3,9 @@
 Each field belongs to one owner, which checks it and says what it becomes: the model's own (sizes, norm eps, RoPE
 theta, biases on every linear, embeddings, value head, MTP depths, ``norm_zero_centered``, ``fused``), the token mixer's
 (:mod:`packfwd.models.mixers`: softmax attention's ``num_query_groups``, ``head_dim``, ``qkv_bias``, ``qk_norm``,
-``rotary_percent``, ``rope_scaling_factor``, ``mrope_section``, ``attention_windows``, ``attention_sinks``,
-``rope_yarn``; latent attention's ``mla``; gated attention's ``attention_output_gate``; Gated DeltaNet's
-``linear_attention``, the layers of a hybrid model that have it) and the MLP's
+``rotary_percent``, ``rope_scaling_factor``, ``mrope_section``, ``mrope_interleaved``, ``attention_windows``,
+``attention_sinks``, ``rope_yarn``; latent attention's ``mla``; gated attention's ``attention_output_gate``; Gated
+DeltaNet's ``linear_attention``, the layers of a hybrid model that have it) and the MLP's
 (:mod:`packfwd.models.mlp`: ``ffn_hidden_size``; ``moe``).  ``__post_init__`` checks the model's fields and asks
 the layer components to check theirs; nothing here branches on a component's kind.  No Megatron-Core.
 """
@@ -58,6 +58,8 @@ class ModelArgs:
     mtp_num_layers: int = 0  # multi-token prediction depths (DeepSeek-V3's MTP), built on the last stage
     mtp_loss_scaling_factor: float = 0.1  # Megatron-Core's weight of the MTP loss (Megatron's default)
     mrope_section: tuple[int, int, int] | None = None  # Qwen2-VL multimodal RoPE: (t, h, w) frequencies, sum d/2
+    #  (partial RoPE: half the rotated channels)
+    mrope_interleaved: bool = False  # the sections' frequencies interleaved t, h, w, t, h, w, ... (Qwen3-VL, Qwen3.5)
     family: str = "llama"  # the entry of packfwd.models.families.FAMILIES: its HF names and config reading
     moe: Any = None  # a Mixture-of-Experts MLP (Moe; but on moe.dense_layers); None: dense SwiGLU everywhere
     mla: Mla | None = None  # multi-head latent attention (DeepSeek-V3; packfwd.models.mixers.latent); None: softmax

@@ -1,4 +1,5 @@
-"""A Qwen2-VL / Qwen2.5-VL model for packed batches: transformers' vision tower, packfwd's Megatron-Core language model.
+"""A Qwen2-VL / Qwen2.5-VL / Qwen3.5 model for packed batches: transformers' vision tower, packfwd's Megatron-Core
+language model.
 
 :class:`VisionLanguageModel` takes the call ``make_forward(vision=True)`` (and ``packfwd.verl``'s vision forward)
 makes (:mod:`packfwd.forward.vision`): the batch as the caller laid it out, the images, and the ``packing`` hook.
@@ -20,6 +21,11 @@ parallelism the packed embeddings are scattered over the TP ranks as Megatron-Co
 A pipeline stage without the embedding (``pre_process=False``) skips steps 1-2 and takes its input through
 ``set_input_tensor``.  The model reads as the language model does where packfwd's forwards look (``config``,
 ``pre_process``, ``post_process``, ``output_layer``, ``vocab_size``, ``pg_collection``).
+
+Qwen3.5 (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``): the same steps with its vision
+tower (no deepstack features: transformers 5.x's Qwen3.5 tower returns the merged features only), its hybrid
+language model (Gated DeltaNet layers, and gated full-attention layers with interleaved multimodal RoPE over their
+partial rotary channels) and its positions (each video frame an item of its own: ``split_video_frames=True``).
 """
 
 from __future__ import annotations
@@ -33,18 +39,20 @@ __all__ = ["VisionLanguageModel", "from_hf"]
 
 
 class VisionLanguageModel(torch.nn.Module):
-    """``visual`` (transformers' Qwen2-VL / Qwen2.5-VL vision tower) + ``language_model`` (packfwd's multimodal-RoPE
-    ``PackedGPTModel``), called as ``model(input_ids, position_ids, attention_mask, packed_seq_params=None,
-    packing=..., pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-    second_per_grid_ts=None, **language_model_kwargs)`` (steps in the module docstring).
+    """``visual`` (transformers' Qwen2-VL / Qwen2.5-VL / Qwen3.5 vision tower) + ``language_model`` (packfwd's
+    multimodal-RoPE ``PackedGPTModel``), called as ``model(input_ids, position_ids, attention_mask,
+    packed_seq_params=None, packing=..., pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+    video_grid_thw=None, second_per_grid_ts=None, **language_model_kwargs)`` (steps in the module docstring).
 
     ``image_token_id``, ``video_token_id``, ``vision_start_token_id``, ``spatial_merge_size``,
-    ``tokens_per_second`` (Qwen2.5-VL; None for Qwen2-VL): as in the HF config; :func:`from_hf` reads them.
+    ``tokens_per_second`` (Qwen2.5-VL; None for Qwen2-VL): as in the HF config; ``split_video_frames`` (Qwen3.5:
+    each video frame its own item of positions, :func:`packfwd.vision.mrope_position_ids`); :func:`from_hf` reads
+    them.
     """
 
     def __init__(self, visual: torch.nn.Module, language_model: torch.nn.Module, *, image_token_id: int,
                  video_token_id: int, vision_start_token_id: int, spatial_merge_size: int = 2,
-                 tokens_per_second: float | None = None):
+                 tokens_per_second: float | None = None, split_video_frames: bool = False):
         super().__init__()
         if getattr(language_model, "position_embedding_type", None) != "mrope":
             raise ValueError("language_model must be a multimodal-RoPE model (ModelArgs(mrope_section=...), e.g. "
@@ -55,6 +63,7 @@ class VisionLanguageModel(torch.nn.Module):
                               vision_start_token_id=vision_start_token_id)
         self.spatial_merge_size = spatial_merge_size
         self.tokens_per_second = tokens_per_second
+        self.split_video_frames = split_video_frames
 
     # the language model's facts, where packfwd's forwards (and verl's) read them
     config = property(lambda self: self.language_model.config)
@@ -82,11 +91,14 @@ class VisionLanguageModel(torch.nn.Module):
             position_ids, _ = mrope_position_ids(
                 input_ids, mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
                 second_per_grid_ts=second_per_grid_ts, spatial_merge_size=self.spatial_merge_size,
-                tokens_per_second=self.tokens_per_second, **self.token_ids)
+                tokens_per_second=self.tokens_per_second, split_video_frames=self.split_video_frames,
+                **self.token_ids)
         hidden = None
         if self.language_model.pre_process:
             merged = self.embed(input_ids, mask, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
-            hidden = _scatter_sequence_parallel(packing.embeddings(merged), self.language_model)
+            # contiguous, as Megatron-Core's embedding returns it (BSHD's [s_c, b, h] is a transpose; its MoE
+            # dispatcher views the hidden states flat)
+            hidden = _scatter_sequence_parallel(packing.embeddings(merged).contiguous(), self.language_model)
         return self.language_model(None, packing.positions(position_ids), None, decoder_input=hidden,
                                    packed_seq_params=packed_seq_params, **kwargs)
 
@@ -143,9 +155,11 @@ def _scatter_sequence_parallel(hidden: Tensor, model) -> Tensor:
 
 def from_hf(hf_model: torch.nn.Module, **kwargs) -> VisionLanguageModel:
     """A :class:`VisionLanguageModel` of a transformers ``Qwen2VLForConditionalGeneration`` /
-    ``Qwen2_5_VLForConditionalGeneration``: its vision tower (the same module, not a copy) and its language model
+    ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3_5ForConditionalGeneration`` /
+    ``Qwen3_5MoeForConditionalGeneration``: its vision tower (the same module, not a copy) and its language model
     converted (:func:`packfwd.models.convert.hf_vl.language_model_from_hf`, which ``kwargs`` go to: TP, pipeline stage,
-    device, dtype, attention backend).
+    device, dtype, attention backend).  A vision tower with deepstack features (``deepstack_visual_indexes``: Qwen3-VL,
+    features added into early decoder layers) is refused; Qwen3.5's has none.
 
     >>> import packfwd as pf
     >>> from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -169,10 +183,17 @@ def from_hf(hf_model: torch.nn.Module, **kwargs) -> VisionLanguageModel:
     visual = getattr(inner, "visual", None) or getattr(hf_model, "visual", None)  # transformers 5.x, 4.x
     if visual is None:
         raise ValueError(f"{type(hf_model).__name__} has no vision tower (model.visual); pass the whole "
-                         "Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration")
+                         "Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration / "
+                         "Qwen3_5ForConditionalGeneration")
     vision = config.vision_config
+    if getattr(vision, "deepstack_visual_indexes", None):
+        raise ValueError(f"vision_config.deepstack_visual_indexes={list(vision.deepstack_visual_indexes)}: this vision "
+                         "tower adds deepstack features into early decoder layers (Qwen3-VL), which packfwd's language "
+                         "model does not take; packfwd packs Qwen2-VL, Qwen2.5-VL and Qwen3.5 (no deepstack)")
+    qwen3_5 = getattr(config, "model_type", None) in ("qwen3_5", "qwen3_5_moe")
     return VisionLanguageModel(
         visual, language_model_from_hf(hf_model, **kwargs), image_token_id=config.image_token_id,
         video_token_id=config.video_token_id, vision_start_token_id=config.vision_start_token_id,
         spatial_merge_size=vision.spatial_merge_size, tokens_per_second=getattr(vision, "tokens_per_second", None),
+        split_video_frames=qwen3_5,
     )

@@ -1,4 +1,5 @@
-"""Multimodal RoPE positions (Qwen2-VL / Qwen2.5-VL "mrope"): three coordinates (temporal, height, width) per token.
+"""Multimodal RoPE positions (Qwen2-VL / Qwen2.5-VL / Qwen3.5 "mrope"): three coordinates (temporal, height, width)
+per token.
 
 Per row, over its real tokens in order, with a running start ``p`` (0 at the row's first real token):
 
@@ -17,6 +18,12 @@ truncates ``second_per_grid_ts`` to an int first (equal values for whole seconds
 verl's own copy of its rules (``verl.models.transformers.qwen2_vl.get_rope_index``), resume text after an item's
 largest position, ``p + max(time(T-1) + 1, h, w)``, and put 1 at padding (4.x also counts deltas over the padded
 row): their real tokens' positions equal these for single-frame images and videos whose ``time(T-1) < max(h, w)``.
+
+Qwen3.5 (``split_video_frames=True``; Qwen3-VL's rule): each frame of a video is an item of its own, a grid
+``(1, H, W)`` (its processor writes a timestamp and ``<vision_start>`` before every frame), so a video of ``T`` frames
+is ``T`` items, each matched to the next of the video's ``T`` frames; images are as above.  These are transformers
+5.x's ``Qwen3_5Model.get_rope_index`` values (it finds the items by ``mm_token_type_ids``, consecutive runs of
+image or video tokens: the same items when each is preceded by ``<vision_start>``, as checked here).
 
 Items are matched to grids in order: the k-th image of the batch (rows in order, tokens in order) is
 ``image_grid_thw[k]``; the same for videos.  Each item must be preceded by ``vision_start_token_id`` (as every
@@ -47,13 +54,15 @@ def mrope_position_ids(
     video_token_id: int,
     vision_start_token_id: int,
     tokens_per_second: float | None = None,
+    split_video_frames: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """3-D RoPE positions ``[3, b, s]`` (long) and deltas ``[b]`` (long) of a padded text+vision batch.
 
     ``input_ids``: ``[b, s]`` token ids; ``attention_mask``: ``[b, s]`` bool or 0/1 (None: every token is real;
     any padding pattern works).  ``image_grid_thw`` / ``video_grid_thw``: ``[n, 3]`` integer ``(T, H, W)`` patch
     grids, in the order the items appear.  ``tokens_per_second`` (Qwen2.5-VL's ``vision_config``) with
-    ``second_per_grid_ts`` (``[n_videos]``) spaces video frames in time; leave both out for Qwen2-VL.  Rules in
+    ``second_per_grid_ts`` (``[n_videos]``) spaces video frames in time; leave both out for Qwen2-VL and Qwen3.5.
+    ``split_video_frames``: each video frame an item of its own (Qwen3.5; module docstring).  Rules in
     the module docstring.  Vectorised over tokens and items (no Python loop); it syncs with the host to find
     the real tokens and to check the grids (this is planning, done once per batch).
 
@@ -81,6 +90,13 @@ def mrope_position_ids(
         raise ValueError(f"image_token_id, video_token_id and vision_start_token_id must differ, got {token}")
     images = _check_grids("image_grid_thw", image_grid_thw, m, ids.device)
     videos = _check_grids("video_grid_thw", video_grid_thw, m, ids.device)
+    if not isinstance(split_video_frames, bool):
+        raise TypeError(f"split_video_frames must be True or False, got {split_video_frames!r}")
+    if split_video_frames:  # Qwen3.5: a video of T frames is T one-frame items
+        if tokens_per_second is not None:
+            raise ValueError("split_video_frames=True with tokens_per_second: a one-frame item has no temporal "
+                             "spacing (Qwen3.5 has none); pass tokens_per_second=None")
+        videos = torch.cat([torch.ones_like(videos[:, :1]), videos[:, 1:]], 1).repeat_interleave(videos[:, 0], 0)
     interval = _video_interval(tokens_per_second, second_per_grid_ts, videos.shape[0], ids.device)
 
     where = real.reshape(-1).nonzero().reshape(-1)  # [t] flat index of each real token (one host sync)

@@ -1,4 +1,5 @@
-"""The language model of a transformers Qwen2-VL / Qwen2.5-VL as packfwd's Megatron-Core model (multimodal RoPE).
+"""The language model of a transformers Qwen2-VL / Qwen2.5-VL / Qwen3.5 (dense or MoE) as packfwd's Megatron-Core
+model (multimodal RoPE).
 
 The VL language model is a Qwen2 decoder (QKV bias, SwiGLU, RMSNorm, grouped-query attention) whose RoPE is
 multimodal (``rope_parameters["mrope_section"]``, :mod:`packfwd.models.mixers.mrope`); its weights are the Qwen2
@@ -7,6 +8,11 @@ with ``mrope_section``, :func:`language_model_state_dict` renames the language m
 :func:`packfwd.models.convert.hf_weights.hf_to_megatron` reads (the vision tower's are left out), and
 :func:`language_model_from_hf` builds the model (TP-sharded, any pipeline stage) with them.  The vision tower stays
 transformers' (``hf.model.visual``): :mod:`packfwd.vision.model` merges its output into the embeddings.
+
+Qwen3.5's (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``) is the hybrid text model of
+the ``qwen3_5`` / ``qwen3_5_moe`` family (Gated DeltaNet and gated full attention, partial RoPE) whose full-attention
+layers take interleaved multimodal RoPE over the rotated channels (``mrope_section``, default ``[11, 11, 10]`` as
+transformers'; ``mrope_interleaved=True``: transformers 5.x interleaves whatever the config's flag says).
 
 Names in transformers 5.x: ``model.language_model.{embed_tokens,layers.i,norm}``, ``model.visual``, ``lm_head``;
 in 4.x: ``model.{embed_tokens,layers.i,norm}``, ``visual``, ``lm_head``.  Both are read.
@@ -25,9 +31,14 @@ from ..families import family
 __all__ = ["language_model_from_hf", "language_model_state_dict", "vl_args_from_hf_config"]
 
 
+# Qwen3.5's vision-language model_type -> the packfwd family of its text model
+_QWEN3_5 = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
+_QWEN3_5_SECTION = (11, 11, 10)  # transformers' Qwen3_5TextRotaryEmbedding without rope_parameters["mrope_section"]
+
+
 def vl_args_from_hf_config(hf_config) -> ModelArgs:
     """:class:`ModelArgs` (with ``mrope_section``) of a transformers ``Qwen2VLConfig`` / ``Qwen2_5_VLConfig`` (or
-    their text configs).
+    their text configs), or of a ``Qwen3_5Config`` / ``Qwen3_5MoeConfig`` (interleaved sections, module docstring).
 
     >>> from transformers import Qwen2VLConfig
     >>> cfg = Qwen2VLConfig(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -39,8 +50,14 @@ def vl_args_from_hf_config(hf_config) -> ModelArgs:
     """
     entry = family("qwen2_vl")
     kind = getattr(hf_config, "model_type", None)
+    if kind in _QWEN3_5:
+        text = hf_config.text_config
+        params = getattr(text, "rope_parameters", None) or {}
+        section = tuple(params.get("mrope_section") or _QWEN3_5_SECTION)
+        return ModelArgs(**family(_QWEN3_5[kind]).hf_fields(hf_config), mrope_section=section, mrope_interleaved=True)
     if kind not in entry.hf_model_types:
-        raise ValueError(f"model_type={kind!r} is not a Qwen2-VL config; packfwd converts {entry.hf_model_types}")
+        raise ValueError(f"model_type={kind!r} is not a vision-language config packfwd converts: "
+                         f"{entry.hf_model_types + tuple(_QWEN3_5)}")
     return ModelArgs(**entry.hf_fields(hf_config))
 
 
@@ -73,7 +90,8 @@ def language_model_from_hf(
     pp_size: int = 1,
 ):
     """packfwd's Megatron-Core model (multimodal RoPE) with the language model of a transformers
-    ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` (this process's TP shard, pipeline
+    ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` /
+    ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (this process's TP shard, pipeline
     stage ``pp_rank`` of ``pp_size``).  ``device``/``params_dtype`` default to the HF model's.  Like
     :func:`packfwd.models.from_hf`, it sets up a one-process group when ``torch.distributed`` is not initialised.
 

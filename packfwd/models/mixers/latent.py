@@ -246,8 +246,8 @@ WEIGHTS = (
 
 # The softmax attention's fields MLA does not build, and the value each must keep (None: derived from mla).
 _NOT_BUILT = dict(num_query_groups=None, qk_norm=False, qkv_bias=False, linear_bias=False, rope_scaling_factor=None,
-                  rotary_percent=1.0, mrope_section=None, mtp_num_layers=0, attention_windows=None,
-                  attention_sinks=False, rope_yarn=None)
+                  rotary_percent=1.0, mrope_section=None, mrope_interleaved=False, mtp_num_layers=0,
+                  attention_windows=None, attention_sinks=False, rope_yarn=None)
 
 
 class LatentAttention(Component):

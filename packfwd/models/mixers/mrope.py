@@ -1,10 +1,14 @@
-"""Multimodal RoPE ("mrope", Qwen2-VL / Qwen2.5-VL) for packfwd's models: three position coordinates per token.
+"""Multimodal RoPE ("mrope", Qwen2-VL / Qwen2.5-VL / Qwen3.5) for packfwd's models: three position coordinates per
+token.
 
 A model built with ``ModelArgs(mrope_section=(t, h, w))`` is Megatron-Core's ``GPTModel`` with
 ``position_embedding_type="mrope"`` and ``config.mrope_section``: each token has positions ``(temporal, height,
 width)`` (``[3, b, s]``, or ``[3, 1, t]`` packed), and frequency ``j`` of the ``d/2`` RoPE frequencies turns by the
 coordinate its section picks: the first ``t`` frequencies by the temporal position, the next ``h`` by the height,
-the last ``w`` by the width (``t + h + w = d/2``); the angle table is laid out in halves (``[freqs, freqs]``) and
+the last ``w`` by the width (``t + h + w = d/2``; with partial RoPE ``d`` is the rotated channels, the rest pass
+through); interleaved (``ModelArgs.mrope_interleaved``, Qwen3-VL / Qwen3.5: transformers' ``mrope_interleaved``)
+frequency ``j`` turns by the height when ``j % 3 == 1`` and ``j < 3 h``, by the width when ``j % 3 == 2`` and ``j <
+3 w``, else by the temporal position; the angle table is laid out in halves (``[freqs, freqs]``) and
 rotated with ``rotate_half``, as transformers' Qwen2-VL and Megatron-Core's ``MultimodalRotaryEmbedding`` do.
 A text token has three equal coordinates, so ``[b, s]`` positions (or none) give plain RoPE.
 
@@ -37,7 +41,7 @@ from packfwd.layout.rules import local_positions
 from .rotary import check_mrope_section
 from .rope import PackedRope, PackedRotaryEmbedding
 
-__all__ = ["MropeRope", "MropeRotaryEmbedding", "mrope_angles", "mrope_positions"]
+__all__ = ["MropeRope", "MropeRotaryEmbedding", "mrope_angles", "mrope_coordinates", "mrope_positions"]
 
 
 class MropeRotaryEmbedding(PackedRotaryEmbedding):
@@ -51,9 +55,10 @@ class MropeRotaryEmbedding(PackedRotaryEmbedding):
     (torch.Size([5, 2, 1, 8]), None)
     """
 
-    def __init__(self, *args, mrope_section: Sequence[int], **kwargs):
+    def __init__(self, *args, mrope_section: Sequence[int], mrope_interleaved: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.mrope_section = check_mrope_section(mrope_section, 2 * self.inv_freq.numel())
+        self.mrope_section = check_mrope_section(mrope_section, 2 * self.inv_freq.numel(), mrope_interleaved)
+        self.mrope_interleaved = bool(mrope_interleaved)
 
     def forward(self, position_ids: Tensor | None, mrope_section=None, cp_group=None):
         if position_ids is None:
@@ -84,11 +89,25 @@ def mrope_angles(rotary: MropeRotaryEmbedding, positions: Tensor) -> Tensor:
     seq = positions.to(device=inv_freq.device, dtype=inv_freq.dtype)
     if getattr(rotary, "seq_len_interpolation_factor", None) is not None:
         seq = seq * (1 / rotary.seq_len_interpolation_factor)
-    coord = torch.repeat_interleave(torch.arange(3, device=inv_freq.device),
-                                    torch.tensor(rotary.mrope_section, device=inv_freq.device))  # [d/2]
+    coord = mrope_coordinates(rotary.mrope_section, getattr(rotary, "mrope_interleaved", False), inv_freq.device)
     freqs = seq[..., None] * inv_freq  # [3, *, d/2]
     picked = freqs.gather(0, coord.expand(1, *freqs.shape[1:]))[0]  # [*, d/2]: each frequency's coordinate
     return torch.cat((picked, picked), dim=-1)
+
+
+def mrope_coordinates(section: Sequence[int], interleaved: bool, device=None) -> Tensor:
+    """``[d/2]``: the coordinate (0 temporal, 1 height, 2 width) each frequency turns by (module docstring).
+
+    >>> mrope_coordinates((2, 1, 1), False).tolist(), mrope_coordinates((3, 3, 2), True).tolist()
+    ([0, 0, 1, 2], [0, 1, 2, 0, 1, 2, 0, 1])
+    """
+    t, h, w = section
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3, device=device), torch.tensor(section, device=device))
+    j = torch.arange(t + h + w, device=device)
+    height = (j % 3 == 1) & (j < 3 * h)
+    width = (j % 3 == 2) & (j < 3 * w)
+    return height.long() + 2 * width.long()
 
 
 class MropeRope(PackedRope):

@@ -1,5 +1,6 @@
 """The RoPE fields of :class:`~packfwd.models.args.ModelArgs` checked: the fraction of channels rotated
-(``rotary_percent``, GLM-4.5's partial RoPE) and the multimodal sections (``mrope_section``, Qwen2-VL).  Pure.
+(``rotary_percent``, GLM-4.5's partial RoPE) and the multimodal sections (``mrope_section``, Qwen2-VL; interleaved:
+Qwen3.5).  Pure.
 """
 
 from __future__ import annotations
@@ -28,18 +29,29 @@ def check_rotary_percent(percent, kv_channels: int) -> float:
     return float(percent)
 
 
-def check_mrope_section(section, kv_channels: int) -> tuple[int, int, int]:
-    """``section`` as three positive ints summing to ``kv_channels // 2`` (:mod:`packfwd.models.mixers.mrope`).
+def check_mrope_section(section, rotary_dims: int, interleaved: bool = False) -> tuple[int, int, int]:
+    """``section`` as three positive ints summing to ``rotary_dims // 2`` (the frequencies of the channels RoPE
+    rotates: all of ``head_dim``, or ``int(head_dim * rotary_percent)``; :mod:`packfwd.models.mixers.mrope`).
+    ``interleaved`` (Qwen3-VL / Qwen3.5's layout): frequency ``j`` takes the height for ``j % 3 == 1, j < 3 h``
+    and the width for ``j % 3 == 2, j < 3 w``, so ``3 h - 2`` and ``3 w - 1`` must be frequencies too.
 
     >>> check_mrope_section([16, 24, 24], 128)
     (16, 24, 24)
+    >>> check_mrope_section([11, 11, 10], 64, interleaved=True)
+    (11, 11, 10)
     """
     values = tuple(section) if isinstance(section, (list, tuple)) else ()
     if (len(values) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
-            or sum(values) * 2 != kv_channels):
+            or sum(values) * 2 != rotary_dims):
         raise ValueError(
             f"mrope_section={section!r}: pass three positive ints (temporal, height, width frequencies) that sum to "
-            f"head_dim // 2 = {kv_channels // 2}, as in the HF config's rope_parameters['mrope_section']"
+            f"the rotated channels // 2 = {rotary_dims // 2} (head_dim, or int(head_dim * rotary_percent) with "
+            "partial RoPE), as in the HF config's rope_parameters['mrope_section']"
+        )
+    if interleaved and max(3 * values[1] - 2, 3 * values[2] - 1) >= rotary_dims // 2:
+        raise ValueError(
+            f"mrope_section={section!r} interleaved over {rotary_dims // 2} frequencies: the height takes frequencies "
+            f"1, 4, ..., {3 * values[1] - 2} and the width 2, 5, ..., {3 * values[2] - 1}, past the last one; "
+            "pass the config's sections (Qwen3.5: [11, 11, 10] of 32)"
         )
     return values
-

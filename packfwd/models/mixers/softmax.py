@@ -4,7 +4,8 @@ DeepSeek-V3, as one component (:class:`~packfwd.models.component.Component`).
 It owns these :class:`~packfwd.models.args.ModelArgs` fields, their checks, their Megatron-Core config fields and
 their HF weights: ``num_query_groups`` (kv heads), ``head_dim``, ``qkv_bias`` (a bias on q, k and v only: Qwen2),
 ``qk_norm`` (RMSNorm over ``head_dim`` on q and k before RoPE: Qwen3), ``rotary_percent`` (partial RoPE: GLM-4.5),
-``rope_scaling_factor`` (Llama-3), ``mrope_section`` (multimodal RoPE: Qwen2-VL), and GPT-OSS's
+``rope_scaling_factor`` (Llama-3), ``mrope_section`` (multimodal RoPE: Qwen2-VL; with partial RoPE its sections
+cover the rotated channels), ``mrope_interleaved`` (Qwen3-VL / Qwen3.5's interleaved sections), and GPT-OSS's
 ``attention_windows`` (per layer a sliding window of W tokens or full attention: Megatron-Core's ``window_size =
 (W - 1, 0)`` with ``window_attn_skip_freq`` one flag per layer), ``attention_sinks`` (``softmax_type =
 "learnable"``: the core attention's ``softmax_offset``) and ``rope_yarn`` (YaRN's inverse frequencies in the
@@ -91,7 +92,7 @@ class SoftmaxAttention(Component):
 
     name = "softmax attention"
     fields = ("num_query_groups", "head_dim", "qkv_bias", "qk_norm", "rotary_percent", "rope_scaling_factor",
-              "mrope_section", "attention_windows", "attention_sinks", "rope_yarn")
+              "mrope_section", "mrope_interleaved", "attention_windows", "attention_sinks", "rope_yarn")
     config_class = "TransformerConfig"  # Megatron-Core's config class of a model of this mixer
     rotates_itself = False  # Megatron-Core's _preprocess computes the BSHD angles (MLA's module rotates itself)
 
@@ -105,11 +106,14 @@ class SoftmaxAttention(Component):
         if args.head_dim is None and args.hidden_size % args.num_attention_heads:
             raise ValueError("hidden_size must be a multiple of num_attention_heads, or pass head_dim")
         object.__setattr__(args, "rotary_percent", check_rotary_percent(args.rotary_percent, args.kv_channels))
-        if args.mrope_section is not None:
-            if args.rotary_percent != 1.0:
-                raise ValueError(f"mrope_section with rotary_percent={args.rotary_percent}: multimodal RoPE rotates "
-                                 "every channel; pass rotary_percent=1.0")
-            object.__setattr__(args, "mrope_section", check_mrope_section(args.mrope_section, args.kv_channels))
+        if not isinstance(args.mrope_interleaved, bool):
+            raise TypeError(f"ModelArgs.mrope_interleaved must be True or False, got {args.mrope_interleaved!r}")
+        if args.mrope_interleaved and args.mrope_section is None:
+            raise ValueError("mrope_interleaved=True without mrope_section: pass the multimodal sections too")
+        if args.mrope_section is not None:  # the sections split the rotated channels' frequencies
+            rotated = int(args.kv_channels * args.rotary_percent)
+            object.__setattr__(args, "mrope_section", check_mrope_section(args.mrope_section, rotated,
+                                                                          interleaved=args.mrope_interleaved))
             if args.rope_scaling_factor is not None or args.mtp_num_layers:
                 raise ValueError("mrope_section with rope_scaling_factor or mtp_num_layers: multimodal RoPE is built "
                                  "without Llama-3 scaling and without MTP layers; drop one of them")
@@ -211,7 +215,8 @@ class SoftmaxAttention(Component):
                 "positions (it cuts one angle table per CP rank as if the batch were one sequence); use "
                 "packed_rope=True"
             )
-        rotary = MropeRotaryEmbedding(mrope_section=args.mrope_section, **kwargs)
+        rotary = MropeRotaryEmbedding(mrope_section=args.mrope_section, mrope_interleaved=args.mrope_interleaved,
+                                      **kwargs)
         return rotary, MropeRope(rotary, fused=args.fused)
 
 

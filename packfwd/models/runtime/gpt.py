@@ -243,6 +243,7 @@ def model_args(model: torch.nn.Module) -> ModelArgs:
         value_head_bias=value and head.bias is not None,
         mtp_num_layers=cfg.mtp_num_layers or 0,
         mrope_section=tuple(cfg.mrope_section) if cfg.mrope_section is not None else None,
+        mrope_interleaved=bool(getattr(getattr(gpt, "rotary_pos_emb", None), "mrope_interleaved", False)),
         mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor,
         family=getattr(gpt, "family", "llama"),
         moe=getattr(gpt, "moe", None),
