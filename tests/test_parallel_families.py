@@ -19,8 +19,9 @@ Pipeline parallelism runs both stages in this process (the first stage's output 
 stages), Qwen3-MoE with its dense layer on the first stage (logits, expert load with alignment pads), and
 ``moe_aux_loss=True`` across the stages (the first hands on its routing sums: the whole model's loss and router
 gradients, transformers' loss).  Over gloo, PP=2 x VPP=2 through ``run_micro_batches(pp_group=...)``: the step's
-aux loss and every gradient equal one process's ``run_micro_batches`` of the same plan; Megatron-Core's schedule,
-which sends one tensor per stage, is refused for it.
+aux loss and every gradient equal one process's ``run_micro_batches`` of the same plan, and so does the routing
+record (``record_routing=True``, handed on beside the sums); Megatron-Core's schedule, which sends one tensor per
+stage, is refused for it.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ def _pp_aux_worker(rank: int, world: int, hf, max_tokens: int):
     ensure_model_parallel(pp_size=2, vpp_size=2)
     stages = [from_hf(hf, pp_rank=rank, pp_size=2, vpp_rank=v, vpp_size=2) for v in range(2)]
     ids, mask = moe_batch()
-    forward = make_forward("thd", seq_align=8, moe_aux_loss=True)
+    forward = make_forward("thd", seq_align=8, moe_aux_loss=True, record_routing=True)
     plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=max_tokens, **forward.layout.plan_args)
     try:  # Megatron-Core's schedule sends one tensor per stage: refused before it runs anything
         run_micro_batches(forward, stages, plan, ids, mask, dp_rank=0, loss_fn=_aux_loss, schedule="megatron",
@@ -332,20 +333,22 @@ def _pp_aux_worker(rank: int, world: int, hf, max_tokens: int):
     grads = {**_stage_grads(stages[0], rank), **_stage_grads(stages[1], 2 + rank)}
     ps.destroy_model_parallel()
     return dict(grads=grads, refused=refused,
-                result=None if got is None else (got.loss, got.moe_aux_loss, got.outputs["logits"]))
+                result=None if got is None else (got.loss, got.moe_aux_loss, got.outputs["logits"],
+                                                 got.outputs["routed_experts"]))
 
 
 def test_moe_aux_loss_through_run_micro_batches_pp2_vpp2_over_gloo():
-    """The routing sums travel the chain of four global stages (one with no MoE layer, and back from rank 1 to
-    rank 0 between virtual stages) and their gradients back: the step's loss, aux loss, logits and every gradient
-    equal one process's run_micro_batches of the same plan (several micro-batches)."""
+    """The routing sums and the routing record (``record_routing=True``) travel the chain of four global stages
+    (one with no MoE layer, and back from rank 1 to rank 0 between virtual stages), the sums' gradients back: the
+    step's loss, aux loss, logits and every gradient equal one process's run_micro_batches of the same plan
+    (several micro-batches), and the record, every stage's MoE layers joined, is its record bit for bit."""
     from packfwd.micro import plan_micro_batches, run_micro_batches
     from packfwd.testing import run_local
 
     hf, max_tokens = moe_model(layers=4), 16
     whole = from_hf(hf)
     ids, mask = moe_batch()
-    forward = make_forward("thd", seq_align=8, moe_aux_loss=True)
+    forward = make_forward("thd", seq_align=8, moe_aux_loss=True, record_routing=True)
     plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=max_tokens, **forward.layout.plan_args)
     assert plan.num_micro_batches > 1
     want = run_micro_batches(forward, whole, plan, ids, mask, dp_rank=0, loss_fn=_aux_loss)
@@ -353,9 +356,12 @@ def test_moe_aux_loss_through_run_micro_batches_pp2_vpp2_over_gloo():
 
     first, last = run_local(_pp_aux_worker, 2, hf, max_tokens, backend="gloo", timeout=300)
     for rank in (first, last):
-        assert rank["refused"].startswith("schedule='megatron' with a moe_aux_loss=True forward"), rank["refused"]
+        assert rank["refused"].startswith("schedule='megatron' with a moe_aux_loss=True and record_routing=True "
+                                          "forward"), rank["refused"]
     assert first["result"] is None
-    loss, aux, logits = last["result"]
+    loss, aux, logits, record = last["result"]
+    assert torch.equal(record, want.outputs["routed_experts"]) and record.shape[2] == 3  # MoE layers 0, 2, 3
+    assert (record[~mask] == -1).all()
     torch.testing.assert_close(aux, want.moe_aux_loss, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(loss, want.loss, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(logits, want.outputs["logits"], atol=1e-10, rtol=0)

@@ -320,8 +320,7 @@ def test_micro_batches_slice_the_routing_like_every_per_token_input():
 
 def test_pipeline_stages_replay_their_own_layers():
     """Two pipeline stages in one process: each stage replays its own MoE layers' share of the record (stage 0
-    the first, stage 1 the rest) and the last stage's logits are the whole model's replay; a stage before the
-    last refuses to record (its record could not reach the caller)."""
+    the first, stage 1 the rest) and the last stage's logits are the whole model's replay."""
     from .test_parallel_families import moe_model
 
     hf = moe_model(layers=4)  # Qwen3-MoE, layer 1 dense: stage 0 routes at layer 0, stage 1 at layers 2 and 3
@@ -341,8 +340,102 @@ def test_pipeline_stages_replay_their_own_layers():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
         with pytest.raises(ValueError, match="routed_experts has shape"):  # the whole record on one stage
             plain(stages[0], ids, mask, routed_experts=recorded)
-        with pytest.raises(ValueError, match="record_routing=True on a pipeline stage before the last"):
-            forward(stages[0], ids, mask)
+
+
+def run_stages(forward, stages, ids, mask, **kwargs):
+    """``stages`` in one process, each handing on ``(hidden, *carried)`` to the next (``forward.carried`` names
+    the keywords): the last stage's outputs, and what each earlier stage handed on."""
+    carried, handed, hidden = {}, [], None
+    for i, stage in enumerate(stages):
+        if i:
+            stage.set_input_tensor(hidden)
+        out = forward(stage, ids, mask, **kwargs, **carried)
+        if i < len(stages) - 1:
+            hidden, *rest = out
+            handed.append(rest)
+            carried = dict(zip(forward.carried, rest))
+    return out, handed
+
+
+@pytest.mark.parametrize("data_format, layout", [("thd", {}), ("thd", {"seq_align": 8}), ("bshd", {})])
+def test_pipeline_stages_record_the_whole_models_routing(data_format, layout):
+    """``record_routing=True`` on pipeline stages: each stage hands on the record so far (every earlier stage's MoE
+    layers and its own, packed, ``-1`` at the layout's pads) and the last stage's ``"routed_experts"`` is the whole
+    model's record bit for bit (-1 at padding), on two stages (MoE layer 0 | 2, 3) and on three (0 | dense 1 | 2:
+    the middle stage hands the record on unchanged); with ``moe_aux_loss`` a stage hands on ``(hidden, record,
+    sums)``; an empty batch records nothing."""
+    from .test_parallel_families import moe_model
+
+    ids, mask = ragged_batch()
+    forward = make_forward(data_format, record_routing=True, **layout)
+    assert forward.carried == ("recorded_routing",)
+    with torch.no_grad():
+        for layers, pp in ((4, 2), (3, 3)):
+            hf = moe_model(layers=layers)
+            want = forward(from_hf(hf), ids, mask)
+            stages = [from_hf(hf, pp_rank=r, pp_size=pp) for r in range(pp)]
+            got, handed = run_stages(forward, stages, ids, mask)
+            assert torch.equal(got["routed_experts"], want["routed_experts"]), (layers, pp)
+            assert (got["routed_experts"][~mask] == -1).all() and (got["routed_experts"][mask] >= 0).all()
+            assert torch.equal(got["logits"], want["logits"])
+            own = [sum(type(m).__name__ == "PackedRouter" for m in s.modules()) for s in stages[:-1]]
+            for (record,), so_far in zip(handed, torch.tensor(own).cumsum(0).tolist()):
+                assert record.dtype == torch.int64 and record.shape[1:] == (so_far, 2)
+            if pp == 3:
+                assert own[1] == 0 and torch.equal(handed[0][0], handed[1][0])  # the dense stage: unchanged
+        both = make_forward(data_format, record_routing=True, moe_aux_loss=True, **layout)
+        assert both.carried == ("recorded_routing", "moe_routing")
+        got, handed = run_stages(both, stages, ids, mask)
+        assert torch.equal(got["routed_experts"], want["routed_experts"])
+        assert handed[0][0].dtype == torch.int64 and handed[0][1].dtype == torch.float64  # (hidden, record, sums)
+        torch.testing.assert_close(got["moe_aux_loss"], both(from_hf(hf), ids, mask)["moe_aux_loss"])
+        empty = torch.zeros_like(mask)
+        got, handed = run_stages(forward, stages, ids, empty)
+        assert torch.equal(got["routed_experts"], forward(from_hf(hf), ids, empty)["routed_experts"])
+        assert (got["routed_experts"] == -1).all()
+
+
+def test_a_carried_record_is_checked_against_the_batch():
+    """``recorded_routing=`` is refused naming it: another micro-batch's record (other packed tokens, or as many
+    with the padding elsewhere), another top-k, a float tensor; on the first stage; missing on a later stage of a
+    recording forward; given to a forward that does not record."""
+    from .test_parallel_families import moe_model
+
+    hf = moe_model(layers=4)
+    stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
+    ids, mask = ragged_batch()
+    fewer = mask.clone()
+    fewer[2] = False  # another micro-batch: fewer real tokens (the widest row kept: BSHD packs as many slots)
+    moved = mask.clone()  # as many tokens, one moved from row 3 to row 2 (widest row unchanged): pads elsewhere
+    moved[3, 5], moved[2, 4] = False, True
+    assert moved.sum() == mask.sum() and mask[3, 5] and not mask[2, 4]
+    padding = "recorded_routing has -1 .padding. elsewhere than this batch's padding"
+    for data_format, layout, other, error in (("thd", {}, fewer, "recorded_routing has shape"),
+                                              ("bshd", {}, fewer, padding), ("bshd", {}, moved, padding),
+                                              ("thd", {"seq_align": 8}, moved, padding),
+                                              ("thd", {}, moved, None)):  # no pad packed: its record fits
+        forward = make_forward(data_format, record_routing=True, **layout)
+        with torch.no_grad():
+            hidden, record = forward(stages[0], ids, mask)
+            _, theirs = forward(stages[0], ids, other)
+            stages[1].set_input_tensor(hidden)
+            if error is None:
+                forward(stages[1], ids, mask, recorded_routing=theirs)
+                continue
+            with pytest.raises(ValueError, match=error + ".* another micro-batch.*pass the previous pipeline stage"):
+                forward(stages[1], ids, mask, recorded_routing=theirs)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"recorded_routing has shape \(21, 1, 1\).*top-2"):
+            forward(stages[1], ids, mask, recorded_routing=record[..., :1])
+        with pytest.raises(TypeError, match="recorded_routing must be an integer tensor"):
+            forward(stages[1], ids, mask, recorded_routing=record.float())
+        with pytest.raises(ValueError, match="recorded_routing= given to the first pipeline stage"):
+            forward(stages[0], ids, mask, recorded_routing=record)
+        with pytest.raises(ValueError, match="later pipeline stage needs the earlier stages' record: pass "
+                                             "recorded_routing="):
+            forward(stages[1], ids, mask)
+        with pytest.raises(TypeError, match=r"recorded_routing= .* is taken by a make_forward\(..., record_routing"):
+            make_forward("thd")(stages[1], ids, mask, recorded_routing=record)
 
 
 def _ep_worker(rank: int, world: int, hf, batches, records):

@@ -166,7 +166,13 @@ def make_forward(
     ``l`` goes to those experts with the weights the current router gives them (values at padding ignored); with
     ``replay_mask`` (bool ``[b, s]`` like the attention mask) only the tokens where it is True are replayed, the
     others routed by the current router as without replay (their rows of ``routed_experts`` ignored).  With
-    ``record_routing`` it records the experts used.  See :class:`packfwd.forward.moe.RoutingReplay`.
+    ``record_routing`` it records the experts used.  On pipeline stages the record covers every stage's MoE
+    layers: a stage before the last returns ``(hidden, record)`` (its packed record ``[t', L_so_far, k]``, the
+    layers of every stage up to it), every later stage takes the previous one's as ``recorded_routing=``, and the
+    last stage's ``"routed_experts"`` is the whole model's record, every stage's layers joined in layer order;
+    ``run_micro_batches(..., pp_group=...)`` hands it on.  With ``moe_aux_loss=True`` too a stage returns
+    ``(hidden, record, routing sums)``; ``forward.carried`` names, in that order, the keyword each carried entry goes
+    to.  See :class:`packfwd.forward.moe.RoutingReplay`.
 
     **Scored tokens only** (``scored_only=True``, the default): with a logits processor, a token whose label is
     ignored (``labels < 0``, e.g. -100), or outside ``loss_mask`` (a ``[b, s]`` forward argument) or the
@@ -241,7 +247,7 @@ def make_forward(
 
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
                 seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, routed_experts=None, replay_mask=None,
-                loss_mask=None, scored_tokens=None, **processor_args):
+                loss_mask=None, scored_tokens=None, recorded_routing=None, **processor_args):
         check_call_args(processor_args, logits_processor, multi_modal_inputs, vision)
         check_scoring(loss_mask, scored_tokens, logits_processor, scored_only, processor_args)
         if plan is not None and vision:
@@ -249,6 +255,10 @@ def make_forward(
         if moe_routing is not None and not moe_aux_loss:
             raise TypeError("moe_routing= (the routing sums an earlier pipeline stage hands on) is taken by a "
                             "make_forward(..., moe_aux_loss=True) forward only; build it so, or drop moe_routing")
+        if recorded_routing is not None and not record_routing:
+            raise TypeError("recorded_routing= (the record an earlier pipeline stage hands on) is taken by a "
+                            "make_forward(..., record_routing=True) forward only; build it so, or drop "
+                            "recorded_routing")
         if mtp_loss_mask is not None and not mtp:
             raise TypeError("mtp_loss_mask is an argument of the multi-token-prediction forward, which this forward "
                             "is not; build it with make_forward(..., mtp=True) (for a model with MTP layers), or "
@@ -256,9 +266,10 @@ def make_forward(
         batch = Batch(input_ids, attention_mask, position_ids, seqlens=seqlens, plan=plan, inputs=processor_args,
                       model_inputs=dict(multi_modal_inputs or {}),
                       options=dict(moe_routing=moe_routing, mtp_loss_mask=mtp_loss_mask, routed_experts=routed_experts,
-                                   replay_mask=replay_mask, loss_mask=loss_mask, scored_tokens=scored_tokens))
+                                   replay_mask=replay_mask, loss_mask=loss_mask, scored_tokens=scored_tokens,
+                                   recorded_routing=recorded_routing))
         result = engine(model, batch)
-        if result.outputs is None:  # a stage before the last: hidden states (and routing sums) for the next one
+        if result.outputs is None:  # a stage before the last: hidden states (and what it carries) for the next
             return result.hand_on
         return result.outputs["logits"] if bare else result.outputs
 
@@ -274,6 +285,8 @@ def make_forward(
     forward = guarded(forward, deterministic=deterministic, batch_invariant=batch_invariant)
     forward.layout = spec  # what a micro-batch plan must assume (run_micro_batches checks it)
     forward.moe_aux_loss = moe_aux_loss  # its middle stages return (hidden, routing sums): packfwd's schedule only
+    # what a middle stage returns beside its hidden states, as the next stage's keywords, in the extensions' order
+    forward.carried = ("recorded_routing",) * record_routing + ("moe_routing",) * moe_aux_loss
     forward.engine = engine
     forward.plan = plan
     forward.attention_backend = _attention_backend  # what a model's attention runs (the automatic choice resolved)

@@ -9,6 +9,12 @@ sums)`` (:func:`~packfwd.models.mlp.aux_loss.stage_routing_sums`, its layers poo
 ``moe_routing=``), and the last stage pools them into the loss.  Carried sums are checked against this batch: the
 tokens they count must be a whole number of this batch's real tokens per MoE layer (another micro-batch's sums
 raise, eagerly on the CPU, with ``torch._assert_async`` on CUDA).
+
+``make_forward(..., record_routing=True)`` (:class:`RoutingReplay`) records on pipeline stages the same way: a
+stage before the last hands on its record with its hidden states, and the last stage's ``"routed_experts"`` holds
+every stage's MoE layers joined in layer order, the whole model's record.  What a stage hands on is a tuple
+``(hidden, *carried)``, one entry per extension that carries something, in the forward's extension order (the
+record, then the routing sums); ``forward.carried`` names the keyword each entry goes to on the next stage.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .._validate import unwrap
-from ..engine import Extension, seq_major
+from ..engine import Extension, is_moe, seq_major
 from ..models.mlp.aux_loss import check_stage_routing, model_aux_loss, stage_routing_sums
 from ..models.mlp.moe import routing_stats
 
@@ -44,7 +50,7 @@ class MoeAuxLoss(Extension):
 
     def hand_on(self, out, step):
         carried = self._carried(step)
-        return out, stage_routing_sums(step.model, step.state[self], carried)
+        return (*_handed(out), stage_routing_sums(step.model, step.state[self], carried))
 
     def finish(self, out, step):
         loss = model_aux_loss(step.model, step.state[self], device=step.ids.device, carried=self._carried(step))
@@ -80,23 +86,42 @@ class RoutingReplay(Extension):
     ``routed_experts`` may also cover every decoder layer (``[b, s, num_layers, k]``, the whole model's, as a
     rollout engine may give them): each MoE layer then takes its own layer's row, the dense layers' rows are
     ignored.  ``record``: the outputs get ``"routed_experts" [b, s, L, k]``, int64, ``-1`` at padding (the experts
-    used: replayed or the router's own, token by token)."""
+    used: replayed or the router's own, token by token).
+
+    ``record`` on pipeline stages: each stage records its own MoE layers, and a stage before the last hands on
+    ``(hidden, record)``, ``record [t', L_so_far, k]`` int64 (the layers of every stage up to it, joined in layer
+    order; ``t'`` its packed tokens in the layout's token order, this CP rank's share, every TP rank's under
+    sequence parallelism gathered; ``-1`` at the layout's pads).  The next stage takes it as
+    ``recorded_routing=`` (``run_micro_batches(..., pp_group=...)`` hands it on), appends its own layers, and the
+    last stage's ``"routed_experts" [b, s, L, k]`` is the whole model's record, bit for bit what the model run in
+    one piece records.  A stage without MoE layers (all of them dense) hands the record on unchanged; the first one
+    hands on ``[t', 0, k]``.  A carried record is checked against this batch: ``t'`` and ``k`` (eagerly), and its
+    ``-1`` exactly at this batch's pads (eagerly on the CPU, ``torch._assert_async`` on CUDA: no host sync), so
+    another micro-batch's record raises a ValueError naming ``recorded_routing``."""
 
     def __init__(self, record: bool):
         self.record = record
 
     def check(self, model, facts, batch) -> None:
         given, mask = batch.options.get("routed_experts"), batch.options.get("replay_mask")
+        carried = batch.options.get("recorded_routing")
         if mask is not None and given is None:
             raise TypeError("replay_mask= (which tokens to replay) needs routed_experts= (the experts to replay "
                             "there); pass both, or drop replay_mask")
+        if carried is not None and not self.record:
+            raise TypeError(_CARRIED_ONLY)
         if given is None and not self.record:
             return
         found = _routers(model)
+        # a record passes through a pipeline stage whose layers are all dense; a whole model must route somewhere
+        routes = bool(found) or (self.record and given is None and is_moe(model)
+                                 and not (facts.pre_process and facts.post_process))
         what = "routed_experts=" if given is not None else "record_routing=True"
-        if not found:
+        if not routes:
             raise ValueError(f"{what} on a model (or pipeline stage) without MoE layers: there is no routing to "
                              "replay or record; drop it for this model or stage")
+        if self.record:
+            _check_stage_record(facts, carried)
         if given is not None:
             if mask is not None:
                 _check_replay_mask(mask, batch)
@@ -104,6 +129,8 @@ class RoutingReplay(Extension):
             _check_routed(_moe_layers(given, found, config), batch, len(found), config, mask)
 
     def inputs(self, step) -> dict:
+        if self.record and step.batch.options.get("recorded_routing") is not None:
+            step.state[(self, "carried")] = self._carried(step)  # checked while planning, before the model runs
         given, mask = step.batch.options.get("routed_experts"), step.batch.options.get("replay_mask")
         if given is None:
             return {}
@@ -135,21 +162,62 @@ class RoutingReplay(Extension):
     def finish(self, out, step):
         if not self.record:
             return out, {}
-        hooks = step.state.get(self)
-        if step.empty or hooks is None:  # no model run: nothing routed
-            layers, k = len(_routers(step.model)), unwrap(step.model).config.moe_router_topk
-            rows = torch.zeros(0, layers, k, dtype=torch.long, device=step.ids.device)
-        else:
-            rows = torch.stack([h.recorded for h in hooks], dim=1)  # [n_local, L, k], the routers' row order
-            rows = _token_rows(rows, step)
-        return out, {"routed_experts": step.unpack(rows + 1) - 1}  # -1 at padding
+        return out, {"routed_experts": step.unpack(self._record(step) + 1) - 1}  # -1 at padding
 
     def hand_on(self, out, step):
-        if self.record:
-            raise ValueError("record_routing=True on a pipeline stage before the last: its record would not reach "
-                             "the caller (a stage hands on its hidden states only); record on a whole model, or "
-                             "replay (routed_experts=) on every stage")
-        return out
+        if not self.record:
+            return out
+        return (*_handed(out), self._record(step))
+
+    def _record(self, step) -> Tensor:
+        """``[t', L, k]`` int64 in the layout's token order: the carried record (the earlier stages' layers) and
+        this stage's, joined in layer order; ``-1`` at the layout's pads."""
+        pads = step.layout.padding_mask(step.plan).reshape(-1)  # [t'] in token order
+        hooks, k = step.state.get(self), unwrap(step.model).config.moe_router_topk
+        if step.empty or not hooks:  # no model run (nothing routed), or a stage without MoE layers
+            layers = len(_routers(step.model))
+            rows = torch.full((pads.shape[0], layers, k), -1, dtype=torch.long,
+                              device=step.ids.device if step.ids is not None else pads.device)
+        else:
+            rows = torch.stack([h.recorded for h in hooks], dim=1)  # [n_local, L, k], the routers' row order
+            rows = _token_rows(rows, step).long()
+            rows = rows.masked_fill(pads.to(rows.device)[:, None, None], -1)
+        carried = step.state.get((self, "carried"))
+        return rows if carried is None else torch.cat([carried.to(rows.device), rows], dim=1)
+
+    @staticmethod
+    def _carried(step) -> Tensor | None:
+        """``recorded_routing`` (the earlier stages' record), checked against this batch: ``[t', L_before, k]``
+        integer with ``t'`` this batch's packed tokens and ``k`` the model's top-k, ``-1`` exactly at this batch's
+        pads (eagerly on the CPU, ``torch._assert_async`` on CUDA); int64."""
+        carried = step.batch.options.get("recorded_routing")
+        if carried is None:
+            return None
+        k = unwrap(step.model).config.moe_router_topk
+        pads = step.layout.padding_mask(step.plan).reshape(-1)
+        fix = ("pass the previous pipeline stage's record of this micro-batch (its forward's output[1], "
+               "(hidden, record, ...)); run_micro_batches(..., pp_group=...) hands it on")
+        if not isinstance(carried, Tensor) or carried.is_nested or carried.dtype.is_floating_point \
+                or carried.dtype == torch.bool:
+            got = (("jagged " if carried.is_nested else "") + str(carried.dtype)) if isinstance(carried, Tensor) \
+                else type(carried).__name__
+            raise TypeError(f"recorded_routing must be an integer tensor [t', L, k] (the packed record an earlier "
+                            f"stage hands on), got {got}; {fix}")
+        if carried.dim() != 3 or carried.shape[0] != pads.shape[0] or carried.shape[2] != k:
+            raise ValueError(f"recorded_routing has shape {tuple(carried.shape)}; this batch packs {pads.shape[0]} "
+                             f"tokens and the model routes top-{k}: it wants [{pads.shape[0]}, L, {k}] (L: the "
+                             f"earlier stages' MoE layers). It comes from another micro-batch or model; {fix}")
+        carried = carried.long()
+        if carried.shape[1] and pads.shape[0]:
+            ok = ((carried < 0) == pads.to(carried.device)[:, None, None]).all()
+            message = ("recorded_routing has -1 (padding) elsewhere than this batch's padding: it comes from "
+                       f"another micro-batch; {fix}")
+            if carried.device.type == "cpu":
+                if not bool(ok):
+                    raise ValueError(message)
+            else:
+                torch._assert_async(ok, message)
+        return carried
 
     @staticmethod
     def _sanitised(packed: Tensor, mask: Tensor | None, step) -> tuple[Tensor, Tensor | None]:
@@ -163,6 +231,27 @@ class RoutingReplay(Extension):
         spare = torch.arange(k, device=packed.device).expand_as(packed)
         experts = torch.where((pads if used is None else ~used)[:, None, None], spare, packed.long())
         return experts, None if used is None else used | pads
+
+
+_CARRIED_ONLY = ("recorded_routing= (the record an earlier pipeline stage hands on) is taken by a "
+                 "make_forward(..., record_routing=True) forward only; build it so, or drop recorded_routing")
+
+
+def _handed(out) -> tuple:
+    """What a stage hands on so far, as a tuple: ``(hidden,)`` or ``(hidden, *carried)``."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _check_stage_record(facts, carried) -> None:
+    """A ``record_routing=True`` forward: ``carried`` (``recorded_routing``) is given exactly when the model is a
+    later pipeline stage; else a ValueError naming the fix."""
+    if facts.pre_process and carried is not None:
+        raise ValueError("recorded_routing= given to the first pipeline stage (or a whole model): no earlier stage "
+                         "recorded anything; drop recorded_routing")
+    if not facts.pre_process and carried is None:
+        raise ValueError("record_routing=True on a later pipeline stage needs the earlier stages' record: pass "
+                         "recorded_routing= the previous stage's output[1] (its forward returns (hidden, record, "
+                         "...)); run_micro_batches(..., pp_group=...) hands it on")
 
 
 def _routers(model) -> list:

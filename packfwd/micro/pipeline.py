@@ -11,8 +11,10 @@ shape) -- a shape mismatch on 2 x H200 with megatron-core 0.19.2.  One virtual s
 packfwd's schedule are not affected.
 
 A ``moe_aux_loss=True`` forward's stages hand on their routing sums beside the hidden states (the loss pools every
-layer of every stage): packfwd's schedule carries both, and their gradients back; Megatron-Core's sends one tensor
-per stage, so it is refused for such a forward."""
+layer of every stage), a ``record_routing=True`` forward's their record of the routing so far (the last stage's
+``"routed_experts"`` holds every stage's MoE layers): packfwd's schedule carries them, each to the keyword the
+forward names (``forward.carried``), and the sums' gradients back; Megatron-Core's sends one tensor per stage, so it
+is refused for such a forward."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> St
     from packfwd.parallel import pipeline_forward_backward
 
     outs = pipeline_forward_backward(
-        stages, lambda stage, mb, *routing: forward(stage, *mb.args, **mb.kwargs, **_routing(routing)), mbs,
+        stages, lambda stage, mb, *handed: forward(stage, *mb.args, **mb.kwargs, **_carried(forward, handed)), mbs,
         pp_group=pp_group,
         loss_fn=None if loss_fn is None else (lambda out, mb: mb.loss(loss_fn, out)),
     )
@@ -38,13 +40,15 @@ def packfwd_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> St
                        batch_masks)
 
 
-def _routing(handed: tuple) -> dict:
-    """The keywords of what a stage handed on beside its hidden states: a ``moe_aux_loss=True`` forward's routing
-    sums (``packfwd.make_forward``)."""
-    if len(handed) > 1:
-        raise TypeError(f"a pipeline stage handed on {len(handed)} tensors beside its hidden states; packfwd's "
-                        "forwards hand on at most one (the routing sums of moe_aux_loss=True)")
-    return {"moe_routing": handed[0]} if handed else {}
+def _carried(forward, handed: tuple) -> dict:
+    """The keywords of what a stage handed on beside its hidden states, by the names ``forward.carried`` gives
+    (``packfwd.make_forward``: a ``record_routing=True`` forward's record, then a ``moe_aux_loss=True`` forward's
+    routing sums); a forward without the attribute hands on at most the routing sums.  The first stage gets none."""
+    names = getattr(forward, "carried", ("moe_routing",)[:len(handed)])
+    if handed and len(handed) != len(names):
+        raise TypeError(f"a pipeline stage handed on {len(handed)} tensors beside its hidden states; this forward "
+                        f"takes {len(names)} from the previous stage ({', '.join(names) or 'none'})")
+    return dict(zip(names, handed))
 
 
 def megatron_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> StepResult | None:
@@ -54,11 +58,14 @@ def megatron_schedule(forward, stages, mbs, pp_group, loss_fn, batch_masks) -> S
     if pp_group is not parallel_state.get_pipeline_model_parallel_group():
         raise ValueError("schedule='megatron' takes its pipeline group from megatron.core.parallel_state; pass "
                          "pp_group=parallel_state.get_pipeline_model_parallel_group()")
-    if getattr(forward, "moe_aux_loss", False) and torch.distributed.get_world_size(pp_group) > 1:
+    carried = getattr(forward, "carried", ("moe_routing",) if getattr(forward, "moe_aux_loss", False) else ())
+    if carried and torch.distributed.get_world_size(pp_group) > 1:
+        what = {"moe_routing": "moe_aux_loss=True", "recorded_routing": "record_routing=True"}
         raise ValueError(
-            "schedule='megatron' with a moe_aux_loss=True forward: the load-balancing loss pools every stage's "
-            "routing, whose sums travel with the hidden states, and Megatron-Core's schedule sends one tensor per "
-            "stage; use schedule='packfwd'"
+            f"schedule='megatron' with a {' and '.join(what.get(n, n) for n in reversed(carried))} forward: its "
+            f"stages hand on {', '.join(carried)} with the hidden states (the load-balancing loss pools every "
+            "stage's routing, the record joins every stage's layers), and Megatron-Core's schedule sends one tensor "
+            "per stage; use schedule='packfwd'"
         )
     if len(stages) > 1 and torch.distributed.get_world_size(pp_group) == 2:
         raise ValueError(

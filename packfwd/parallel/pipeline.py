@@ -20,8 +20,8 @@ only on a plain pipeline, not across virtual stages).  Tensors travel with a sma
 stages may return any shape (packed lengths change from microbatch to microbatch); reading it is one host sync per
 transfer.  A stage may hand on more than its hidden states: a tuple ``(hidden, *extra)`` goes to the next stage
 whole, ``hidden`` through ``set_input_tensor`` and ``extra`` as ``forward_step(stage, microbatch, *extra)``, and the
-gradients of all of them come back (``make_forward(..., moe_aux_loss=True)``'s stages hand on their routing sums
-so).
+gradients of the floating-point ones come back (``make_forward(..., moe_aux_loss=True)``'s stages hand on their
+routing sums so, ``record_routing=True``'s their integer record of the routing, which has none).
 
 Why not Megatron-Core's schedules (``megatron.core.pipeline_parallel.get_forward_backward_func``): they allocate
 on CUDA unconditionally (``torch.zeros([], device="cuda")`` for the token count, shape buffers on
@@ -162,14 +162,15 @@ def _backward_all(outputs, saved, microbatches, chain: _Chain, device, loss_fn) 
                     raise TypeError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
                 torch.autograd.backward(loss)
             else:
-                grads = _recv(chain.next_rank(), chain.group, device)
-                pairs = [(x, g.to(x.dtype)) for x, g in zip(_handed_on(out, chain.stage(v)), grads) if x.requires_grad]
+                grads = _recv(chain.next_rank(), chain.group, device)  # one per floating-point tensor handed on
+                handed = [x for x in _handed_on(out, chain.stage(v)) if x.is_floating_point()]
+                pairs = [(x, g.to(x.dtype)) for x, g in zip(handed, grads) if x.requires_grad]
                 if pairs:
                     torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
             got = saved[m][v]
             if got is not None:
-                _send([x.grad if x.grad is not None else torch.zeros_like(x) for x in got], chain.prev_rank(),
-                      chain.group)
+                _send([x.grad if x.grad is not None else torch.zeros_like(x) for x in got if x.is_floating_point()],
+                      chain.prev_rank(), chain.group)  # an integer tensor (a routing record) has no gradient
 
 
 def _handed_on(out, stage: int) -> list[Tensor]:

@@ -59,7 +59,7 @@ def check_stage_routing(model: torch.nn.Module, carried, aux_loss: bool = True) 
                          "anything; drop moe_routing")
     if not gpt.pre_process and carried is None:
         raise ValueError("moe_aux_loss=True on a later pipeline stage needs the earlier stages' routing: pass "
-                         "moe_routing= the previous stage's output[1] (its forward returns (hidden, routing sums)); "
+                         "moe_routing= the previous stage's output[-1] (its forward returns (hidden, ..., routing sums)); "
                          "run_micro_batches(..., pp_group=...) hands it on")
     if carried is not None:
         check_carried(carried, gpt.config.num_moe_experts)
