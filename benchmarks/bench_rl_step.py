@@ -32,9 +32,11 @@ backend the model runs, the loss (must agree across variants) and the ratio to e
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_rl_step.py --out benchmarks/out/rl_step.json
     python benchmarks/bench_rl_step.py --smoke --out /tmp/rl_step.json      # tiny model on the CPU (CI)
 
-Time on an H100 (estimated, not yet run): ~1 min to build, then per batch and variant ``--warmup`` + ``--runs`` (2 + 2)
-steps of 3-12 s (transformers the slowest): about 4 minutes with the defaults; ``--runs 1``, ``--warmup 1``,
-``--batches 128x4096`` or ``--variants packfwd verl`` cut it, ``--passes fwd+bwd fwd`` adds the forward-only rows.
+Time on an H100 (2026-12-06, 128 x 4096 only, three variants, 2 + 2 steps): about 1 minute after the model is built;
+steps of 2.2-3.2 s (transformers padded, not run there, is the slowest). The default is 2 warm-up + 4 timed steps per
+batch and variant (two identical eager rows in one run were 5-14 % apart with 2 timed steps, the first timed step of
+each row being the slow one): about 5 minutes with the defaults; ``--batches 128x4096`` or ``--variants packfwd
+packfwd_eager verl`` cut it, ``--passes fwd+bwd fwd`` adds the forward-only rows.
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
                          "whose per-shape graph cache is shared by the rows: a later row reuses the graphs an earlier "
                          "one built for the same micro-batch shapes)")
     ap.add_argument("--passes", nargs="+", choices=PASSES, default=None, help="default fwd+bwd (smoke: both)")
-    ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 2; smoke 1)")
+    ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 4; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps first, each a new batch (captures, compilation; default 2; smoke 1)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16, fewer on a small card)")
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
     cfg.device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg.max_tokens = cfg.max_tokens or (96 if cfg.smoke else 16384)
-    runs = cfg.runs or (1 if cfg.smoke else 2)
+    runs = cfg.runs or (1 if cfg.smoke else 4)
     cfg.passes = cfg.passes or (list(PASSES) if cfg.smoke else ["fwd+bwd"])
     cfg.warmup = cfg.warmup if cfg.warmup is not None else (1 if cfg.smoke else 2)
     shapes = [tuple(int(x) for x in b.lower().split("x")) for b in (cfg.batches or (
