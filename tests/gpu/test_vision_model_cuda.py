@@ -4,6 +4,8 @@
   Qwen2.5-VL per sequence on the GPU (``atol=rtol=1e-4``);
 * bfloat16 with the automatic varlen backend: THD and BSHD logits within bf16 rounding of transformers' float32
   (``atol=0.25``; the largest differences are reported);
+* Qwen3.5 (hybrid, interleaved multimodal RoPE): float32 to 1e-3 of transformers' float64, bf16 no further from it
+  than transformers' own bf16;
 * the multimodal RoPE angles equal Megatron-Core's own ``MultimodalRotaryEmbedding``, built as Megatron-Core builds
   it on CUDA, bit for bit.
 
@@ -93,3 +95,41 @@ def test_mrope_angles_equal_megatron_on_cuda():
     positions = torch.randint(0, 4000, (3, 2, 9), device="cuda")
     assert torch.equal(ours.inv_freq, theirs.inv_freq)
     assert torch.equal(ours(positions, [2, 3, 3]), theirs(positions, [2, 3, 3]))
+
+
+def test_qwen3_5_on_cuda_equals_transformers(device="cuda"):
+    """Qwen3.5 (Gated DeltaNet + gated attention with interleaved multimodal RoPE, its vision tower; the tiny model of
+    ``tests/test_qwen3_5_vision.py``) on CUDA, THD and BSHD, against transformers' float64 run per sequence on the
+    CPU: float32 to 1e-3; bf16 no further from it than transformers' own bf16 run on CUDA (this tiny model's random
+    weights make bf16 itself move logits by ~2 on the CPU, transformers' and packfwd's alike) (written 2026-12-06,
+    not yet run on a GPU)."""
+    import copy
+
+    from ..test_qwen3_5_vision import hf_logits as qwen3_5_logits
+    from ..test_qwen3_5_vision import hf_model as qwen3_5_model
+    from ..test_qwen3_5_vision import mm_token_types
+    from ..test_qwen3_5_vision import vl_batch as qwen3_5_batch
+
+    hf = qwen3_5_model()
+    ids, mask, mm, rows, alone = qwen3_5_batch()
+    with torch.no_grad():
+        refs = [r.float().to(device) for r in qwen3_5_logits(hf, rows, alone)]
+        hf_bf16 = copy.deepcopy(hf).to(device=device, dtype=torch.bfloat16)
+        their_error = 0.0
+        for row, extra, ref in zip(rows, alone, refs):  # transformers' own bf16, each sequence alone
+            one = torch.tensor(row, device=device)[None]
+            extra = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).to(device) for k, v in extra.items()}
+            if extra:
+                extra["mm_token_type_ids"] = mm_token_types(one)
+            logits = hf_bf16(input_ids=one, **extra).logits[0]
+            their_error = max(their_error, float((logits.float() - ref).abs().max()))
+    ids, mask = ids.to(device), mask.to(device)
+    inputs = {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in mm.items()}
+    for dtype, bound in ((torch.float32, 1e-3), (torch.bfloat16, 1.5 * their_error + 0.05)):
+        model = from_hf(copy.deepcopy(hf).to(device=device, dtype=torch.float32), params_dtype=dtype)
+        with torch.no_grad():
+            for f in ("thd", "bshd"):
+                out = pf.make_forward(f, vision=True)(model, ids, mask, multi_modal_inputs=inputs)
+                RESULTS[f"qwen3_5_{str(dtype)[6:]}_{f}"] = largest = _largest(out, mask, refs)
+                assert out.dtype == dtype and largest < bound, (dtype, f, largest, their_error)
+    RESULTS["qwen3_5_transformers_bfloat16"] = their_error
