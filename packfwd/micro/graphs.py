@@ -1,6 +1,7 @@
 """``run_micro_batches``' fast path: each micro-batch padded to its bucket (:mod:`packfwd.micro.buckets`) and its
 forward and backward replayed from CUDA graphs captured once per bucket; the cache is a :class:`StepGraphs` the
-caller holds (with ``graphs=True``, the forward's ``forward.step_graphs``).  Opt-in: not yet run on a GPU.
+caller holds (with ``graphs=True``, the forward's ``forward.step_graphs``).  Opt-in: correct on an H100
+(``tests/gpu/test_step_graphs_cuda.py``: bit for bit the padded eager step), its speed not yet measured.
 
 **What is captured.**  The model's forward on the bucket's static inputs (the padded rows of ``input_ids``, the
 positions, the processor's arguments, and a bucket plan, ``packfwd.layout.bucket``), and as a second graph its
