@@ -182,7 +182,7 @@ def test_bad_configs_name_the_field_and_the_fix():
             ModelArgs(**base, family="deepseek_v3", mla=mla, **extra)
     with pytest.raises(ValueError, match="pass mla=Mla"):
         ModelArgs(**base, family="deepseek_v3")
-    with pytest.raises(ValueError, match="pass family='deepseek_v3' or mla=None"):
+    with pytest.raises(ValueError, match="pass family='deepseek_v3' or 'kimi_linear' or mla=None"):
         ModelArgs(**base, mla=mla)
     with pytest.raises(ValueError, match="qk_rope_head_dim=3.*even"):
         Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=3, v_head_dim=6)

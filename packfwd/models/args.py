@@ -68,7 +68,8 @@ class ModelArgs:
     attention_sinks: bool = False  # a learned logit per head in every softmax denominator (GPT-OSS's sinks)
     rope_yarn: Yarn | None = None  # YaRN RoPE scaling of softmax attention (GPT-OSS)
     attention_output_gate: bool = False  # attention output times sigmoid(a gate q_proj also emits) (Qwen3-Next, 3.5)
-    linear_attention: Any = None  # Gated DeltaNet layers (DeltaNet: sizes, which layers); None: none (hybrids)
+    linear_attention: Any = None  # linear-attention layers (hybrids): Gated DeltaNet (DeltaNet) or Kimi Delta
+    #  Attention (Kda): sizes, which layers; None: none
     norm_zero_centered: bool = False  # every RMSNorm computes rms_norm(x) * (1 + weight) (Qwen3-Next, Qwen3.5)
     fused: bool = True  # packfwd's fused kernels on CUDA (RMSNorm, SwiGLU, THD RoPE; same weights, numbers within
     #  rounding, the torch path elsewhere); False: Megatron-Core's plain modules, for checking
@@ -109,6 +110,10 @@ class ModelArgs:
             hybrids = sorted(name for name, f in FAMILIES.items() if f.linear_attention is not None)
             raise ValueError(f"linear_attention given for family={self.family!r}, which has no linear-attention "
                              f"layers; pass family={' or '.join(repr(h) for h in hybrids)} or linear_attention=None")
+        linear = [m for m in mixers(self) if "linear_attention" in m.fields]
+        if linear and linear[0] is not entry.linear_attention:
+            raise ValueError(f"linear_attention={type(self.linear_attention).__name__}(...) for family={self.family!r}, "
+                             f"whose linear attention is {entry.linear_attention.name}; pass its description")
         own = mixer(self)
         if own is entry.attention:
             return

@@ -10,13 +10,13 @@ new kind of token mixer or MLP is one component module beside the others.  Impor
 """
 
 from . import deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen2_vl, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe
-from . import gpt_oss, qwen3_next
+from . import gpt_oss, kimi_linear, qwen3_next
 from .entry import Family as Family
 
 __all__ = ["FAMILIES", "Family", "family", "family_of_hf_config"]
 
 _MODULES = (llama, qwen2, qwen2_vl, qwen3, qwen3_moe, qwen2_moe, mixtral, glm4_moe, deepseek_v3, qwen3_next, qwen3_5,
-            qwen3_5_moe, gpt_oss)
+            qwen3_5_moe, gpt_oss, kimi_linear)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in _MODULES}
 

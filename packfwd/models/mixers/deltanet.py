@@ -30,7 +30,7 @@ from torch import Tensor
 from ..._validate import check_tensor
 from .deltanet_ops import causal_conv1d_packed, chunk_gated_delta_rule_packed
 
-__all__ = ["DeltaNetShape", "deltanet_mix", "gated_deltanet_packed", "gated_rms_norm"]
+__all__ = ["DeltaNetShape", "deltanet_mix", "gated_deltanet_packed", "gated_rms_norm", "kda_mix"]
 
 _SHARED = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 _NEXT = ("in_proj_qkvz.weight", "in_proj_ba.weight")  # Qwen3-Next: grouped per key head
@@ -78,17 +78,22 @@ class DeltaNetShape:
                    config.hidden_act, config.rms_norm_eps)
 
 
-def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float = 1e-6, *, sigmoid: bool = False) -> Tensor:
     """transformers' ``Qwen3NextRMSNormGated``: ``weight * rms_norm(x) * silu(gate)`` over the last dim, the norm
     and the gate in ``x``'s dtype promoted to at least float32, ``weight`` applied in ``x``'s dtype as transformers
-    does.
+    does.  ``sigmoid=True``: ``KimiLinearRMSNormGated``, ``weight * rms_norm(x) * sigmoid(gate)`` with ``weight``
+    applied in the promoted dtype too (as Kimi-Linear does).
 
     >>> gated_rms_norm(torch.ones(1, 2), torch.zeros(1, 2), torch.ones(2)).tolist()
     [[0.0, 0.0]]
+    >>> gated_rms_norm(torch.ones(1, 2), torch.zeros(1, 2), torch.ones(2), sigmoid=True).round(decimals=4).tolist()
+    [[0.5, 0.5]]
     """
     cdt = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(cdt)
     normed = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    if sigmoid:
+        return (weight.to(cdt) * normed * torch.sigmoid(gate.to(cdt))).to(x.dtype)
     return (weight * normed.to(x.dtype) * F.silu(gate.to(cdt))).to(x.dtype)
 
 
@@ -153,6 +158,49 @@ def deltanet_mix(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, weights: Mapping[
         cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen, use_qk_l2norm_in_kernel=True)
     o = gated_rms_norm(o, z.reshape(t, shape.num_v_heads, shape.head_v_dim), weights["norm.weight"], shape.eps)
     return o.reshape(t, shape.value_dim)
+
+
+def kda_mix(qkv: Tensor, f: Tensor, b: Tensor, gate: Tensor, weights: Mapping[str, Tensor], shape: DeltaNetShape,
+            cu_seqlens: Tensor, *, cu_seqlens_padded: Tensor | None = None, max_seqlen: int | None = None,
+            chunk_size: int = 64) -> Tensor:
+    """Kimi Delta Attention (Kimi-Linear's linear attention) between its projections, over packed rows: Gated
+    DeltaNet's layer with a forget gate per key channel.  ``qkv: [t, 3 H d]`` (``[q | k | v]``, ``H`` heads of
+    ``d`` channels, queries, keys and values alike: ``shape`` with ``num_k_heads == num_v_heads``, ``head_k_dim ==
+    head_v_dim``), ``f: [t, H d]`` (the forget gate's low-rank projection ``f_b_proj(f_a_proj(x))``), ``b: [t, H]``
+    (``b_proj(x)``), ``gate: [t, H d]`` (``g_b_proj(g_a_proj(x))``) -> ``[t, H d]``, what ``o_proj`` takes (pad rows
+    zero)::
+
+        q, k, v = silu(causal_conv([q k v]))                         restarted at every sequence
+        g = -exp(A_log[h]) softplus(f + dt_bias)                     [t, H, d]: per key channel
+        o = delta_rule(q, k, v, g, beta = sigmoid(b))                per-sequence zero state
+        out = norm.weight * rms_norm(o) * sigmoid(gate)
+
+    ``weights``: ``conv1d.weight`` (``[3 H d, 1, w]``), ``A_log`` (``[H]``), ``dt_bias`` (``[H d]``),
+    ``norm.weight`` (``[d]``); a tensor-parallel rank passes its own heads' with ``shape`` counting its heads.  The
+    convolution, the chunked delta rule (its per-channel form) and the norm are Gated DeltaNet's
+    (:func:`deltanet_mix`).
+
+    >>> shape = DeltaNetShape(hidden_size=8, num_k_heads=2, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+    >>> w = {"conv1d.weight": torch.randn(24, 1, 4), "dt_bias": torch.ones(8), "A_log": torch.zeros(2),
+    ...      "norm.weight": torch.ones(4)}
+    >>> kda_mix(torch.randn(5, 24), torch.randn(5, 8), torch.randn(5, 2), torch.randn(5, 8), w, shape,
+    ...         torch.tensor([0, 2, 5])).shape
+    torch.Size([5, 8])
+    """
+    if shape.num_k_heads != shape.num_v_heads or shape.head_k_dim != shape.head_v_dim:
+        raise ValueError(f"Kimi Delta Attention has as many key as value heads of one size; got {shape}")
+    t, h, d = qkv.shape[0], shape.num_v_heads, shape.head_v_dim
+    conv_w = weights["conv1d.weight"]
+    qkv = causal_conv1d_packed(qkv, conv_w.reshape(conv_w.shape[0], -1), weights.get("conv1d.bias"), cu_seqlens,
+                               cu_seqlens_padded=cu_seqlens_padded, activation=shape.activation)
+    q, k, v = (x.reshape(t, h, d) for x in qkv.split([h * d] * 3, -1))
+    cdt = torch.promote_types(f.dtype, torch.float32)  # transformers: the gate and A_log in float32 at least
+    g = -weights["A_log"].to(cdt).exp()[:, None] * F.softplus((f.to(cdt) + weights["dt_bias"].to(cdt)).view(t, h, d))
+    o = chunk_gated_delta_rule_packed(q, k, v, g, b.sigmoid(), cu_seqlens, chunk_size,
+                                      cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen,
+                                      use_qk_l2norm_in_kernel=True)
+    o = gated_rms_norm(o, gate.reshape(t, h, d), weights["norm.weight"], shape.eps, sigmoid=True)
+    return o.reshape(t, h * d)
 
 
 def _weights(weights) -> Mapping[str, Tensor]:

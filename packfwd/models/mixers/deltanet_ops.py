@@ -112,6 +112,10 @@ def chunk_gated_delta_rule_packed(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
 
         S = exp(g) S;   S = S + beta k (v - k^T S)^T;   o = S^T (scale q)
 
+    ``g`` may also be per key channel, ``[t, hv, dk]`` (Kimi Delta Attention): ``S = diag(exp(g)) S``, each row of
+    the state decaying by its own channel's gate; the same chunked scan, its decay factors per channel (the CUDA
+    path takes only the per-head ``g``; a per-channel one runs in torch).
+
     computed ``chunk_size`` tokens at a time.  ``scale`` defaults to ``dk ** -0.5``; ``use_qk_l2norm_in_kernel``
     L2-normalises q and k first (transformers' name; its layers pass True).  ``max_seqlen``: the longest sequence, a
     host int (an upper bound works; None costs one host sync).  Returns ``[t, hv, dv]`` in ``v``'s dtype, pads zero.
@@ -123,17 +127,21 @@ def chunk_gated_delta_rule_packed(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     >>> o.shape, torch.allclose(o[2:], alone)  # the second sequence does not see the first
     (torch.Size([5, 1, 2]), True)
     """
-    for name, x, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
-        if check_tensor(name, x).dim() != dims or x.shape[0] != v.shape[0]:
-            raise ValueError(f"{name} must be {dims}-D with the tokens first ([t, ...]), got {tuple(x.shape)}")
+    for name, x, dims in (("q", q, (3,)), ("k", k, (3,)), ("v", v, (3,)), ("g", g, (2, 3)), ("beta", beta, (2,))):
+        if check_tensor(name, x).dim() not in dims or x.shape[0] != v.shape[0]:
+            raise ValueError(f"{name} must be {' or '.join(map(str, dims))}-D with the tokens first ([t, ...]), "
+                             f"got {tuple(x.shape)}")
     hk, hv = k.shape[1], v.shape[1]
-    if q.shape != k.shape or hv % hk or g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+    per_channel = g.dim() == 3
+    g_shape = (*v.shape[:2], k.shape[2]) if per_channel else v.shape[:2]
+    if q.shape != k.shape or hv % hk or g.shape != g_shape or beta.shape != v.shape[:2]:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)} [t, hk, dk]; v {tuple(v.shape)} "
-                         f"[t, hv, dv] with hv a multiple of hk; g {tuple(g.shape)} and beta {tuple(beta.shape)} [t, hv]")
+                         f"[t, hv, dv] with hv a multiple of hk; g {tuple(g.shape)} [t, hv] (or [t, hv, dk]: per key "
+                         f"channel) and beta {tuple(beta.shape)} [t, hv]")
     check_positive_int("chunk_size", chunk_size, "pass e.g. chunk_size=64")
     starts, lengths = _starts_lengths(cu_seqlens, cu_seqlens_padded)
     args = (cu_seqlens, cu_seqlens_padded, starts, lengths, chunk_size, max_seqlen, scale, use_qk_l2norm_in_kernel)
-    if _cuda.fla_takes(q, k, v, g, beta, chunk_size=chunk_size) and v.shape[0] and lengths.numel():
+    if not per_channel and _cuda.fla_takes(q, k, v, g, beta, chunk_size=chunk_size) and v.shape[0] and lengths.numel():
         seq, pos, real = sequence_rows(cu_seqlens, v.shape[0], cu_seqlens_padded)
         layout = _cuda.chunk_layout(starts, lengths, pos, seq, real, chunk_size)
         return _cuda.delta_rule_fla(q, k, v, g, beta, layout, chunk_size,
@@ -167,7 +175,8 @@ def _delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     if use_qk_l2norm_in_kernel:
         qs, ks = l2norm(qs), l2norm(ks)
     qs = qs * (qs.shape[-1] ** -0.5 if scale is None else scale)
-    o = _chunk_scan(qs, ks, padded(v), padded(g), padded(beta), chunk_size)  # [n, s, hv, dv]
+    gs = padded(g)  # [n, s, hv] or, per key channel, [n, s, hv, dk]
+    o = _chunk_scan(qs, ks, padded(v), gs if gs.dim() == 4 else gs[..., None], padded(beta), chunk_size)
     seq, pos, real = sequence_rows(cu_seqlens, t, cu_seqlens_padded)
     out = o[seq, pos.clamp(max=s - 1)]  # gathered back: the backward is a scatter of rows that never collide
     return torch.where(real[:, None, None], out, 0).to(v.dtype)
@@ -175,23 +184,22 @@ def _delta_rule_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 
 def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int) -> Tensor:
     """transformers' chunked scan, batched over sequences: ``q, k: [n, s, h, dk]``, ``v: [n, s, h, dv]``,
-    ``g, beta: [n, s, h]`` with ``s`` a multiple of ``chunk``; the state of every sequence starts at zero."""
+    ``g: [n, s, h, 1]`` (one decay per head: Gated DeltaNet) or ``[n, s, h, dk]`` (per key channel: Kimi Delta
+    Attention), ``beta: [n, s, h]``, with ``s`` a multiple of ``chunk``; the state of every sequence starts at zero."""
     n, s, h, dk = k.shape
     dv = v.shape[-1]
     # [n, h, chunks, chunk, *]
-    q, k, v = (x.transpose(1, 2).reshape(n, h, s // chunk, chunk, x.shape[-1]) for x in (q, k, v))
-    g, beta = (x.transpose(1, 2).reshape(n, h, s // chunk, chunk) for x in (g, beta))
+    q, k, v, g = (x.transpose(1, 2).reshape(n, h, s // chunk, chunk, x.shape[-1]) for x in (q, k, v, g))
+    beta = beta.transpose(1, 2).reshape(n, h, s // chunk, chunk)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    cum = g.cumsum(-1)  # log decay from the chunk's start to each position
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [.., i, j]: j -> i
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower-triangular once the diagonal is added (UT transform)
-    intra = (q @ k.transpose(-1, -2)) * decay
+    cum = g.cumsum(-2)  # log decay from the chunk's start to each position (per head, or per key channel)
+    system = _decayed_scores(k_beta, k, cum)  # unit lower-triangular once the diagonal is added (UT transform)
+    intra = _decayed_scores(q, k, cum)
     new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    q = q * cum.exp()[..., None]
-    k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
+    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp(), upper=False, unitriangular=True)
+    q = q * cum.exp()
+    k = k * (cum[..., -1:, :] - cum).exp()
+    chunk_decay = cum[..., -1, :].exp()[..., None]  # [n, h, chunks, 1 or dk, 1]: the state's rows
     state = q.new_zeros(n, h, dk, dv)
     outs = []
     # the chunks of the longest sequence, every sequence at once; unbound once, not indexed per step (the backward
@@ -202,6 +210,20 @@ def _chunk_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk:
         outs.append(q_i @ state + intra_i @ v_new)
         state = state * decay_i + k_i.transpose(-1, -2) @ v_new
     return torch.stack(outs, 2).reshape(n, h, s, dv).transpose(1, 2)
+
+
+def _decayed_scores(a: Tensor, b: Tensor, cum: Tensor) -> Tensor:
+    """``[.., i, j] = sum_d a[i, d] b[j, d] exp(cum[i, d] - cum[j, d])`` for ``j <= i``, zero above the diagonal:
+    ``a, b: [.., c, dk]``, ``cum: [.., c, 1]`` (one decay per head: a scaled matrix product) or ``[.., c, dk]`` (per
+    key channel: the decay of every channel, ``[.., c, c, dk]``, as transformers forms it; no ``exp(-cum)``, which
+    would overflow).  The exponent is masked to ``-inf`` above the diagonal before ``exp``."""
+    c = a.shape[-2]
+    upper = torch.ones(c, c, dtype=torch.bool, device=a.device).triu(1)
+    if cum.shape[-1] == 1:
+        decay = (cum[..., :, None, 0] - cum[..., None, :, 0]).masked_fill(upper, float("-inf")).exp()  # [.., i, j]
+        return (a @ b.transpose(-1, -2)) * decay
+    decay = (cum[..., :, None, :] - cum[..., None, :, :]).masked_fill(upper[..., None], float("-inf")).exp()
+    return (a[..., :, None, :] * b[..., None, :, :] * decay).sum(-1)
 
 
 def _starts_lengths(cu_seqlens: Tensor, cu_seqlens_padded: Tensor | None) -> tuple[Tensor, Tensor]:

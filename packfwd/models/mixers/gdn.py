@@ -144,7 +144,7 @@ class PackedGatedDeltaNet(MegatronModule):
         cp_size, cp_rank, group = thd_cp_place(packed_seq_params, getattr(self.pg_collection, "cp", None))
         if cp_size > 1 and not thd:
             raise ValueError("context parallelism needs the THD layout; use data_format='thd'")
-        x, _ = self.in_proj(hidden_states)  # [s, b, in_proj / tp]: every token (sequence parallelism gathers them)
+        x = self._in_proj(hidden_states)  # [s, b, in_proj / tp]: every token (sequence parallelism gathers them)
         s, b = x.shape[:2]
         if thd:
             params = packed_seq_params
@@ -163,6 +163,10 @@ class PackedGatedDeltaNet(MegatronModule):
             out = self._mix(x, self.sections, self.shape, self._weights(), cu, cu_pad, longest)
         out = out[:, None] if thd else out.reshape(b, s, -1).transpose(0, 1)
         return self.out_proj(out)
+
+    def _in_proj(self, hidden_states: Tensor) -> Tensor:
+        """The per-head inputs of the math, ``[s, b, sum(self.sections)]`` of this rank's heads."""
+        return self.in_proj(hidden_states)[0]
 
     def _weights(self, cp_size: int = 1, cp_rank: int = 0) -> dict:
         """The math's weights (:func:`~packfwd.models.mixers.deltanet.deltanet_mix`'s names) of CP rank

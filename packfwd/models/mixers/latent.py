@@ -151,13 +151,17 @@ class Mla:
     rope_interleave: bool = True  # the rotated channels come in interleaved pairs (DeepSeek-V3's checkpoints)
     yarn: Yarn | None = None  # YaRN scaling of the RoPE; None: plain RoPE ("default")
     latent_norm_eps: float = 1e-6  # eps of q_a_layernorm / kv_a_layernorm (transformers' fixed value)
+    rope: bool = True  # False: no position encoding at all, the qk_rope_head_dim channels kept as they are
+    #                    (Kimi-Linear's MLA: "NoPE", the shared key channels still shared)
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _check_int(f"Mla.{name}", getattr(self, name))
         if self.q_lora_rank is not None:
             _check_int("Mla.q_lora_rank", self.q_lora_rank)
-        if self.qk_rope_head_dim % 2:
+        if not isinstance(self.rope, bool):
+            raise ValueError(f"Mla.rope={self.rope!r}: pass True or False")
+        if self.rope and self.qk_rope_head_dim % 2:
             raise ValueError(f"Mla.qk_rope_head_dim={self.qk_rope_head_dim}: RoPE turns pairs of channels; pass an "
                              "even number")
         if not isinstance(self.rope_interleave, bool):

@@ -199,8 +199,9 @@ class PackedMLASelfAttention(MegatronModule):
         kv = kv.reshape(tokens, heads, mla.qk_nope_head_dim + mla.v_head_dim)
         q_nope, q_rot = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        q_rot, k_rot = self.rope(q_rot, k_rot.reshape(tokens, 1, mla.qk_rope_head_dim),
-                                 self._angles(angles, params, lead, q.device))
+        k_rot = k_rot.reshape(tokens, 1, mla.qk_rope_head_dim)
+        if mla.rope:  # else no position encoding (Kimi-Linear): the channels as projected
+            q_rot, k_rot = self.rope(q_rot, k_rot, self._angles(angles, params, lead, q.device))
         query = torch.cat((q_nope, q_rot), dim=-1)
         key = torch.cat((k_nope, k_rot.expand(-1, heads, -1)), dim=-1)
         shape = (tokens,) if params is not None else tuple(lead)
