@@ -134,6 +134,31 @@ def test_weights_convert_back_bit_for_bit(kind):
     assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
 
 
+def test_a_bf16_model_keeps_the_float32_tensors_transformers_keeps():
+    """transformers keeps ``dt_bias`` (and the router's weight and bias) in float32 in a bf16 Kimi-Linear
+    (``_keep_in_fp32_modules_strict``): packfwd holds ``dt_bias`` in float32 too, so the round trip is bitwise with
+    the dtypes, and the forward runs with the unrounded gate bias (an independent check found it rounded to bf16)."""
+    config = transformers.KimiLinearConfig(**{**TINY, **KINDS["moe"]})
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("dt_bias"):
+                p.normal_()
+    sd = hf.state_dict()
+    assert sd["model.layers.0.self_attn.forget_gate.dt_bias"].dtype == torch.float32
+    model = from_hf(hf)
+    assert {p.dtype for n, p in model.named_parameters() if n.endswith("dt_bias")} == {torch.float32}
+    back = to_hf_state_dict(model)
+    assert sorted(back) == sorted(sd)
+    assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in sd.items()), \
+        [n for n, t in sd.items() if back[n].dtype != t.dtype or not torch.equal(back[n], t)]
+    ids, mask = ragged_batch()
+    with torch.no_grad():
+        out = make_forward("thd")(model, ids % TINY["vocab_size"], mask)
+    assert out.dtype == torch.bfloat16 and out[mask].isfinite().all()
+
+
 def test_a_neighbour_changes_nothing_but_a_leak_would():
     """Negative control: the same rows with other neighbours give the same bits; one sequence joined to the next
     (the state and the convolution running on) gives other logits at the second."""

@@ -66,7 +66,9 @@ class PackedKimiDeltaAttention(PackedGatedDeltaNet):
         conv = 3 * heads_dim // tp
         self.conv1d = torch.nn.Conv1d(conv, conv, kda.conv_kernel_dim, groups=conv, bias=False,
                                       padding=kda.conv_kernel_dim - 1, dtype=config.params_dtype)
-        self.dt_bias = torch.nn.Parameter(torch.ones(heads_dim // tp, dtype=config.params_dtype))
+        # at least float32, as transformers keeps it (_keep_in_fp32_modules_strict): a bf16 copy would move the gate
+        self.dt_bias = torch.nn.Parameter(torch.ones(heads_dim // tp,
+                                                     dtype=torch.promote_types(config.params_dtype, torch.float32)))
         self.A_log = torch.nn.Parameter(torch.zeros(kda.num_heads // tp, dtype=config.params_dtype))
         for p in (self.conv1d.weight, self.dt_bias, self.A_log):
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
