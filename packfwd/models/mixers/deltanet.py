@@ -145,9 +145,7 @@ def deltanet_mix(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, weights: Mapping[
     torch.Size([5, 8])
     """
     t = qkv.shape[0]
-    conv_w = weights["conv1d.weight"]
-    qkv = causal_conv1d_packed(qkv, conv_w.reshape(conv_w.shape[0], -1), weights.get("conv1d.bias"), cu_seqlens,
-                               cu_seqlens_padded=cu_seqlens_padded, activation=shape.activation)
+    qkv = _short_conv(qkv, weights, shape, cu_seqlens, cu_seqlens_padded)
     q, k, v = qkv.split([shape.key_dim, shape.key_dim, shape.value_dim], -1)
     beta = b.sigmoid()
     cdt = torch.promote_types(a.dtype, torch.float32)  # transformers: A_log.float(), a.float() (fp16 safety)
@@ -158,6 +156,14 @@ def deltanet_mix(qkv: Tensor, z: Tensor, b: Tensor, a: Tensor, weights: Mapping[
         cu_seqlens_padded=cu_seqlens_padded, max_seqlen=max_seqlen, use_qk_l2norm_in_kernel=True)
     o = gated_rms_norm(o, z.reshape(t, shape.num_v_heads, shape.head_v_dim), weights["norm.weight"], shape.eps)
     return o.reshape(t, shape.value_dim)
+
+
+def _short_conv(qkv: Tensor, weights: Mapping[str, Tensor], shape: DeltaNetShape, cu_seqlens: Tensor,
+                cu_seqlens_padded: Tensor | None) -> Tensor:
+    """The short causal convolution over ``[q | k | v]``, restarted at every sequence (both layers' first step)."""
+    conv_w = weights["conv1d.weight"]
+    return causal_conv1d_packed(qkv, conv_w.reshape(conv_w.shape[0], -1), weights.get("conv1d.bias"), cu_seqlens,
+                                cu_seqlens_padded=cu_seqlens_padded, activation=shape.activation)
 
 
 def kda_mix(qkv: Tensor, f: Tensor, b: Tensor, gate: Tensor, weights: Mapping[str, Tensor], shape: DeltaNetShape,
@@ -190,9 +196,7 @@ def kda_mix(qkv: Tensor, f: Tensor, b: Tensor, gate: Tensor, weights: Mapping[st
     if shape.num_k_heads != shape.num_v_heads or shape.head_k_dim != shape.head_v_dim:
         raise ValueError(f"Kimi Delta Attention has as many key as value heads of one size; got {shape}")
     t, h, d = qkv.shape[0], shape.num_v_heads, shape.head_v_dim
-    conv_w = weights["conv1d.weight"]
-    qkv = causal_conv1d_packed(qkv, conv_w.reshape(conv_w.shape[0], -1), weights.get("conv1d.bias"), cu_seqlens,
-                               cu_seqlens_padded=cu_seqlens_padded, activation=shape.activation)
+    qkv = _short_conv(qkv, weights, shape, cu_seqlens, cu_seqlens_padded)
     q, k, v = (x.reshape(t, h, d) for x in qkv.split([h * d] * 3, -1))
     cdt = torch.promote_types(f.dtype, torch.float32)  # transformers: the gate and A_log in float32 at least
     g = -weights["A_log"].to(cdt).exp()[:, None] * F.softplus((f.to(cdt) + weights["dt_bias"].to(cdt)).view(t, h, d))

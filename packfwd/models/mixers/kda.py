@@ -108,15 +108,6 @@ class PackedKimiDeltaAttention(PackedGatedDeltaNet):
         gate = self._low_rank(self.g_a_proj, self.g_b_proj, hidden_states)
         return torch.cat((q, k, v, f, b, gate), dim=-1)
 
-    def _weights(self, cp_size: int = 1, cp_rank: int = 0) -> dict:
-        """The math's weights (:func:`~packfwd.models.mixers.deltanet.kda_mix`'s names) of CP rank ``cp_rank``'s
-        heads: its piece of each ``conv1d`` section, of ``A_log`` and ``dt_bias``; ``out_norm`` whole."""
-        conv = self.conv1d.weight
-        if cp_size > 1:
-            conv = torch.cat([w.chunk(cp_size)[cp_rank] for w in conv.split(list(self.sections[:3]))])
-        return {"conv1d.weight": conv, "A_log": self.A_log.chunk(cp_size)[cp_rank],
-                "dt_bias": self.dt_bias.chunk(cp_size)[cp_rank], "norm.weight": self.out_norm.weight}
-
     def _mix(self, x, sections, shape, weights, cu, cu_pad, longest):
         """``x: [t, sum(sections)]`` (``[q | k | v | f | b | gate]``) -> ``[t, H d]`` of ``shape``'s heads."""
         qkv, f, b, gate = x.split([sum(sections[:3]), *sections[3:]], dim=-1)
