@@ -418,7 +418,8 @@ def test_refusals_name_the_field_and_the_fix():
 
 
 def test_the_automatic_choice_for_windows_and_sinks(monkeypatch):
-    """On CUDA in fp16/bf16 the automatic backend of a window or sinks is flex (its GPU tests passed on an H100);
+    """On CUDA in fp16/bf16 the automatic backend of a window or sinks is flex (its GPU tests passed on an H100), not
+    under batch invariance;
     float32, or a torch without flex, take the exact reference with a one-time warning; the CPU the reference, mute."""
     features = ("window", "sinks")
     cuda = torch.device("cuda")
@@ -431,6 +432,10 @@ def test_the_automatic_choice_for_windows_and_sinks(monkeypatch):
         assert varlen._resolve_features(None, cuda, dtype, ("window",)) == "flex"
     with pytest.warns(UserWarning, match="'reference' backend"):
         assert varlen._resolve_features(None, cuda, torch.float32, features) == "reference"
+    monkeypatch.setattr(varlen, "_batch_invariance_asked", lambda dtype: True)  # batch_invariant=True: not flex
+    assert varlen._resolve_features(None, cuda, torch.bfloat16, features) == "reference"
+    assert varlen._resolve_features("flex", cuda, torch.bfloat16, features) == "flex"  # named: taken
+    monkeypatch.setattr(varlen, "_batch_invariance_asked", lambda dtype: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert varlen._resolve_features(None, torch.device("cpu"), torch.bfloat16, features) == "reference"

@@ -179,7 +179,9 @@ def _resolve_features(backend: str | None, device: torch.device, dtype: torch.dt
     if backend is None:
         # flex for fp16/bf16 on CUDA (tests/gpu/test_gpt_oss_cuda.py and check_attention_backends.py passed on an
         # H100); the reference, exact everywhere, for the rest (float32: flex's GPU test ran in bf16 only)
-        name = "flex" if device.type == "cuda" and dtype in _HALF and "flex" in honours else "reference"
+        # (not under batch invariance: flex's blocks span sequences, so a sequence's bits would follow its offset)
+        name = "flex" if (device.type == "cuda" and dtype in _HALF and "flex" in honours
+                          and not _batch_invariance_asked(dtype)) else "reference"
         if name == "reference" and device.type == "cuda" and not torch.compiler.is_compiling():
             _warn_reference_features(features)
         return name
@@ -201,7 +203,7 @@ def _warn_reference_features(features: tuple[str, ...]) -> None:
     warnings.warn(
         f"packfwd attention: {' and '.join(features)} on CUDA run on the pure-PyTorch 'reference' backend, which "
         "pads every sequence to max_seqlen (memory and work ~ n * max_seqlen**2 per head); exact, but slow for long "
-        "sequences.  In bfloat16 or float16 with torch >= 2.9 the automatic choice is 'flex', a compiled kernel "
+        "sequences.  In bfloat16 or float16 with torch >= 2.9 (and not batch_invariant) the automatic choice is 'flex', a compiled kernel "
         "that honours them",
         stacklevel=3,
     )
@@ -232,13 +234,19 @@ def choose_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int
 _CUDNN_CHECKED: dict = {}
 
 
+def _batch_invariance_asked(dtype: torch.dtype) -> bool:
+    """Whether split-K is off for ``dtype``'s GEMMs (``batch_invariant=True`` turns it off): then no automatic
+    choice takes a kernel whose bits depend on the batch (cuDNN's per-shape plans, flex's blocks over the whole
+    packed buffer, where a sequence's keys fall in blocks by its offset)."""
+    flag = "allow_bf16_reduced_precision_reduction_split_k" if dtype == torch.bfloat16 else \
+        "allow_fp16_reduced_precision_reduction_split_k"
+    return getattr(torch.backends.cuda.matmul, flag, True) is False
+
+
 def _cudnn_is_automatic(device: torch.device, dtype: torch.dtype, d: int, d_v: int) -> bool:
     if device.type != "cuda" or d != d_v or d > 128 or d % 8 or _kernels()["cudnn"] is None:
         return False
-    matmul = torch.backends.cuda.matmul
-    flag = "allow_bf16_reduced_precision_reduction_split_k" if dtype == torch.bfloat16 else \
-        "allow_fp16_reduced_precision_reduction_split_k"
-    if getattr(matmul, flag, True) is False:  # batch invariance asked: no kernel that plans per batch shape
+    if _batch_invariance_asked(dtype):  # no kernel that plans per batch shape
         return False
     key = (device.index if device.index is not None else torch.cuda.current_device(), dtype)
     if key not in _CUDNN_CHECKED:
