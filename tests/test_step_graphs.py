@@ -249,6 +249,38 @@ def test_a_failed_capture_warns_once_and_stays_eager(cpu_graphs, monkeypatch):
     assert torch.equal(got.loss, want.loss) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
 
 
+def test_graphs_none_graphs_where_they_work_and_is_quiet_where_they_cannot(cpu_graphs):
+    """``graphs=None``: where graphs can work, the forward's own graphs capture and replay (the bits of
+    ``graphs=True``); where they cannot (a module hook here), the plain eager step without a warning, the reason kept
+    on ``forward.step_graphs``; ``graphs=True`` says the same reason in a warning."""
+    import warnings
+
+    model, forward, plan, d = _setup()
+    want, want_grads = _step(model, forward, plan, d, True)
+    model2, forward2, _, _ = _setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got, got_grads = _step(model2, forward2, plan, d, None)
+    assert not [w for w in caught if "packfwd" in str(w.message)]
+    held = forward2.step_graphs
+    assert held.reason is None and held.captured >= 1 and held.replayed >= 1, held
+    assert torch.equal(got.loss, want.loss) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+
+    model3, forward3, _, _ = _setup()
+    plain, plain_grads = _step(model3, forward3, plan, d, False)
+    model3.register_forward_hook(lambda m, a, o: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet, quiet_grads = _step(model3, forward3, plan, d, None)
+    assert not [w for w in caught if "packfwd" in str(w.message)]
+    assert "hooks" in forward3.step_graphs.reason and forward3.step_graphs.captured == 0
+    assert torch.equal(quiet.loss, plain.loss) and all(torch.equal(quiet_grads[n], plain_grads[n])
+                                                       for n in plain_grads)
+    with pytest.warns(UserWarning, match="without CUDA graphs: module .* has hooks"):
+        _step(model3, forward3, plan, d, True)
+
+
 def test_inference_mode_and_frozen_parameters_get_buckets_of_their_own(cpu_graphs):
     """A bucket captured under inference mode holds inference tensors, which a later call outside it could not
     refill; one captured with other parameters taking gradients returns gradients for those: each is a bucket of

@@ -43,7 +43,7 @@ from torch import Tensor
 from ..layout import rules
 from ..layout.bucket import Bucket, _clone, copy_plan_
 
-__all__ = ["StepGraphs", "WIDTH_STEP", "graphed_step", "why_eager"]
+__all__ = ["StepGraphs", "WIDTH_STEP", "capturable", "graphed_step", "why_eager"]
 
 WIDTH_STEP = 256  # a bucket's canvas: the batch's width rounded up to this, so batches padded to other widths share it
 
@@ -95,6 +95,15 @@ class StepGraphs:
         if message not in self._warned:
             self._warned.add(message)
             warnings.warn(message, stacklevel=4)
+
+
+def capturable(x: Tensor) -> bool:
+    """Whether a batch on ``x``'s device could be captured (a CUDA tensor).
+
+    >>> capturable(torch.zeros(1))
+    False
+    """
+    return _DEVICE.takes(x)
 
 
 def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, multi_modal_inputs=None,

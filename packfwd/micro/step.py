@@ -49,7 +49,7 @@ from ..forward.factory import ForwardLayout
 from ..engine.facts import check_every_ep_rank_runs
 from . import pipeline
 from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
-from .graphs import StepGraphs, graphed_step, why_eager
+from .graphs import StepGraphs, capturable, graphed_step, why_eager
 from .plan import MicroBatchPlan
 
 __all__ = ["StepResult", "agree_micro_batch_count", "run_micro_batches", "sequence_weights"]
@@ -74,7 +74,7 @@ def run_micro_batches(
     loss_tokens: Sequence[int] | None = None,
     normalize: str = "token_mean",
     multi_modal_inputs: Sequence[Mapping[str, Tensor] | None] | None = None,
-    graphs: bool | StepGraphs = False,
+    graphs: bool | StepGraphs | None = False,
     **processor_args,
 ) -> StepResult | None:
     """Run rank ``dp_rank``'s micro-batches of ``plan`` (see the module docstring).
@@ -106,7 +106,9 @@ def run_micro_batches(
     micro-batch is padded to its bucket (``plan.buckets(dp_rank)``) and its forward and backward replayed from CUDA
     graphs captured once per bucket and kept in ``forward.step_graphs`` (a :class:`~packfwd.micro.graphs.StepGraphs`;
     pass your own to hold it elsewhere).  Where graphs cannot work (the CPU; see :mod:`packfwd.micro.graphs`) the
-    eager step runs, unchanged.
+    eager step runs, unchanged, with one warning naming why.  ``graphs=None``: the same where graphs can work, the
+    eager step quietly where they cannot (``forward.step_graphs.reason`` says why, on CUDA).  ``graphs=False``: the
+    plain eager step.
     """
     if schedule not in ("packfwd", "megatron"):
         raise ValueError(f"schedule={schedule!r}; pass 'packfwd' or 'megatron'")
@@ -177,26 +179,28 @@ def _eager_step(forward, model, mb, loss_fn, counts=None):
 
 def _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processor_args) -> StepGraphs | None:
     """The step's :class:`StepGraphs`, or None for the eager step (``graphs=False``, or graphs cannot work here:
-    the reason is kept in ``StepGraphs.reason``, and said once on a CUDA device)."""
+    the reason is kept in ``StepGraphs.reason``, and said once on a CUDA device unless ``graphs=None`` asked for
+    graphs only where they work)."""
     if graphs is False:
         return None
-    if graphs is True:
+    quiet = graphs is None
+    if graphs is True or graphs is None:
         held = getattr(forward, "step_graphs", None)
-        if held is None and input_ids.is_cuda and getattr(forward, "engine", None) is not None:
+        if held is None and capturable(input_ids) and getattr(forward, "engine", None) is not None:
             held = StepGraphs()
             forward.step_graphs = held  # the forward holds its graphs: no global cache
         graphs = held
         if graphs is None:
             return None
     elif not isinstance(graphs, StepGraphs):
-        raise TypeError(f"graphs must be True, False or a packfwd.micro.StepGraphs, got {type(graphs).__name__}")
+        raise TypeError(f"graphs must be None, True, False or a packfwd.micro.StepGraphs, got {type(graphs).__name__}")
     reason = why_eager(forward, model, input_ids, multi_modal_inputs=multi_modal_inputs,
                        processor_args=processor_args, cuda=graphs.capture)
     graphs.reason = reason
     if reason is not None:
-        if input_ids.is_cuda:
+        if capturable(input_ids) and not quiet:
             graphs.warn_once(f"packfwd: run_micro_batches runs the eager step without CUDA graphs: {reason} "
-                             "(graphs=False asks for it without this note)")
+                             "(graphs=None graphs only where they can work, quietly; graphs=False never)")
         return None
     return graphs
 
