@@ -8,8 +8,11 @@ Variants (each optional; one that cannot run is recorded with its reason or its 
 * ``packfwd_fused``: ``make_forward("thd")`` on ``from_hf(hf)`` (fused layer), forward + backward (Gated DeltaNet through
   fla's varlen kernels where installed: ``packfwd.models.mixers.deltanet_cuda``);
 * ``hf_padded``: transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` on the padded batch (sdpa for its
-  full-attention layers, fla's kernels for its linear attention when installed), forward + backward.  On Hopper
-  with Triton < 3.7.1 fla's own backward refuses (the error is recorded);
+  full-attention layers), forward + backward.  Its chunked delta rule is the operator packfwd's rows run
+  (``--hf-delta-rule packfwd``, the default on CUDA: fla's forward and packfwd's backward, each padded row one
+  sequence), since fla's own backward refuses on Hopper with Triton < 3.7.1; ``--hf-delta-rule own`` keeps
+  transformers' choice (fla where importable, else its torch loop).  Its convolution stays transformers' own
+  (``causal_conv1d`` where installed, else ``F.conv1d``).  The JSON records which ran;
 * ``packfwd_forward`` / ``hf_padded_forward``: the same forwards under ``torch.no_grad`` (scoring).
 
 FLOPs (``hybrid_flops``, real tokens only, x3 for forward + backward): every matrix product per token (the full
@@ -81,6 +84,40 @@ def hf_model(shape: str, smoke: bool, device, dtype):
     return model.to(dtype).train()
 
 
+def use_packfwd_delta_rule(hf) -> str:
+    """Make ``hf``'s Gated DeltaNet layers call packfwd's chunked delta rule (fla's forward, packfwd's backward on
+    CUDA): each padded row of ``[b, s, h, d]`` is one sequence of ``s`` tokens from a zero state (transformers
+    zeroes the pads' hidden states before the projections, so a left pad's ``k = v = 0`` leaves the state zero).
+    Returns what was replaced (the module global the forward calls, or the layers' attribute), or ``"nothing"``."""
+    import importlib
+
+    from packfwd.models.mixers.deltanet_ops import chunk_gated_delta_rule_packed
+
+    def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+             use_qk_l2norm_in_kernel=False, **_):
+        if initial_state is not None or output_final_state:
+            raise ValueError("the benchmark's delta rule runs from a zero state without a cache")
+        b, s = query.shape[:2]
+        cu = torch.arange(0, (b + 1) * s, s, device=query.device, dtype=torch.int32)
+        out = chunk_gated_delta_rule_packed(query.flatten(0, 1), key.flatten(0, 1), value.flatten(0, 1),
+                                            g.flatten(0, 1), beta.flatten(0, 1), cu, chunk_size, max_seqlen=s,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return out.view(b, s, *out.shape[1:]), None
+
+    done = []
+    module = importlib.import_module(type(hf).__module__)
+    for name in ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"):
+        if callable(getattr(module, name, None)):
+            setattr(module, name, rule)
+            done.append(f"{module.__name__}.{name}")
+    layers = [m for m in hf.modules() if callable(getattr(m, "chunk_gated_delta_rule", None))]
+    for m in layers:
+        m.chunk_gated_delta_rule = rule
+    if layers:
+        done.append(f"{len(layers)} layers' chunk_gated_delta_rule")
+    return ", ".join(done) or "nothing"
+
+
 def hybrid_flops(args, lengths, chunk: int = 64) -> float:
     """Forward FLOPs of sequences of ``lengths`` through a hybrid model of ``args`` (module docstring)."""
     lengths = np.asarray(lengths, dtype=np.float64)
@@ -133,6 +170,7 @@ def run_shape(shape, cfg, timer) -> dict:
     from packfwd.models.convert.hf import args_from_hf_config
 
     hf = hf_model(shape, cfg.smoke, cfg.device, cfg.dtype)
+    hf_rule = use_packfwd_delta_rule(hf) if cfg.hf_delta_rule == "packfwd" else "transformers' own"
     args = args_from_hf_config(hf.config)
     batch = rl_batch(cfg.batch, cfg.seq, cfg.prompt, cfg.fill, args.vocab_size, cfg.seed, cfg.device)
     real = sum(batch["lengths"])
@@ -174,7 +212,7 @@ def run_shape(shape, cfg, timer) -> dict:
         if len(both) == 2:
             both[pair[0]]["speedup_vs_hf"] = both[pair[1]]["ms"] / both[pair[0]]["ms"]
     check(rows, lps, batch, cfg)  # against hf_padded's, else packfwd_fused's
-    return {"shape": shape, "hf_config": hf.config.to_dict(), "parameters": sum(p.numel() for p in hf.parameters()),
+    return {"shape": shape, "hf_config": hf.config.to_dict(), "hf_delta_rule": hf_rule, "parameters": sum(p.numel() for p in hf.parameters()),
             "real_tokens": real, "padded_tokens": cfg.batch * cfg.seq, "forward_TFLOP": fwd / 1e12,
             "lengths": batch["lengths"], "results": rows}
 
@@ -192,8 +230,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 5; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first, >= 1 (default 2; smoke 1)")
+    ap.add_argument("--hf-delta-rule", choices=("packfwd", "own"), default=None,
+                    help="transformers' chunked delta rule: packfwd's operator (default on CUDA) or its own")
     cfg = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not cfg.smoke
+    cfg.hf_delta_rule = cfg.hf_delta_rule or ("packfwd" if cuda else "own")
     cfg.device = torch.device("cuda" if cuda else "cpu")
     cfg.dtype = torch.bfloat16 if cuda else torch.float32
     cfg.batch = cfg.batch or (2 if cfg.smoke else 6)
