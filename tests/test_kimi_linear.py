@@ -13,7 +13,11 @@ dense first layer, a shared expert) to 2e-5, since Megatron-Core's router comput
 Also: gradients of every weight equal transformers' (dense); weights both ways bit for bit, whole and from two TP
 shards; negative controls (a sequence joined to its neighbour changes, and the per-channel forget gate collapsed to
 one per head changes the delta rule, which otherwise equals transformers' token-by-token recurrence); refusals;
-and, over gloo, TP=2 with sequence parallelism (THD, BSHD) and CP=2 (THD) equal to transformers.
+two pipeline stages (in this process) equal to the whole model, logits, gradients and the experts' load;
+``moe_aux_loss=True`` refused (sigmoid routing: transformers defines no load-balancing loss for Kimi-Linear) and
+the experts' load equal to transformers' choices over the real tokens; and, over gloo (one ``run_local``), TP=2
+with sequence parallelism (THD, BSHD) and CP=2 (THD) equal to transformers, EP=2 equal to one process and to
+transformers.
 """
 
 from __future__ import annotations
@@ -209,9 +213,124 @@ def test_what_is_refused_names_the_fix():
         hf_to_megatron({}, args, tp_size=4, tp_rank=0)
 
 
+# ------------------------------------------------------------------------------- two pipeline stages, one process
+
+
+def test_two_pipeline_stages_equal_the_whole_model():
+    """The MoE model as PP=2 in one process (stage 0: layers 0-1, KDA with the dense MLP, MLA with experts; stage 1:
+    layers 2-3, KDA with experts: each stage builds its layers by their global index), THD aligned and BSHD: the
+    stages' logits and, backpropagated through both stages, every weight's gradient equal the whole model's, and
+    each stage's experts get the whole model's load (the later stage routes no pad although it is given no input
+    ids).  Negative control: one token of stage 0's output changed moves its sequence's later logits, and only
+    those."""
+    from .test_moe import expert_load
+    from .test_parallel_families import _stage_grads, run_stages
+
+    hf = hf_model("moe")
+    whole = from_hf(hf)
+    stages = [from_hf(hf, pp_rank=r, pp_size=2) for r in range(2)]
+    kinds = [(type(layer.self_attention).__name__, type(layer.mlp).__name__) for s in stages for layer in s.decoder.layers]
+    assert kinds == [("PackedKimiDeltaAttention", "MLP"), ("PackedMLASelfAttention", "MoELayer"),
+                     ("PackedKimiDeltaAttention", "MoELayer"), ("PackedKimiDeltaAttention", "MoELayer")]
+    ids, mask = ragged_batch()
+    for data_format, layout in (("thd", {"seq_align": 16}), ("bshd", {})):
+        forward = make_forward(data_format, **layout)
+        for m in (whole, *stages):
+            m.zero_grad(set_to_none=True)
+        want = forward(whole, ids, mask)
+        (want.logsumexp(-1) * mask).sum().backward()
+        hidden, handed, logits = run_stages(stages, forward, ids, mask)
+        torch.testing.assert_close(logits, want, atol=1e-10, rtol=0, msg=data_format)
+        (logits.logsumexp(-1) * mask).sum().backward()
+        hidden.backward(handed.grad)
+        got = {**_stage_grads(stages[0], 0), **_stage_grads(stages[1], 2)}
+        assert sorted(got) == sorted(n for n, p in whole.named_parameters() if p.grad is not None)
+        for name, p in whole.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(got[name], p.grad, atol=1e-10 * float(p.grad.abs().max()), rtol=0,
+                                           msg=f"{data_format} {name}")
+        staged = lambda m, *b: run_stages(stages, forward, *b)[2]  # noqa: E731
+        load = torch.cat([expert_load(stages[0], forward, ids, mask), expert_load(stages[1], staged, ids, mask)])
+        assert torch.equal(load, expert_load(whole, forward, ids, mask))
+        assert load.sum() == 3 * TINY["num_experts_per_tok"] * mask.sum()  # three MoE layers, the real tokens
+    forward = make_forward("thd")  # sequences packed in row order: row 1's tokens follow row 0's 5
+    with torch.no_grad():
+        hidden = forward(stages[0], ids, mask)
+        hidden[5 + 40] += 0.1  # row 1, token 40
+        stages[1].set_input_tensor(hidden)
+        moved = (forward(stages[1], ids, mask) - forward(whole, ids, mask)).abs().amax(-1)
+    assert moved[1, 40:150].min() > 1e-6 and not moved[1, :40].any()
+    assert not moved[[0, 2, 3, 4]].any()
+
+
+# ------------------------------------------------------------------------------------------------- the aux loss
+
+
+def test_the_aux_loss_is_refused_and_the_load_is_transformers_choices_over_real_tokens():
+    """Kimi-Linear balances its experts with the routing-only correction bias (sigmoid scores, DeepSeek-V3's
+    router): transformers defines no load-balancing loss for it, so ``moe_aux_loss=True`` is refused naming the
+    argument and the fix (on the whole model and on a pipeline stage), and the dense model is refused as having no
+    MoE layers.  What a caller can read instead, the experts' load, is transformers' top-k choices counted by
+    hand over each sequence's real tokens, in THD, THD aligned, BSHD and with more padding columns (2 groups of 4
+    experts, top-2 from the best group: the load counts each expert, not only its group's pair).  Negative
+    control: the correction bias flipped moves the load."""
+    import importlib
+
+    from .test_moe import expert_load, more_padding
+
+    assert not hasattr(importlib.import_module(PATH), "load_balancing_loss_func")
+    hf = hf_model("moe", n_group=2)
+    model = from_hf(hf)
+    ids, mask = ragged_batch()
+    for m in (model, from_hf(hf, pp_rank=1, pp_size=2)):
+        with pytest.raises(ValueError, match=r"moe_aux_loss=True on a model with sigmoid routing .* drop moe_aux_loss"):
+            make_forward("thd", moe_aux_loss=True)(m, ids, mask)
+    with pytest.raises(ValueError, match=r"moe_aux_loss=True on a model without MoE layers .* drop moe_aux_loss"):
+        make_forward("thd", moe_aux_loss=True)(from_hf(hf_model("dense")), ids, mask)
+
+    chosen = []  # transformers' top-k experts of each MoE layer, each sequence alone
+    routers = [m for m in hf.modules() if type(m).__name__ == "KimiLinearTopkRouter"]
+    hooks = [r.register_forward_hook(lambda m, a, out: chosen.append((m, out[2]))) for r in routers]
+    try:
+        with torch.no_grad():
+            for i in range(ids.shape[0]):
+                hf(ids[i][mask[i]][None])
+    finally:
+        for h in hooks:
+            h.remove()
+    want = torch.stack([sum(torch.bincount(top.flatten(), minlength=TINY["num_local_experts"])
+                            for m, top in chosen if m is r) for r in routers])
+    assert want.shape == (3, 8) and want.sum() == 3 * TINY["num_experts_per_tok"] * mask.sum()
+    for data_format, layout in LAYOUTS[:3]:
+        forward = make_forward(data_format, **layout)
+        assert torch.equal(expert_load(model, forward, ids, mask), want), f"{data_format} {layout}"
+        assert torch.equal(expert_load(model, forward, *more_padding(ids, mask)), want), f"{data_format} {layout}"
+    flipped = hf_model("moe", n_group=2)
+    for m in flipped.modules():
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.neg_()
+    assert not torch.equal(expert_load(from_hf(flipped), make_forward("thd"), ids, mask), want)
+
+
+# ------------------------------------------------------------------------------------------------- two ranks
+
+
+EP_ROWS = (slice(0, 3), slice(3, 5))  # each expert-parallel rank its own batch
+
+
+def ep_batch(rank: int):
+    """Rank 0: rows 0-2 of the ragged batch; rank 1: rows 3-4, their last 70 columns (a shape of its own)."""
+    ids, mask = ragged_batch()
+    ids, mask = ids[EP_ROWS[rank]], mask[EP_ROWS[rank]]
+    return (ids, mask) if rank == 0 else (ids[:, -70:], mask[:, -70:])
+
+
 def _ranks_worker(rank: int, world: int):
-    """TP=2 + SP (THD, BSHD), then CP=2 (THD aligned), the dense model: {case: this rank's logits}."""
-    hf = hf_model("dense")
+    """TP=2 + SP (THD, BSHD), then CP=2 (THD aligned), the dense model; then EP=2, the MoE model, each rank its
+    own batch (:func:`ep_batch`): {case: this rank's logits}, and under EP its local experts per MoE layer and
+    ``to_hf_state_dict``.  The models are made here, the same seeds (the lifted modeling module cannot be
+    pickled to the children)."""
+    hf, moe = hf_model("dense"), hf_model("moe")
     from megatron.core import parallel_state as ps
 
     from packfwd.models.runtime import ensure_model_parallel
@@ -230,19 +349,58 @@ def _ranks_worker(rank: int, world: int):
         out["cp2"] = make_forward("thd", seq_align=16, cp_size=2, cp_rank=ps.get_context_parallel_rank(),
                                   cp_group=ps.get_context_parallel_group())(model, ids, mask)
     ps.destroy_model_parallel()
+    ensure_model_parallel(ep_size=2)
+    model = from_hf(moe, ep_size=2, ep_rank=rank)
+    with torch.no_grad():
+        out["ep2"] = make_forward("thd", seq_align=16)(model, *ep_batch(rank))
+    out["ep2_experts"] = [len(layer.mlp.experts.local_experts) for layer in model.decoder.layers[1:]]
+    out["ep2_state"] = to_hf_state_dict(model)
+    ps.destroy_model_parallel()
     return out
 
 
-def test_tp2_sp_and_cp2_equal_transformers():
-    """Over gloo: TP=2 with sequence parallelism (each rank half the KDA heads, the low-rank gates' down
-    projections gathered; THD and BSHD) and CP=2 (each rank whole sequences of one KDA head, zigzag MLA)."""
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One ``run_local`` over gloo for every two-rank case (the ranks' start-up is most of the cost)."""
     from packfwd.testing import run_local
 
+    return run_local(_ranks_worker, 2, backend="gloo", timeout=300)
+
+
+def test_tp2_sp_and_cp2_equal_transformers(two_ranks):
+    """Over gloo: TP=2 with sequence parallelism (each rank half the KDA heads, the low-rank gates' down
+    projections gathered; THD and BSHD) and CP=2 (each rank whole sequences of one KDA head, zigzag MLA)."""
     hf = hf_model("dense")
-    ranks = run_local(_ranks_worker, 2, backend="gloo", timeout=300)
+    ranks = two_ranks
     ids, mask = ragged_batch()
     for data_format in ("thd", "bshd"):
         logits = torch.cat([r[f"tp2_sp_{data_format}"] for r in ranks], -1)  # each rank its vocabulary half
         assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=1e-10)
     torch.testing.assert_close(ranks[0]["cp2"], ranks[1]["cp2"], atol=0, rtol=0)
     assert_equals_hf_per_sequence(hf, ranks[0]["cp2"], ids, mask, atol=1e-10)
+
+
+def test_ep2_equals_one_process_and_transformers(two_ranks):
+    """Over gloo, EP=2 (4 of the 8 routed experts per rank; KDA, MLA, the dense layer, the shared expert and the
+    correction bias replicated), each rank a batch of its own shape (THD aligned): its logits equal one process's
+    to 1e-6 (Megatron-Core combines the experts' output in the float32 router dtype across ranks: ~3e-7) and
+    transformers' per sequence to the MoE tolerance; each rank's ``to_hf_state_dict`` gathers the whole state
+    bitwise.  Negative control: one process with the other rank's experts (4-7) changed by 1% gives logits
+    beyond that 1e-6 on rank 0's batch, so its tokens reached rank 1's experts."""
+    hf = hf_model("moe")
+    sd = hf.state_dict()
+    one = from_hf(hf)
+    forward = make_forward("thd", seq_align=16)
+    for rank, r in enumerate(two_ranks):
+        ids, mask = ep_batch(rank)
+        assert r["ep2_experts"] == [4, 4, 4]
+        with torch.no_grad():
+            torch.testing.assert_close(r["ep2"], forward(one, ids, mask), atol=1e-6, rtol=0, msg=f"rank {rank}")
+        assert_equals_hf_per_sequence(hf, r["ep2"], ids, mask, **ATOL["moe"])
+        assert sorted(r["ep2_state"]) == sorted(sd) and all(torch.equal(r["ep2_state"][n], t) for n, t in sd.items())
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.experts.down_proj[4:] *= 1.01
+        ids, mask = ep_batch(0)
+        assert (forward(from_hf(hf), ids, mask) - two_ranks[0]["ep2"]).abs().amax() > 1e-4
