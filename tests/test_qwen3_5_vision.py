@@ -21,6 +21,7 @@ upcasts of the delta rule and its norms lifted; the RoPE angles keep float32, as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
@@ -138,13 +139,37 @@ def mm_token_types(ids: torch.Tensor) -> torch.Tensor:
 
 
 def hf_logits(hf, rows, alone) -> list[torch.Tensor]:
-    """transformers on each sequence alone: ``[n_i, v]``."""
+    """transformers on each sequence alone: ``[n_i, v]``, through its torch reference of the delta rule (where fla
+    is installed, transformers releases before 5.25 call fla's Triton kernels even on CPU tensors)."""
     out = []
-    for row, mm in zip(rows, alone):
-        ids = torch.tensor(row)[None]
-        extra = dict(mm, mm_token_type_ids=mm_token_types(ids)) if mm else {}
-        out.append(hf(input_ids=ids, **extra).logits[0])
+    with torch_delta_rule(hf):
+        for row, mm in zip(rows, alone):
+            ids = torch.tensor(row)[None]
+            extra = dict(mm, mm_token_type_ids=mm_token_types(ids)) if mm else {}
+            out.append(hf(input_ids=ids, **extra).logits[0])
     return out
+
+
+@contextlib.contextmanager
+def torch_delta_rule(hf):
+    """While inside, the modeling module of ``hf``'s Gated DeltaNet layers calls transformers' own torch functions
+    (the decorated kernels' ``__wrapped__``) for the delta rule."""
+    import importlib
+    import inspect
+
+    modules = {importlib.import_module(type(m).__module__) for m in hf.modules() if "GatedDeltaNet" in type(m).__name__}
+    saved = []
+    for module in modules:
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            fn = getattr(module, name, None)
+            if fn is not None and inspect.unwrap(fn) is not fn:
+                saved.append((module, name, fn))
+                setattr(module, name, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def assert_equal_on_real_tokens(out, mask, refs, **tol):

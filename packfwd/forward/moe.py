@@ -210,13 +210,12 @@ class RoutingReplay(Extension):
         carried = carried.long()
         if carried.shape[1] and pads.shape[0]:
             ok = ((carried < 0) == pads.to(carried.device)[:, None, None]).all()
-            message = ("recorded_routing has -1 (padding) elsewhere than this batch's padding: it comes from "
-                       f"another micro-batch; {fix}")
             if carried.device.type == "cpu":
                 if not bool(ok):
-                    raise ValueError(message)
+                    raise ValueError("recorded_routing has -1 (padding) elsewhere than this batch's padding: it "
+                                     f"comes from another micro-batch; {fix}")
             else:
-                torch._assert_async(ok, message)
+                torch._assert_async(ok, CARRIED_ON_DEVICE)
         return carried
 
     @staticmethod
@@ -233,6 +232,9 @@ class RoutingReplay(Extension):
         return experts, None if used is None else used | pads
 
 
+# torch._assert_async takes a message under 255 characters
+CARRIED_ON_DEVICE = ("packfwd: recorded_routing has -1 (padding) elsewhere than this batch's padding: it is "
+                     "another micro-batch's record; pass this micro-batch's own")
 _CARRIED_ONLY = ("recorded_routing= (the record an earlier pipeline stage hands on) is taken by a "
                  "make_forward(..., record_routing=True) forward only; build it so, or drop recorded_routing")
 
