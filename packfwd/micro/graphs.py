@@ -1,7 +1,8 @@
 """``run_micro_batches``' fast path: each micro-batch padded to its bucket (:mod:`packfwd.micro.buckets`) and its
 forward and backward replayed from CUDA graphs captured once per bucket; the cache is a :class:`StepGraphs` the
 caller holds (with ``graphs=True``, the forward's ``forward.step_graphs``).  Opt-in: correct on an H100
-(``tests/gpu/test_step_graphs_cuda.py``: bit for bit the padded eager step), its speed not yet measured.
+(``tests/gpu/test_step_graphs_cuda.py``: bit for bit the padded eager step); on the one RL step timed (a 1B model,
+16k-token micro-batches, H100) not faster than eager and 15.7 GiB more reserved (benchmarks/RESULTS.md history 20).
 
 **What is captured.**  The model's forward on the bucket's static inputs (the padded rows of ``input_ids``, the
 positions, the processor's arguments, and a bucket plan, ``packfwd.layout.bucket``), and as a second graph its
@@ -52,7 +53,8 @@ class StepGraphs:
     """The CUDA graphs of ``run_micro_batches``' micro-batch steps, one pair (forward, backward) per bucket.
 
     ``run_micro_batches(..., graphs=True)`` keeps one on the forward (``forward.step_graphs``); pass your own to
-    hold it elsewhere; ``graphs=False`` is the plain eager path (the default ``graphs=None`` graphs where they can work).  ``capture=False``: the padded bucket
+    hold it elsewhere; ``graphs=None`` graphs where they can work, quietly eager elsewhere; ``graphs=False`` (the
+    default) is the plain eager path.  ``capture=False``: the padded bucket
     step runs eagerly (what the graphs replay, for comparing and debugging).  ``max_graphs``: buckets kept; past it
     every graph is dropped and captured again as needed.  All graphs share one memory pool.
 

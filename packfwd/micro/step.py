@@ -102,7 +102,7 @@ def run_micro_batches(
     Every rank of ``pp_group`` passes the same batch and plan; the result comes back on the rank that holds the
     last stage, None on the others.
 
-    ``graphs=True`` (CUDA; off by default until the graphed step has run on a GPU, docs/micro-batches.md): each
+    ``graphs=True`` (CUDA; off by default: not faster on the RL step timed, docs/micro-batches.md): each
     micro-batch is padded to its bucket (``plan.buckets(dp_rank)``) and its forward and backward replayed from CUDA
     graphs captured once per bucket and kept in ``forward.step_graphs`` (a :class:`~packfwd.micro.graphs.StepGraphs`;
     pass your own to hold it elsewhere).  Where graphs cannot work (the CPU; see :mod:`packfwd.micro.graphs`) the

@@ -25,12 +25,12 @@ the state gradients, the WY representation's backward) and, in place of the refu
 autograd of one chunk in float64, and on the GPU against the torch path: within bf16 rounding).  fla's internal
 kernels are used only with fla 0.6.x; another version, or ``PACKFWD_DELTANET=recompute``, takes :class:`_DeltaRule`,
 which keeps the inputs and runs the torch path again under autograd in the backward (its gradients are the torch
-path's bits; without ``max_seqlen`` it makes the torch path's one host sync).  Cost seen on one H100 during development
-(the run's JSON was not kept, so benchmarks/RESULTS.md does not report it: rerun the benchmark) at a Qwen3.5
-layer's shapes (16 + 32 heads of 128, 16,384 tokens in 9 sequences of 712 to 3,359; ``benchmarks/bench_deltanet.py``):
-forward 2.6 to 3.6 ms (fla's own 1.4 to 1.7, the rest the layout's gathers and host time), forward + backward
-15.9 ms against the torch path's 90 ms and the recompute's 94 ms.  The convolution's backward is fla's (a Triton
-kernel that holds on Hopper; tested against the torch path): forward + backward 3.9 ms against the torch path's 12.
+path's bits; without ``max_seqlen`` it makes the torch path's one host sync).  Cost on one H100 at a Qwen3.5 layer's
+shapes (16 + 32 heads of 128, 16,384 tokens in sequences of 64 to 4,096; ``benchmarks/bench_deltanet.py``,
+benchmarks/RESULTS.md history 20): forward 2.5 ms (fla's own 1.4, the rest the layout's gathers and host time),
+forward + backward 14.8 ms against the torch path's 92 ms and the recompute's 95 ms.  The convolution's backward is
+fla's (a Triton kernel that holds on Hopper; tested against the torch path): forward + backward 3.7 ms against the
+torch path's 11.9.
 
 fla is wrapped in ``torch.compiler.disable``: a compiled forward breaks its graph around it (``fullgraph=True``
 needs the torch path).  fla's intra-card context parallelism (``FLA_INTRACARD_CP``, inference mode only) splits
