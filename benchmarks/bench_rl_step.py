@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 from bench_forward import Timer, forward_flops, matmul_tflops  # noqa: E402
-from bench_step import hf_model, next_token_log_probs  # noqa: E402
+from bench_step import hf_model, next_token_log_probs, profile_step  # noqa: E402
 from common import GiB, environment, table, write_json  # noqa: E402
 
 import packfwd as pf  # noqa: E402
@@ -233,6 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="timed steps per variant (default 4; smoke 1)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="untimed steps first, each a new batch (captures, compilation; default 2; smoke 1)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more step per row under torch.profiler (bench_step.profile_step): device time by "
+                         "category, and on CUDA when the device was idle and what the host did then")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16, fewer on a small card)")
     cfg = ap.parse_args(argv)
     cfg.attention = None if cfg.attention in ("none", "None") else cfg.attention
@@ -309,6 +312,13 @@ def main(argv=None) -> int:
                     module.zero_grad(set_to_none=True)
                     if cuda:
                         torch.cuda.empty_cache()
+                if "ms" in row and cfg.profile:
+                    try:
+                        row["profile"] = profile_step(lambda: run(batches["timed"][0], grad), module, cfg.device)
+                    except Exception as e:  # noqa: BLE001 - the timed figures stand without it
+                        row["profile_error"] = f"{type(e).__name__}: {e}"[:1000]
+                    finally:
+                        module.zero_grad(set_to_none=True)
                 if "ms" in row:
                     tflop = flops * (3 if grad else 1) / 1e12
                     row["tokens/s"] = real / row["ms"] * 1e3
