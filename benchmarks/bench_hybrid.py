@@ -192,6 +192,10 @@ def run_shape(shape, cfg, timer) -> dict:
             row = {"variant": name, **measure(steps[name](module, batch), module, cfg, timer)}
         except Skip as e:
             row = {"variant": name, "skipped": str(e)}
+        except torch.cuda.OutOfMemoryError as e:  # a row this card cannot hold: skipped with its reason
+            total = torch.cuda.get_device_properties(cfg.device).total_memory / 2**30
+            row = {"variant": name, "skipped": f"out of memory on this {total:.0f} GiB card at {cfg.batch} x "
+                                               f"{cfg.seq} (--batch smaller fits): {str(e).splitlines()[0][:200]}"}
         except Exception as e:  # noqa: BLE001 - one variant's failure must not end the run
             row = {"variant": name, "error": f"{type(e).__name__}: {e}"[:2000],
                    "traceback": traceback.format_exc()[-4000:]}
