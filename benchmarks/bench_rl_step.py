@@ -27,7 +27,10 @@ Measured per batch, variant and pass (``--passes``: ``fwd+bwd``, ``fwd``: the fo
 ``compute_log_prob``, under ``no_grad``): CUDA events around each whole step from an idle device, planning
 included (median of ``--runs`` after ``--warmup`` steps), real tokens/s, model TFLOP/s and % of a bf16 8192^3 matmul
 measured in the same run, micro-batches, peak allocated and reserved memory, the graphs' memory, the attention
-backend the model runs, the loss (must agree across variants) and the ratio to each other variant.
+backend the model runs, the loss (must agree across variants), the ratio to each other variant (of the medians,
+``ratios``) and, since every row times the same batches and a step's time follows its batch (history 20 of
+benchmarks/RESULTS.md: steps of one row spread by 25 %, rows on one batch within 2-6 %), the median of the per-batch
+ratios (``paired_ratios``, with their smallest and largest): the finer comparison.
 
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_rl_step.py --out benchmarks/out/rl_step.json
     python benchmarks/bench_rl_step.py --smoke --out /tmp/rl_step.json      # tiny model on the CPU (CI)
@@ -349,6 +352,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def paired_ratio(theirs: list, mine: list) -> dict:
+    """How many times faster ``mine`` is than ``theirs`` step by step: every timed step of every row runs the same
+    batch (seeds 100, 101, ...), and a step's time follows its batch (its lengths, so its micro-batches), so the
+    ratio of the two rows' times on the same batch cancels the batch's own cost.  The median over the batches, and
+    the smallest and largest.
+
+    >>> paired_ratio([300.0, 200.0, 260.0], [150.0, 100.0, 120.0])
+    {'median': 2.0, 'min': 2.0, 'max': 2.1666666666666665, 'steps': 3}
+    """
+    steps = [t / m for t, m in zip(theirs, mine)]
+    return {"median": statistics.median(steps), "min": min(steps), "max": max(steps), "steps": len(steps)}
+
+
 def _compare(rows: list, rtol: float) -> list:
     """Ratios to packfwd's default row (``vs packfwd``: their time over packfwd's), and the losses checked against
     packfwd_eager's (or packfwd's) of the same batches."""
@@ -361,6 +377,7 @@ def _compare(rows: list, rtol: float) -> list:
         if base is not None:
             r["vs packfwd"] = r["ms"] / base["ms"]
         r["ratios"] = {o["variant"]: o["ms"] / r["ms"] for o in same}  # how many times faster than each other
+        r["paired_ratios"] = {o["variant"]: paired_ratio(o["ms_runs"], r["ms_runs"]) for o in same if o is not r}
         ref = next((o for o in same if o["variant"] == "packfwd_eager"), base)
         if r["pass"] == "fwd+bwd" and ref is not None and not all(
                 math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * 1e-2) for a, b in zip(r["losses"], ref["losses"])):
