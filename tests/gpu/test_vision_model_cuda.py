@@ -103,7 +103,17 @@ def test_qwen3_5_on_cuda_equals_transformers(device="cuda"):
     CPU: float32 and bf16 each no further from it than transformers' own run in that dtype on CUDA (1.5x, plus 1e-3 /
     0.05). This tiny model's random weights amplify rounding: bf16 moves its logits by ~2, transformers' and
     packfwd's alike, and on an H100 packfwd's float32 moved them by 0.046 against a first bound of 1e-3 fixed
-    without measuring transformers' own float32 (run of 2026-12-06)."""
+    without measuring transformers' own float32 (run of 2026-12-06; TF32 is now off for the test: its matmuls and
+    convolutions are float32's). On the CPU the same comparison gives float32 1.7e-4 against transformers' 1.1e-4."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
+    try:
+        _qwen3_5_against_transformers(device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _qwen3_5_against_transformers(device):
     import copy
 
     from ..test_qwen3_5_vision import hf_logits as qwen3_5_logits
