@@ -25,9 +25,7 @@ Weights (Megatron-Core-style names under ``decoder.layers.{j}.self_attention.``,
     out_proj.weight [h, Hd]          o_proj.weight                      columns: its heads
 
 transformers holds ``dt_bias`` in float32 whatever its model's dtype; packfwd in at least float32, and it converts
-back to float32 (:mod:`packfwd.models.mapping`'s ``hf_float32``).
-
-The low-rank down projections are column-parallel with their outputs gathered, as multi-head latent attention's
+back to float32 (:mod:`packfwd.models.mapping`'s ``hf_float32``).  The low-rank down projections are column-parallel with their outputs gathered, as multi-head latent attention's
 are (:mod:`packfwd.models.mixers.mla`), so ``d`` must divide by TP.  Context parallelism keeps the weights whole on
 every CP rank and trades tokens for heads at run time, as for Gated DeltaNet (:mod:`packfwd.models.mixers.gdn`).
 """
