@@ -112,22 +112,6 @@ def assert_equals_hf_per_sequence(hf, logits, ids, mask, atol=1e-10, rtol=0.0, w
     assert not logits[~mask].any(), "padding positions must be zero"
 
 
-def kept_float32(hf, keep=None):
-    """``hf`` (in place, returned) with the tensors transformers holds in float32 in a model of any dtype made
-    float32 again, their values rounded: those its class's ``_keep_in_fp32_modules_strict`` names (Kimi-Linear's
-    ``dt_bias``, a DeepSeek-V3-style router's ``gate.weight`` and ``e_score_correction_bias``), which its
-    constructors build float32 and ``.double()`` made float64; ``keep``: those names instead (a bare block, or
-    another model's blocks grafted in).  A class naming none: unchanged."""
-    keep = tuple((getattr(hf, "_keep_in_fp32_modules_strict", None) if keep is None else keep) or ())
-    for prefix, module in hf.named_modules():
-        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        for name, t in tensors:
-            full = f"{prefix}.{name}" if prefix else name
-            if any(full == k or full.endswith("." + k) for k in keep):
-                t.data = t.data.float()
-    return hf
-
-
 def assert_hf_round_trip(hf, tp_size=2):
     """packfwd's weights of ``hf`` convert back to its state dict bit for bit, whole and merged from ``tp_size``
     shards."""

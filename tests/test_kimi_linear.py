@@ -30,7 +30,7 @@ from packfwd.models import from_hf, megatron_to_hf, to_hf_state_dict
 from packfwd.models.convert.hf import args_from_hf_config
 from packfwd.models.convert.hf_weights import hf_to_megatron
 
-from .oracles import assert_equals_hf_per_sequence, hf_float64_module, kept_float32
+from .oracles import assert_equals_hf_per_sequence, hf_float64_module
 from .test_compile_layer import quiet_megatron  # noqa: F401 (a fixture)
 from .test_hybrid_families import ragged_batch
 
@@ -53,8 +53,7 @@ ATOL = {"dense": dict(atol=1e-10, rtol=0.0), "moe": dict(atol=2e-5, rtol=1e-5)} 
 
 def hf_model(kind: str = "dense", *, seed: int = 0, **extra) -> torch.nn.Module:
     """The tiny float64 model (module docstring): weights ~ N(0, 1 / fan_in), norms, decays and the (float32)
-    routing bias noisy around their starting values; ``dt_bias`` and the router's gate float32, as transformers
-    holds them in any dtype (``tests.oracles.kept_float32``)."""
+    routing bias noisy around their starting values."""
     config = transformers.KimiLinearConfig(**{**TINY, **KINDS[kind], **extra})
     torch.manual_seed(seed)
     model = hf_float64_module(PATH).KimiLinearForCausalLM(config).double()
@@ -68,7 +67,7 @@ def hf_model(kind: str = "dense", *, seed: int = 0, **extra) -> torch.nn.Module:
             if hasattr(module, "e_score_correction_bias"):
                 bias = module.e_score_correction_bias
                 module.e_score_correction_bias = (0.1 * torch.randn(bias.shape, generator=g)).float()
-    return kept_float32(model).eval()
+    return model.eval()
 
 
 LAYOUTS = [("thd", {}), ("thd", {"seq_align": 16}), ("bshd", {}), ("masked", {})]
@@ -110,8 +109,7 @@ def test_the_layer_pattern_is_the_configs():
 def test_gradients_equal_transformers():
     """Every weight's gradient (through the packed convolution, the per-channel delta rule, the low-rank gates, the
     sigmoid-gated norm and MLA without RoPE; THD aligned) equals transformers' of the same loss summed over each
-    sequence run alone.  ``dt_bias`` is float32 in transformers (and so its gradient, summed over the sequences'
-    backward passes in float32; ``megatron_to_hf`` gives packfwd's float32 too): to float32's ~1e-7 there."""
+    sequence run alone."""
     hf = hf_model("dense")
     model = from_hf(hf)
     ids, mask = ragged_batch()
@@ -121,8 +119,7 @@ def test_gradients_equal_transformers():
     for i in range(ids.shape[0]):
         hf(ids[i][mask[i]][None]).logits.logsumexp(-1).sum().backward()
     for name, p in hf.named_parameters():
-        tol = 1e-9 if p.dtype == torch.float64 else 1e-6
-        torch.testing.assert_close(got[name], p.grad, atol=tol * float(p.grad.abs().max()), rtol=0, msg=name)
+        torch.testing.assert_close(got[name], p.grad, atol=1e-9 * float(p.grad.abs().max()), rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -27,7 +27,7 @@ from packfwd.models.runtime.gpt import model_args
 from packfwd.models.convert.hf import args_from_hf_config
 from packfwd.models.convert.hf_weights import hf_to_megatron, megatron_to_hf
 
-from .oracles import assert_equals_hf_per_sequence, kept_float32
+from .oracles import assert_equals_hf_per_sequence
 
 V = 64
 TINY = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
@@ -48,15 +48,14 @@ LAYOUTS = [("thd", {}), ("thd", {"seq_align": 8}), ("bshd", {})]
 
 
 def randomise(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """O(1)-scale weights: each matrix row ~ N(0, 1 / fan_in), norms 1 + noise (float64; the tensors transformers
-    keeps in float32, a DeepSeek-V3-style router's, float32: ``tests.oracles.kept_float32``)."""
+    """O(1)-scale weights: each matrix row ~ N(0, 1 / fan_in), norms 1 + noise (float64)."""
     g = torch.Generator().manual_seed(seed)
     model = model.double()
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
             p.copy_(1.0 + 0.2 * noise if "norm" in name else noise * p.shape[-1] ** -0.5)
-    return kept_float32(model).eval()
+    return model.eval()
 
 
 def hf_model(name: str, seed: int = 0):

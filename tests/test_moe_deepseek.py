@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import DeepseekV3Config, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MLP, DeepseekV3MoE
 
 from packfwd.forward import make_forward
@@ -30,11 +30,8 @@ from packfwd.models.mlp import Moe, mlp_kind
 from packfwd.models.families.deepseek_v3 import deepseek_moe_fields, read_moe
 from packfwd.models.mlp.router import PackedRouter
 
-from .oracles import assert_equals_hf_per_sequence, kept_float32
+from .oracles import assert_equals_hf_per_sequence
 from .test_moe import expert_load, ragged_batch, randomise
-
-# What transformers keeps float32 in any dtype (the router's gate, the correction bias; randomise made the gate float64)
-DEEPSEEK_FLOAT32 = DeepseekV3ForCausalLM._keep_in_fp32_modules_strict
 
 H, V = 32, 64
 DEEPSEEK = {  # name: DeepseekV3Config fields of the MoE (8 experts of width 16)
@@ -52,9 +49,8 @@ def deepseek_config(name: str, num_layers: int = 1, first_dense: int = 0) -> Dee
 
 
 def hf_block(cfg: DeepseekV3Config, seed: int = 0) -> DeepseekV3MoE:
-    """transformers' block, float64 O(1) weights (the gate float32, as transformers builds it), a float32 correction
-    bias (its checkpoint dtype) of scale 0.3."""
-    block = kept_float32(randomise(DeepseekV3MoE(cfg), seed), DEEPSEEK_FLOAT32)
+    """transformers' block, float64 O(1) weights, a float32 correction bias (its checkpoint dtype) of scale 0.3."""
+    block = randomise(DeepseekV3MoE(cfg), seed)
     g = torch.Generator().manual_seed(seed + 1)
     block.gate.e_score_correction_bias.data = 0.3 * torch.randn(cfg.n_routed_experts, generator=g)
     return block
@@ -294,7 +290,7 @@ def qwen3_deepseek_hybrid(seed: int = 0):
     hf.model.layers[0].mlp = DeepseekV3MLP(cfg)
     for i in (1, 2):
         hf.model.layers[i].mlp = DeepseekV3MoE(cfg)
-    hf = kept_float32(randomise(hf, seed), DEEPSEEK_FLOAT32)
+    hf = randomise(hf, seed)
     for i in (1, 2):
         g = torch.Generator().manual_seed(seed + i)
         hf.model.layers[i].mlp.gate.e_score_correction_bias.data = 0.3 * torch.randn(8, generator=g)

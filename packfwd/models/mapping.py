@@ -24,16 +24,6 @@ gate_up  ``[gate_r; up_r]``                                  ``(gate, up)``
 ``when`` is the row's condition on the model's :class:`~packfwd.models.args.ModelArgs` (None: always): a bias only
 with ``qkv_bias``, a query latent only with ``q_lora_rank``.
 
-``hf_float32`` (True, or a condition on the args as ``when``) marks a tensor transformers holds in float32 whatever
-its model's dtype: it builds the tensor float32 (``dtype=torch.float32`` in the module's constructor, which a float64
-model keeps) and its ``_keep_in_fp32_modules_strict`` keeps it so when loading fp16 / bf16.  Kimi Delta
-Attention's ``dt_bias``, a DeepSeek-V3-style router's gate weight and correction bias (GLM-4.5, DeepSeek-V3,
-Kimi-Linear) are such tensors.  packfwd holds them in at least float32 (float64 in a float64 model);
-:func:`rows_to_hf` gives them back in float32, transformers' dtype, in any model dtype.  A value that came from
-transformers so comes back bit for bit; one a float64 model changed (trained) is rounded to float32, as
-transformers' own model would hold it.  :func:`rows_to_megatron` takes the tensor as it is (the model's parameter
-then holds it in its own dtype, exactly).
-
 >>> table = (Weight("norm.weight", "ln.weight"), Weight("fc.weight", "proj.weight", "cols"),
 ...          Weight("fc.bias", "proj.bias", when=lambda args: args))  # args: here a bool
 >>> sd = {"h.ln.weight": torch.ones(4), "h.proj.weight": torch.arange(8.).view(2, 4)}
@@ -43,10 +33,6 @@ then holds it in its own dtype, exactly).
 >>> back = rows_to_hf(table, False, [rows_to_megatron(table, False, sd, "h.", "m.", 2, r) for r in (0, 1)], "m.", "h.")
 >>> all(torch.equal(back[k], v) for k, v in sd.items()) and sorted(back) == sorted(sd)
 True
->>> row = Weight("router.weight", "gate.weight", hf_float32=True)  # float64 in packfwd, float32 in transformers
->>> back = rows_to_hf((row,), None, [{"m.router.weight": torch.tensor([0.5, -2.0], dtype=torch.float64)}], "m.", "h.")
->>> back["h.gate.weight"].dtype, back["h.gate.weight"].tolist()
-(torch.float32, [0.5, -2.0])
 """
 
 from __future__ import annotations
@@ -75,7 +61,6 @@ class Weight:
     hf: str | tuple[str, ...]  # the HF name; (q, k, v) for "qkv", (gate, up) for "gate_up"
     split: str = "same"
     when: Callable[[Any], bool] | None = None  # of the model's ModelArgs; None: always
-    hf_float32: bool | Callable[[Any], bool] = False  # transformers holds it in float32 in any dtype (docstring)
 
     def __post_init__(self):
         if self.split not in SPLITS:
@@ -90,12 +75,6 @@ class Weight:
 
     def applies(self, args) -> bool:
         return self.when is None or bool(self.when(args))
-
-    def hf_dtype(self, args) -> torch.dtype | None:
-        """The dtype transformers holds the HF tensor(s) in whatever the model's: float32 for an ``hf_float32`` row
-        (module docstring); None: the tensor's own."""
-        keep = self.hf_float32(args) if callable(self.hf_float32) else self.hf_float32
-        return torch.float32 if keep else None
 
 
 def rows_to_megatron(table: Sequence[Weight], args, sd: Mapping[str, Tensor], hf: str, mg: str, tp_size: int = 1,
@@ -124,15 +103,13 @@ def rows_to_megatron(table: Sequence[Weight], args, sd: Mapping[str, Tensor], hf
 def rows_to_hf(table: Sequence[Weight], args, shards: Sequence[Mapping[str, Tensor]], mg: str,
                hf: str) -> dict[str, Tensor]:
     """The inverse of :func:`rows_to_megatron`: the HF tensors of ``table`` from every TP rank's state dict, in rank
-    order, each in the dtype transformers holds it in (an ``hf_float32`` row's in float32, module docstring; the
-    others in their own).  New tensors."""
+    order.  New tensors."""
     out = {}
     for row in table:
         if not row.applies(args):
             continue
-        parts, dtype = [s[mg + row.mg] for s in shards], row.hf_dtype(args)
-        tensors = _join(row.split, parts, args)
-        out.update(zip((hf + n for n in row.hf_names), tensors if dtype is None else (t.to(dtype) for t in tensors)))
+        parts = [s[mg + row.mg] for s in shards]
+        out.update(zip((hf + n for n in row.hf_names), _join(row.split, parts, args)))
     return out
 
 

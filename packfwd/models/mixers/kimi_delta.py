@@ -17,15 +17,14 @@ Weights (Megatron-Core-style names under ``decoder.layers.{j}.self_attention.``,
     conv1d.weight   [3Hd, 1, w]      conv1d.weight [q | k | v]          each section's rows of its heads
     f_a_proj.weight [d, h]           forget_gate.f_a_proj.weight        rows: d / tp (outputs gathered)
     f_b_proj.weight [Hd, d]          forget_gate.f_b_proj.weight        rows: its heads
-    dt_bias         [Hd]             forget_gate.dt_bias (float32)      its heads
+    dt_bias         [Hd]             forget_gate.dt_bias                its heads
     A_log           [H]              forget_gate.A_log [1, 1, H, 1]     its heads
     g_a_proj.weight [d, h]           g_a_proj.weight                    rows: d / tp (outputs gathered)
     g_b_proj.weight [Hd, d]          g_b_proj.weight                    rows: its heads
     out_norm.weight [d]              o_norm.weight                      all
     out_proj.weight [h, Hd]          o_proj.weight                      columns: its heads
 
-transformers holds ``dt_bias`` in float32 whatever its model's dtype; packfwd in at least float32, and it converts
-back to float32 (:mod:`packfwd.models.mapping`'s ``hf_float32``).  The low-rank down projections are column-parallel with their outputs gathered, as multi-head latent attention's
+The low-rank down projections are column-parallel with their outputs gathered, as multi-head latent attention's
 are (:mod:`packfwd.models.mixers.mla`), so ``d`` must divide by TP.  Context parallelism keeps the weights whole on
 every CP rank and trades tokens for heads at run time, as for Gated DeltaNet (:mod:`packfwd.models.mixers.gdn`).
 """
@@ -39,19 +38,14 @@ import torch
 from torch import Tensor
 
 from ..component import Component
-from ..mapping import Weight, rows_to_hf, rows_to_megatron
 from .deltanet import DeltaNetShape
 from .gated_deltanet import _cut, _join, linear_layers
 
 __all__ = ["KIMI_DELTA_ATTENTION", "Kda", "KimiDeltaAttentionMixer"]
 
-# The gates' tensors cut by rows: per head (a rank's heads) or the low-rank down projections (d / tp rows).
-# transformers holds dt_bias in float32 in any model dtype: it comes back float32 (packfwd.models.mapping).
-_GATES = (Weight("f_a_proj.weight", "forget_gate.f_a_proj.weight", "rows"),
-          Weight("f_b_proj.weight", "forget_gate.f_b_proj.weight", "rows"),
-          Weight("dt_bias", "forget_gate.dt_bias", "rows", hf_float32=True),
-          Weight("g_a_proj.weight", "g_a_proj.weight", "rows"),
-          Weight("g_b_proj.weight", "g_b_proj.weight", "rows"))
+_PER_HEAD = (("f_b_proj.weight", "forget_gate.f_b_proj.weight"), ("dt_bias", "forget_gate.dt_bias"),
+             ("g_b_proj.weight", "g_b_proj.weight"))
+_LOW_RANK = (("f_a_proj.weight", "forget_gate.f_a_proj.weight"), ("g_a_proj.weight", "g_a_proj.weight"))
 
 
 @dataclass(frozen=True)
@@ -154,7 +148,7 @@ class KimiDeltaAttentionMixer(Component):
                        tp_rank: int) -> dict[str, Tensor]:
         d, h, m = args.linear_attention, hf_layer + "self_attn.", mg_layer + "self_attention."
         names = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "conv1d.weight",
-                 "forget_gate.A_log", "o_norm.weight", "o_proj.weight", *(w.hf for w in _GATES))
+                 "forget_gate.A_log", "o_norm.weight", "o_proj.weight", *(n for _, n in _PER_HEAD + _LOW_RANK))
         missing = [h + n for n in names if h + n not in sd]
         if missing:
             raise ValueError(f"no {missing[0]} in the HF state dict: the model's config says layer {hf_layer} is "
@@ -165,7 +159,7 @@ class KimiDeltaAttentionMixer(Component):
                m + "A_log": sd[h + "forget_gate.A_log"].reshape(-1).chunk(tp_size)[tp_rank].clone(),
                m + "out_norm.weight": sd[h + "o_norm.weight"].clone(),
                m + "out_proj.weight": sd[h + "o_proj.weight"].chunk(tp_size, dim=1)[tp_rank].clone()}
-        out.update(rows_to_megatron(_GATES, args, sd, h, m, tp_size, tp_rank))
+        out.update({m + mg: sd[h + n].chunk(tp_size)[tp_rank].clone() for mg, n in _PER_HEAD + _LOW_RANK})
         return out
 
     def megatron_to_hf(self, args, shards: Sequence[Mapping[str, Tensor]], mg_layer: str,
@@ -179,7 +173,7 @@ class KimiDeltaAttentionMixer(Component):
                h + "forget_gate.A_log": torch.cat([s[m + "A_log"] for s in shards]).reshape(1, 1, -1, 1),
                h + "o_norm.weight": shards[0][m + "out_norm.weight"].clone(),
                h + "o_proj.weight": torch.cat([s[m + "out_proj.weight"] for s in shards], dim=1)}
-        out.update(rows_to_hf(_GATES, args, shards, m, h))
+        out.update({h + n: torch.cat([s[m + mg] for s in shards]) for mg, n in _PER_HEAD + _LOW_RANK})
         return out
 
 

@@ -233,15 +233,10 @@ def _bias(args) -> bool:
     return args.moe.expert_bias
 
 
-def _float32_gate(args) -> bool:  # transformers builds a DeepSeek-V3-style router's gate float32 in any model dtype
-    return args.moe.router_dtype == "fp32"
-
-
-# One MoE layer's weights but the routed experts': Megatron-Core <- HF, under the layer prefixes.  The gate of a
-# float32 router and the correction bias come back float32, as transformers holds them (packfwd.models.mapping).
+# One MoE layer's weights but the routed experts': Megatron-Core <- HF, under the layer prefixes.
 WEIGHTS = (
-    Weight("mlp.router.weight", "mlp.gate.weight", hf_float32=_float32_gate),
-    Weight("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", when=_bias, hf_float32=True),
+    Weight("mlp.router.weight", "mlp.gate.weight"),
+    Weight("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", when=_bias),
     Weight("mlp.shared_experts.linear_fc1.weight",
            ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "gate_up", when=_shared),
     Weight("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight", "cols", when=_shared),

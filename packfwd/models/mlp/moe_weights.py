@@ -24,10 +24,9 @@ too)::
     mlp.shared_expert.{gate,up,down}_proj       mlp.shared_experts.linear_fc1 / linear_fc2       as above
     mlp.shared_expert_gate.weight       [1, h]  mlp.shared_experts.gate_weight                   [1, h]
 
-A float32 ``gate.weight`` (transformers keeps a GLM-4.5 / DeepSeek-V3 / Kimi-Linear gate float32 in any model dtype)
-lands in the router's weight of at least float32 when the router has its own dtype (``Moe.router_dtype``), so it
-converts bit for bit, and comes back float32 in a float64 model too (``WEIGHTS``' ``hf_float32`` rows,
-:mod:`packfwd.models.mapping`); every other tensor keeps its dtype both ways.  A TP rank holds ``[gate_r; up_r]`` rows of each ``linear_fc1`` and the matching columns of
+Every tensor keeps its dtype both ways: a float32 ``gate.weight`` (transformers keeps it float32 in a bf16 GLM-4.5 /
+DeepSeek-V3) lands in the router's float32 weight when the router has its own dtype (``Moe.router_dtype``), so it
+converts bit for bit.  A TP rank holds ``[gate_r; up_r]`` rows of each ``linear_fc1`` and the matching columns of
 ``linear_fc2`` (the experts' tensor-parallel size is the model's, Megatron-Core's default
 ``expert_tensor_parallel_size``); the router and its bias are replicated.  With ``expert_tensor_parallel_size=1`` the
 experts are whole on every TP rank (:func:`expert_tp_shard` cuts them as TP's would be, for the way back).  An
