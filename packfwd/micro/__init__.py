@@ -6,7 +6,7 @@
 * ``bestfit``, ``kk``, ``refine``, ``ranks``  best fit and bounds on the costliest micro-batch, Karmarkar-Karp,
   pairwise exchanges, micro-batches to DP ranks
 * ``buckets``, ``graphs``  the fixed shapes micro-batches are padded to and the CUDA graphs of their steps
-  (``StepGraphs``: run_micro_batches' default on CUDA)
+  (``StepGraphs``: run_micro_batches(graphs=True or None) on CUDA; off by default)
 * ``step``, ``pipeline``  ``run_micro_batches``: forward (and backward) of one rank's micro-batches, losses
   normalised over the whole global batch, also through a pipeline schedule (``pp_group=``);
   ``agree_micro_batch_count`` for ranks that plan their own lengths
