@@ -211,6 +211,17 @@ def test_what_is_refused_names_the_fix():
         ModelArgs(**{**vars(args), "linear_attention": DeltaNet(2, 2, 8, 8, layers=(0,))})
     with pytest.raises(ValueError, match="linear_num_heads=2 is not divisible by tp_size=4"):
         hf_to_megatron({}, args, tp_size=4, tp_rank=0)
+    from packfwd.models.mixers.kda import PackedKimiDeltaAttention
+    from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.models.runtime.config import transformer_config
+
+    ensure_model_parallel()
+    PackedKimiDeltaAttention(transformer_config(args, cp_size=2, init=False), layer_number=1,
+                             kda=args.linear_attention)
+    with pytest.raises(ValueError, match=r"context parallelism \(cp_size=4\) with Kimi Delta Attention layers .* "
+                                         r"linear_num_heads=2 must be divisible by tp_size \* cp_size = 4"):
+        PackedKimiDeltaAttention(transformer_config(args, cp_size=4, init=False), layer_number=1,
+                                 kda=args.linear_attention)
 
 
 # ------------------------------------------------------------------------------- two pipeline stages, one process

@@ -116,14 +116,20 @@ class PackedGatedDeltaNet(MegatronModule):
             dt = dt.clamp(min=1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
+    LAYERS = "Gated DeltaNet layers"  # what _check_cp's message calls the layer
+    HEADS = "linear_num_key_heads"  # the config field of the heads CP cuts (and _split_heads counts)
+
+    def _split_heads(self) -> int:
+        """The heads context parallelism cuts: the key heads (each with the value heads it serves)."""
+        return self.deltanet.num_k_heads
+
     def _check_cp(self, cp_size: int) -> None:
-        """Context parallelism cuts each TP rank's key heads (and the value heads they serve) in ``cp_size``."""
-        heads = self.deltanet.num_k_heads
+        """Context parallelism cuts each TP rank's heads (:meth:`_split_heads`) in ``cp_size``."""
+        heads = self._split_heads()
         if cp_size > 1 and heads % (self.tp * cp_size):
-            raise ValueError(f"context parallelism (cp_size={cp_size}) with Gated DeltaNet layers splits each TP "
-                             f"rank's heads over the CP ranks: linear_num_key_heads={heads} must be divisible by "
-                             f"tp_size * cp_size = {self.tp * cp_size}; pick a cp_size that divides "
-                             f"{heads // self.tp}")
+            raise ValueError(f"context parallelism (cp_size={cp_size}) with {self.LAYERS} splits each TP rank's "
+                             f"heads over the CP ranks: {self.HEADS}={heads} must be divisible by tp_size * cp_size "
+                             f"= {self.tp * cp_size}; pick a cp_size that divides {heads // self.tp}")
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, rotary_pos_emb=None,
                 rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,

@@ -80,14 +80,11 @@ class PackedKimiDeltaAttention(PackedGatedDeltaNet):
         if config.perform_initialization:
             self._init_decay()
 
-    def _check_cp(self, cp_size: int) -> None:
-        """Context parallelism cuts each TP rank's heads in ``cp_size``."""
-        heads = self.deltanet.num_heads
-        if cp_size > 1 and heads % (self.tp * cp_size):
-            raise ValueError(f"context parallelism (cp_size={cp_size}) with Kimi Delta Attention layers splits each "
-                             f"TP rank's heads over the CP ranks: linear_num_heads={heads} must be divisible by "
-                             f"tp_size * cp_size = {self.tp * cp_size}; pick a cp_size that divides "
-                             f"{heads // self.tp}")
+    LAYERS = "Kimi Delta Attention layers"
+    HEADS = "linear_num_heads"
+
+    def _split_heads(self) -> int:
+        return self.deltanet.num_heads
 
     def _low_rank(self, down, up, x: Tensor) -> Tensor:
         """``up(down(x))`` of this rank's heads: the down projection's output gathered over TP (its rows are cut
