@@ -32,7 +32,7 @@ from packfwd.models.convert.hf_weights import hf_to_megatron
 
 from .oracles import assert_equals_hf_per_sequence, hf_float64_module
 from .test_compile_layer import quiet_megatron  # noqa: F401 (a fixture)
-from .test_hybrid_families import ragged_batch
+from .test_hybrid_families import LAYOUTS, _forward, ragged_batch
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "KimiLinearConfig"):
@@ -70,7 +70,6 @@ def hf_model(kind: str = "dense", *, seed: int = 0, **extra) -> torch.nn.Module:
     return model.eval()
 
 
-LAYOUTS = [("thd", {}), ("thd", {"seq_align": 16}), ("bshd", {}), ("masked", {})]
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
@@ -87,7 +86,7 @@ def kind_models(request):
 def test_logits_equal_transformers_per_sequence(kind_models, data_format, layout):
     kind, model, alone = kind_models
     ids, mask = ragged_batch()
-    forward = (lambda m, i, k: m(i, None, k)) if data_format == "masked" else make_forward(data_format, **layout)
+    forward = _forward(data_format, layout)
     with torch.no_grad():
         logits = forward(model, ids, mask)
     for i, want in enumerate(alone):
