@@ -69,13 +69,18 @@ def hf_model(family: str, *, lifted: bool = True, seed: int = 0, **extra) -> tor
     model_cls = getattr(hf_float64_module(path) if lifted else importlib.import_module(path), model_name)
     torch.manual_seed(seed)  # transformers draws A_log from the global generator: the same model in every process
     model = model_cls(config).double()
-    g = torch.Generator().manual_seed(seed)
+    randomise(model, torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def randomise(model, g: torch.Generator) -> None:
+    """In place: weights ~ N(0, 1 / fan_in); norms, decays (``A_log``, ``dt_bias``) noisy around their starting
+    values (a linear-attention model's test weights)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
             small = "norm" in name or name.endswith(("A_log", "dt_bias"))
             p.copy_(p + 0.3 * noise if small else noise * p.shape[-1] ** -0.5)
-    return model.eval()
 
 
 def ragged_batch(seed: int = 0):

@@ -32,7 +32,7 @@ from packfwd.models.convert.hf_weights import hf_to_megatron
 
 from .oracles import assert_equals_hf_per_sequence, hf_float64_module
 from .test_compile_layer import quiet_megatron  # noqa: F401 (a fixture)
-from .test_hybrid_families import LAYOUTS, _forward, ragged_batch
+from .test_hybrid_families import LAYOUTS, _forward, ragged_batch, randomise
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "KimiLinearConfig"):
@@ -58,11 +58,8 @@ def hf_model(kind: str = "dense", *, seed: int = 0, **extra) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = hf_float64_module(PATH).KimiLinearForCausalLM(config).double()
     g = torch.Generator().manual_seed(seed)
+    randomise(model, g)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            small = "norm" in name or name.endswith(("A_log", "dt_bias"))
-            p.copy_(p + 0.3 * noise if small else noise * p.shape[-1] ** -0.5)
         for module in model.modules():  # the routing bias float32, as transformers keeps it (and Megatron-Core)
             if hasattr(module, "e_score_correction_bias"):
                 bias = module.e_score_correction_bias

@@ -34,6 +34,7 @@ from packfwd.models.args import ModelArgs
 from packfwd.vision import from_hf, mrope_position_ids
 
 from .oracles import hf_float64_module
+from .test_hybrid_families import randomise
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
@@ -82,12 +83,7 @@ def hf_model(moe: bool = False, seed: int = 0):
     hf.model.language_model = getattr(lifted, f"{prefix}TextModel")(config.text_config)
     hf.model.visual = getattr(lifted, f"{prefix}VisionModel")(config.vision_config)
     hf = hf.double()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
-            small = "norm" in name or name.endswith(("A_log", "dt_bias"))
-            p.copy_(p + 0.3 * noise if small else noise * p.shape[-1] ** -0.5)
+    randomise(hf, torch.Generator().manual_seed(seed))
     return hf.eval()
 
 
