@@ -94,9 +94,10 @@ def use_packfwd_delta_rule(hf) -> str:
     from packfwd.models.mixers.deltanet_ops import chunk_gated_delta_rule_packed
 
     def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-             use_qk_l2norm_in_kernel=False, **_):
-        if initial_state is not None or output_final_state:
-            raise ValueError("the benchmark's delta rule runs from a zero state without a cache")
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None, **other):
+        if initial_state is not None or output_final_state or cu_seqlens is not None or other:
+            raise ValueError("the benchmark's delta rule takes padded rows from a zero state: no cache, no packed "
+                             f"cu_seqlens, no other arguments (got {sorted(other)})")
         b, s = query.shape[:2]
         cu = torch.arange(0, (b + 1) * s, s, device=query.device, dtype=torch.int32)
         out = chunk_gated_delta_rule_packed(query.flatten(0, 1), key.flatten(0, 1), value.flatten(0, 1),
