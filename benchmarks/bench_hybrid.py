@@ -94,8 +94,8 @@ def use_packfwd_delta_rule(hf) -> str:
     from packfwd.models.mixers.deltanet_ops import chunk_gated_delta_rule_packed
 
     def rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-             use_qk_l2norm_in_kernel=False, cu_seqlens=None, **other):
-        if initial_state is not None or output_final_state or cu_seqlens is not None or other:
+             use_qk_l2norm_in_kernel=False, cu_seqlens=None, use_cache=False, **other):
+        if initial_state is not None or output_final_state or use_cache or cu_seqlens is not None or other:
             raise ValueError("the benchmark's delta rule takes padded rows from a zero state: no cache, no packed "
                              f"cu_seqlens, no other arguments (got {sorted(other)})")
         b, s = query.shape[:2]
