@@ -1,6 +1,26 @@
 """Benchmark: a whole RL step as a trainer runs it, on one GPU: a global batch planned into micro-batches and run
 forward + backward, packfwd's default path against verl 0.9.1's dynamic batching and transformers' padded
-micro-batches on the same weights (a Llama of ~1B parameters with random weights, built locally).
+micro-batches on the same weights, random, built locally (``--model``):
+
+* ``llama1b`` (the default): a Llama of ~1B parameters (hidden 2048, 16 layers, ffn 7168, 16 query / 8 key-value
+  heads, vocab 32000; bench_step's ``hf_model``);
+* ``qwen3_moe``: bench_moe's Qwen3-MoE shape (``bench_moe.Shape``: hidden 2048, 64 experts top-8 normalised, expert
+  ffn 768, 16 query / 4 key-value heads of 128, vocab 151936, untied, bf16), transformers' ``Qwen3MoeForCausalLM``
+  with its own initialisation and packfwd's model converted from it (``bench_moe.build``, ``from_hf``); packfwd's
+  experts on its default path (``torch._grouped_mm`` on sm90 / sm100 in bf16; the CPU smoke forces the grouped
+  path, as bench_moe's does).  Layers: ``--layers``, else by the card's free memory (``moe_layers_for``): 12 where
+  the estimate below fits 80 % of it (an H200), 8 where that does (an 80 GB H100), else 4 or 2.  The estimate, for
+  the largest micro-batch ``T`` (``max(--max-tokens, s)`` tokens): ``8 P`` bytes for ``P`` parameters (the two
+  models' bf16 weights, the gradients, and the CUDA graphs' own set of gradients) plus ``T (735 KiB + 176 KiB per
+  layer)``, transformers' padded step (the row that needs most per token): 176 KiB a token and layer measured at
+  the full width on the CPU (torch.profiler's memory timeline of a second fwd+bwd step on 2 x 256 tokens: a peak of
+  1,809 / 1,985 / 2,161 KiB a token above the weights and gradients with 1 / 2 / 3 layers), the 735 KiB the rest of
+  bench_moe's measured 12-layer row (66.7 GiB above the weights for 6 x 4096 tokens on an H200, 2,845 KiB a token,
+  less 12 x 176 KiB: the output layer and the loss); packfwd's rows took less per token there (26.6 GiB for 13,422
+  real tokens, gradients included).  It errs high: transformers' row holds no graphs' gradients, packfwd's rows
+  hold fewer activations.  For the defaults (``T`` = 16,384): 12 layers 77 GiB, 8 layers 57 GiB, so 12 on an H200
+  (about 140 GiB free), 8 on an 80 GB card (about 79 GiB free; 12 would need about 69 GiB in transformers' row
+  alone, too near the card's size), where bench_moe also runs 8.  Not yet timed on a GPU.
 
 The global batches (``--batches``, default ``128x4096 256x2048``): ``n`` rows of ``s`` tokens laid out as verl hands
 them over: a prompt left-padded into the first ``s / 8`` columns (32 to ``s / 8`` tokens), a response right-padded
@@ -12,8 +32,9 @@ the shapes a new batch brings.
 Variants (``--variants``; one that cannot run is recorded as skipped with its reason, out of memory included, and
 the run goes on):
 
-* ``packfwd``: ``plan_micro_batches(lengths, max_tokens=--max-tokens, cost=("flops", 12 h, 1))`` then
-  ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ..., graphs=True)``: CUDA graphs
+* ``packfwd``: ``plan_micro_batches(lengths, max_tokens=--max-tokens, cost=("flops", a, 1))`` (``a = 12 h`` for the
+  Llama; for the MoE its per-layer active weights over the query width, about ``11.5 h``; ``plan_cost`` in the
+  JSON) then ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ..., graphs=True)``: CUDA graphs
   of each bucket (``forward.step_graphs``), ``--attention`` (default: the automatic choice), scored tokens only.
 * ``packfwd_eager``: the same with ``graphs=False``.
 * ``packfwd_fine``: ``packfwd`` with buckets 4 x finer (``bucket_steps=64``: a micro-batch padded by under
@@ -23,20 +44,26 @@ the run goes on):
   ``--max-tokens`` real tokens) and per micro-batch ``model_forward_gen()(..., data_format="thd")`` (its THD packing
   ``preprocess_packed_seqs`` / ``postprocess_packed_seqs``) on the same packfwd model, the log-probs by the same
   processor on its packed logits, the loss normalised over the global batch as verl does.
-* ``hf_padded``: transformers' ``LlamaForCausalLM`` (sdpa) on micro-batches of ``max_tokens / s`` padded rows in the
-  batch's order (what a trainer without packing runs), the weights packfwd's model was converted from.
+* ``hf_padded``: transformers' ``LlamaForCausalLM`` (``Qwen3MoeForCausalLM`` for ``qwen3_moe``, its default experts
+  implementation, recorded) (sdpa) on micro-batches of ``max_tokens / s`` padded rows in the batch's order (what a
+  trainer without packing runs), the weights packfwd's model was converted from.
 
 Measured per batch, variant and pass (``--passes``: ``fwd+bwd``, ``fwd``: the forward-only log-probs of
 ``compute_log_prob``, under ``no_grad``): CUDA events around each whole step from an idle device, planning
-included (median of ``--runs`` after ``--warmup`` steps), real tokens/s, model TFLOP/s and % of a bf16 8192^3 matmul
-measured in the same run, micro-batches, peak allocated and reserved memory, the graphs' memory, the attention
-backend the model runs, the loss (must agree across variants), the ratio to each other variant (of the medians,
-``ratios``) and, since every row times the same batches and a step's time follows its batch (history 20 of
-benchmarks/RESULTS.md: steps of one row spread by 25 %, rows on one batch within 2-6 %), the median of the per-batch
-ratios (``paired_ratios``, with their smallest and largest): the finer comparison.
+included (median of ``--runs`` after ``--warmup`` steps), real tokens/s, model TFLOP/s (the Llama's every weight; the
+MoE's active parameters, bench_moe's ``forward_flops``: attention, router, top-8 experts and output layer, plus causal
+attention) and % of a bf16 8192^3 matmul measured in the same run, micro-batches, peak allocated and reserved memory,
+the graphs' memory, the attention backend the model runs, the loss (must agree across variants), the ratio to each
+other variant (of the medians, ``ratios``) and, since every row times the same batches and a step's time follows its
+batch (history 20 of benchmarks/RESULTS.md: steps of one row spread by 25 %, rows on one batch within 2-6 %), the
+median of the per-batch ratios (``paired_ratios``, with their smallest and largest): the finer comparison.  The
+JSON's ``model`` records which model ran: its name, shape, layers and parameters (and for the MoE its active
+parameters, expert paths and memory estimate).
 
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_rl_step.py --out benchmarks/out/rl_step.json
+    PYTHONPATH=.:/tmp/site python3 benchmarks/bench_rl_step.py --model qwen3_moe   # benchmarks/out/rl_step_moe.json
     python benchmarks/bench_rl_step.py --smoke --out /tmp/rl_step.json      # tiny model on the CPU (CI)
+    python benchmarks/bench_rl_step.py --smoke --model qwen3_moe --out /tmp/rl_step_moe.json   # bench_moe's SMOKE
 
 Time on an H100 (2026-12-06, 128 x 4096 only, three variants, 2 + 2 steps): about 1 minute after the model is built;
 steps of 2.2-3.2 s (transformers padded, not run there, is the slowest). The default is 2 warm-up + 4 timed steps per
@@ -61,6 +88,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+import bench_moe  # noqa: E402
 from bench_forward import Timer, forward_flops, matmul_tflops  # noqa: E402
 from bench_step import hf_model, next_token_log_probs, profile_step  # noqa: E402
 from common import GiB, environment, table, write_json  # noqa: E402
@@ -72,6 +100,7 @@ from packfwd.micro import StepGraphs, plan_micro_batches, run_micro_batches  # n
 VARIANTS = ("packfwd_eager", "verl", "hf_padded", "packfwd", "packfwd_fine")  # the graphs last: their pool is
 #                                                                                  freed after each row
 PASSES = ("fwd+bwd", "fwd")  # fwd: the forward-only log-probs of compute_log_prob
+MODELS = ("llama1b", "qwen3_moe")
 
 
 class Skip(Exception):
@@ -102,9 +131,8 @@ def rl_batch(n: int, s: int, vocab: int, seed: int, device) -> dict:
 # ------------------------------------------------------------------------------------------------ the steps
 
 
-def packfwd_runner(model, args, cfg, graphs: bool, bucket_steps: int | None = None, max_graphs: int | None = None):
+def packfwd_runner(model, cost, cfg, graphs: bool, bucket_steps: int | None = None, max_graphs: int | None = None):
     forward = pf.make_forward("thd", logits_processor=next_token_log_probs)
-    cost = ("flops", 12 * args.hidden_size, 1)
     buckets = {} if bucket_steps is None else {"bucket_steps": bucket_steps}
     if max_graphs is not None and cfg.device.type == "cuda":
         forward.step_graphs = StepGraphs(max_graphs=max_graphs)  # graphs=True takes the forward's own
@@ -228,10 +256,111 @@ def layers_for(cfg) -> int:
     return 16 if free >= 70 * GiB else max(2, int(16 * free / (70 * GiB)))
 
 
+# moe_layers_for's estimate of one micro-batch's memory per token (module docstring): transformers' padded Qwen3-MoE
+# step, 176 KiB per layer (saved activations, measured on the CPU at the full width) and the rest of bench_moe's
+# 12-layer H200 row, 2,845 KiB a token (benchmarks/results/h200-2026-12-01/moe_d71d8c2.json: step_GiB 66.7 for
+# 6 x 4096), for the output layer and the loss
+MOE_LAYER_BYTES_PER_TOKEN = 176 * 2**10
+MOE_HEAD_BYTES_PER_TOKEN = 735 * 2**10
+MOE_LAYER_CHOICES = (12, 8, 4, 2)
+MOE_MEMORY_FRACTION = 0.8  # of the free memory: the allocator's fragmentation (each micro-batch routes its own
+#                            counts to each expert), cuBLAS workspaces, what the estimate leaves out
+
+
+def moe_params(shape) -> int:
+    """Every parameter of bench_moe's ``Shape``: attention with its q / k norms, router, every expert, the two
+    norms per layer, the final norm, embedding and output layer (untied).
+
+    >>> moe_params(bench_moe.Shape(layers=12))
+    4373664768
+    """
+    c = shape
+    attention = c.hidden * (c.heads + 2 * c.kv_heads) * c.head_dim + c.heads * c.head_dim * c.hidden + 2 * c.head_dim
+    layer = attention + c.experts * c.hidden + c.experts * 3 * c.hidden * c.expert_ffn + 2 * c.hidden
+    return c.layers * layer + 2 * c.vocab * c.hidden + c.hidden
+
+
+def moe_memory_bytes(shape, tokens: int) -> int:
+    """moe_layers_for's estimate of the peak of the hungriest row, for micro-batches of ``tokens`` tokens: the two
+    models' bf16 weights, the gradients and the graphs' set of them (``8 P``), and transformers' padded micro-batch.
+
+    >>> round(moe_memory_bytes(bench_moe.Shape(layers=8), 16384) / 2**30, 1)
+    56.8
+    """
+    per_token = MOE_HEAD_BYTES_PER_TOKEN + shape.layers * MOE_LAYER_BYTES_PER_TOKEN
+    return 8 * moe_params(shape) + tokens * per_token
+
+
+def moe_layers_for(cfg, tokens: int) -> int:
+    """The MoE's layer count: ``--layers``, else bench_moe's SMOKE (2) for the smoke run, 2 without CUDA, else the
+    largest of 12, 8, 4, 2 whose ``moe_memory_bytes`` fits ``MOE_MEMORY_FRACTION`` of the free memory (12 on an
+    H200, 8 on an 80 GB H100 for the default 16,384-token micro-batches)."""
+    if cfg.layers:
+        return cfg.layers
+    if cfg.smoke:
+        return bench_moe.SMOKE.layers
+    if cfg.device.type != "cuda":
+        return 2
+    free, _ = torch.cuda.mem_get_info()
+    fits = [n for n in MOE_LAYER_CHOICES
+            if moe_memory_bytes(bench_moe.Shape(layers=n), tokens) <= MOE_MEMORY_FRACTION * free]
+    return fits[0] if fits else MOE_LAYER_CHOICES[-1]
+
+
+def build_models(cfg, dtype, shapes):
+    """transformers' model, packfwd's converted from it, the model's record for the JSON, its forward FLOPs of a
+    batch's lengths, and the planning cost ``("flops", a, 1)``: ``a`` the per-layer weights each token multiplies
+    over the query width (``12 h`` for a dense layer, packfwd.micro.plan; the MoE's active ones)."""
+    from packfwd.models import from_hf
+    from packfwd.models.convert.hf import args_from_hf_config
+
+    if cfg.model == "llama1b":
+        hf = hf_model("llama1b", cfg.smoke, cfg.device, dtype)
+        layers = layers_for(cfg)
+        if layers != hf.config.num_hidden_layers:
+            hf.model.layers = hf.model.layers[:layers]
+            hf.config.num_hidden_layers = layers
+        model = from_hf(hf, device=cfg.device, params_dtype=dtype, attention_backend=cfg.attention)
+        args = args_from_hf_config(hf.config)
+        record = {"name": "llama1b", "family": type(hf).__name__, "hidden": args.hidden_size,
+                  "ffn": args.ffn_hidden_size, "heads": args.num_attention_heads, "kv_heads": args.query_groups,
+                  "head_dim": args.kv_channels, "vocab": args.vocab_size, "layers": layers,
+                  "tied": bool(hf.config.tie_word_embeddings), "parameters": sum(p.numel() for p in model.parameters())}
+        return hf, model, args, record, lambda lengths: forward_flops(args, lengths), \
+            ("flops", 12 * args.hidden_size, 1)
+    from dataclasses import asdict, replace
+
+    from packfwd.models.mlp.experts import grouped_kernel, set_grouped_experts
+
+    tokens = max(cfg.max_tokens, max(s for _, s in shapes))
+    base = bench_moe.SMOKE if cfg.smoke else bench_moe.Shape()
+    shape = replace(base, layers=moe_layers_for(cfg, tokens), seq=max(base.seq, max(s for _, s in shapes)))
+    hf, model = bench_moe.build(shape, cfg.device, dtype)
+    if cfg.attention is not None:  # bench_moe's build converts with the automatic attention: again with --attention
+        del model
+        model = from_hf(hf, device=cfg.device, params_dtype=dtype, attention_backend=cfg.attention)
+    kernel = grouped_kernel(torch.zeros(1, 8, dtype=dtype, device=cfg.device))
+    set_grouped_experts(model, None if kernel else True)  # bench_moe's rule: the CPU smoke forces the grouped path
+    hf.train()
+    args = args_from_hf_config(hf.config)
+    active = bench_moe.active_params(shape)
+    per_layer = (active - shape.vocab * shape.hidden) // shape.layers
+    record = {"name": "qwen3_moe", "family": type(hf).__name__,
+              **{k: v for k, v in asdict(shape).items() if k not in ("batch", "seq", "prompt")},
+              "tied": bool(hf.config.tie_word_embeddings), "norm_topk_prob": bool(hf.config.norm_topk_prob),
+              "parameters": sum(p.numel() for p in model.parameters()), "parameters_formula": moe_params(shape),
+              "active_parameters": active, "grouped_mm_kernel": kernel,
+              "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None),
+              "memory_estimate_GiB": moe_memory_bytes(shape, tokens) / GiB, "memory_estimate_tokens": tokens}
+    return hf, model, args, record, lambda lengths: bench_moe.forward_flops(shape, lengths), \
+        ("flops", per_layer // (shape.heads * shape.head_dim), 1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and batches on the CPU (CI): seconds")
-    ap.add_argument("--out", type=Path, default=HERE / "out" / "rl_step.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON file to write (default benchmarks/out/rl_step.json; qwen3_moe: rl_step_moe.json)")
     ap.add_argument("--batches", nargs="+", default=None, help="global batches as NxS (default 128x4096 256x2048)")
     ap.add_argument("--max-tokens", type=int, default=None, help="micro-batch budget (default 16384; smoke 96)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -247,9 +376,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="one more step per row under torch.profiler (bench_step.profile_step): device time by "
                          "category, and on CUDA when the device was idle and what the host did then")
-    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 16, fewer on a small card)")
+    ap.add_argument("--model", choices=MODELS, default="llama1b",
+                    help="llama1b: the 1B Llama (default); qwen3_moe: bench_moe's Qwen3-MoE shape (module docstring)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers (default: llama1b 16, fewer on a small card; qwen3_moe 12, 8, 4 or 2 by the "
+                         "card's free memory; smoke 2)")
     cfg = ap.parse_args(argv)
     cfg.attention = None if cfg.attention in ("none", "None") else cfg.attention
+    cfg.out = cfg.out or HERE / "out" / ("rl_step.json" if cfg.model == "llama1b" else "rl_step_moe.json")
     cuda = torch.cuda.is_available() and not cfg.smoke
     cfg.device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -261,33 +395,28 @@ def main(argv=None) -> int:
         ["6x48", "8x32"] if cfg.smoke else ["128x4096", "256x2048"]))]
     timer = Timer(cfg.device)
 
-    from packfwd.models import from_hf
-    from packfwd.models.convert.hf import args_from_hf_config
     from packfwd.models.mixers.varlen import choose_backend
     from packfwd.models.runtime import ensure_model_parallel
 
     ensure_model_parallel()
-    hf = hf_model("llama1b", cfg.smoke, cfg.device, dtype)
-    layers = layers_for(cfg)
-    if layers != hf.config.num_hidden_layers:
-        hf.model.layers = hf.model.layers[:layers]
-        hf.config.num_hidden_layers = layers
-    model = from_hf(hf, device=cfg.device, params_dtype=dtype, attention_backend=cfg.attention)
-    args = args_from_hf_config(hf.config)
+    hf, model, args, record, model_flops, cost = build_models(cfg, dtype, shapes)
+    layers = record["layers"]
     backend = choose_backend(cfg.device, dtype, args.kv_channels, backend=cfg.attention)
     ceiling = matmul_tflops(cfg.device, dtype, timer)
-    print(f"device {environment()['device']}, {layers} layers, attention {backend}, matmul ceiling {ceiling} TFLOP/s",
-          flush=True)
+    print(f"device {environment()['device']}, {cfg.model} ({record['parameters'] / 1e9:.2f} B parameters"
+          + (f", {record['active_parameters'] / 1e9:.2f} B active" if "active_parameters" in record else "")
+          + f"), {layers} layers, attention {backend}, matmul ceiling {ceiling} TFLOP/s", flush=True)
 
     runners, skipped = {}, {}
     for name in cfg.variants:
         try:
             if name == "packfwd":
-                runners[name] = (packfwd_runner(model, args, cfg, graphs=True), model)
+                runners[name] = (packfwd_runner(model, cost, cfg, graphs=True), model)
             elif name == "packfwd_eager":
-                runners[name] = (packfwd_runner(model, args, cfg, graphs=False), model)
+                runners[name] = (packfwd_runner(model, cost, cfg, graphs=False), model)
             elif name == "packfwd_fine":
-                runners[name] = (packfwd_runner(model, args, cfg, graphs=True, bucket_steps=64, max_graphs=64), model)
+                runners[name] = (packfwd_runner(model, cost, cfg, graphs=True, bucket_steps=64, max_graphs=64),
+                                 model)
             elif name == "verl":
                 runners[name] = (verl_runner(model, cfg), model)
             else:
@@ -301,7 +430,7 @@ def main(argv=None) -> int:
         batches = {k: [rl_batch(n, s, hf.config.vocab_size, 1000 * n + seed, cfg.device) for seed in v]
                    for k, v in seeds.items()}
         real = statistics.mean(sum(b["lengths"]) for b in batches["timed"])
-        flops = statistics.mean(forward_flops(args, b["lengths"]) for b in batches["timed"])
+        flops = statistics.mean(model_flops(b["lengths"]) for b in batches["timed"])
         for pass_ in cfg.passes:
             grad = pass_ == "fwd+bwd"
             for name in cfg.variants:
@@ -350,7 +479,8 @@ def main(argv=None) -> int:
                       else row["skipped"][:200]), flush=True)
     bad = _compare(rows, 1e-4 if dtype == torch.float32 else 2e-2)
     payload = {"benchmark": "rl_step", "smoke": cfg.smoke, "command": " ".join(sys.argv), "env": environment(),
-               "dtype": str(dtype), "layers": layers, "attention_backend": backend, "matmul_TFLOPs": ceiling,
+               "model": record, "plan_cost": list(cost), "dtype": str(dtype), "layers": layers,
+               "attention_backend": backend, "matmul_TFLOPs": ceiling,
                "max_tokens": cfg.max_tokens, "runs": runs, "warmup": cfg.warmup, "rows": rows,
                "disagreements": bad}
     write_json(cfg.out, payload)

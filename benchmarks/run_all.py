@@ -24,8 +24,9 @@ def _dir_args(name: str):
     return lambda out, smoke: ["--out", str(out)]
 
 
-def _file_args(stem: str):
-    return lambda out, smoke: ["--out", str(out / f"{stem}{'_smoke' if smoke else ''}.json")]
+def _file_args(stem: str, *extra: str):
+    """``--out <folder>/<stem>[_smoke].json``, after ``extra`` (a benchmark's own options, e.g. another model)."""
+    return lambda out, smoke: [*extra, "--out", str(out / f"{stem}{'_smoke' if smoke else ''}.json")]
 
 
 # name: (script, arguments for the output location)
@@ -41,6 +42,7 @@ BENCHMARKS = {
     "step": ("bench_step.py", _file_args("step")),
     "scored": ("bench_scored.py", _file_args("scored")),
     "rl_step": ("bench_rl_step.py", _file_args("rl_step")),
+    "rl_step_moe": ("bench_rl_step.py", _file_args("rl_step_moe", "--model", "qwen3_moe")),
     "kernels": ("bench_kernels.py", _file_args("kernels")),
     "invariance": ("bench_invariance.py", _file_args("invariance")),
     "moe": ("bench_moe.py", _file_args("moe")),

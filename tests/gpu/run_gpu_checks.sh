@@ -38,6 +38,7 @@ want logprobs_bench && step logprobs_bench python3 benchmarks/bench_logprobs.py 
 want bench_step && step bench_step python3 benchmarks/bench_step.py --out "$OUT/step.json" ${BENCH_STEP_ARGS:-}
 want bench_scored && step bench_scored python3 benchmarks/bench_scored.py --out "$OUT/scored.json" ${BENCH_SCORED_ARGS:-}
 want bench_rl_step && step bench_rl_step python3 benchmarks/bench_rl_step.py --out "$OUT/rl_step.json" ${BENCH_RL_ARGS:-}
+want bench_rl_step_moe && step bench_rl_step_moe python3 benchmarks/bench_rl_step.py --model qwen3_moe --out "$OUT/rl_step_moe.json" ${BENCH_RL_MOE_ARGS:-}
 want bench_moe && step bench_moe python3 benchmarks/bench_moe.py --out "$OUT/moe.json" ${BENCH_MOE_ARGS:-}
 want bench_invariance && step bench_invariance python3 benchmarks/bench_invariance.py --out "$OUT/invariance.json" ${BENCH_INV_ARGS:-}
 want bench_transforms && step bench_transforms python3 benchmarks/bench_transforms.py --out "$OUT/transforms.json" ${BENCH_TR_ARGS:-}
