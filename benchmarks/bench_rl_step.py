@@ -40,6 +40,13 @@ the run goes on):
 * ``packfwd_fine``: ``packfwd`` with buckets 4 x finer (``bucket_steps=64``: a micro-batch padded by under
   ``max_tokens / 64`` tokens, where the default 16 padded 16k-token micro-batches by ~6 % in RESULTS history 20) and
   room for 64 graphs (``StepGraphs(max_graphs=64)``).
+* ``packfwd_buckets``: ``packfwd_eager`` with each micro-batch padded to its bucket, as the graphed rows pad it,
+  and run eagerly (``graphs=StepGraphs(capture=False)``): what the padding costs without the graphs.
+* ``packfwd_cudnn``, ``packfwd_cudnn_buckets``, ``packfwd_cudnn_graphs``: a second packfwd model of the same weights
+  with cuDNN's ragged attention (``attention_backend="prefer_cudnn"``; skipped where it would not run), eager,
+  eager padded to the buckets, and graphed (``graphs=True``).  cuDNN builds a graph per new shape: unpadded, nearly
+  every micro-batch is a new one; padded to the buckets, a few shapes recur from the warm-up on (a trainer's steady
+  state).  The other rows do not use cuDNN, so they fill no cache for these.
 * ``verl``: verl 0.9.1's own code: ``rearrange_micro_batches`` (its dynamic batching: micro-batches of at most
   ``--max-tokens`` real tokens) and per micro-batch ``model_forward_gen()(..., data_format="thd")`` (its THD packing
   ``preprocess_packed_seqs`` / ``postprocess_packed_seqs``) on the same packfwd model, the log-probs by the same
@@ -97,8 +104,10 @@ import packfwd as pf  # noqa: E402
 from packfwd.logits import log_probs  # noqa: E402
 from packfwd.micro import StepGraphs, plan_micro_batches, run_micro_batches  # noqa: E402
 
-VARIANTS = ("packfwd_eager", "verl", "hf_padded", "packfwd", "packfwd_fine")  # the graphs last: their pool is
-#                                                                                  freed after each row
+VARIANTS = ("packfwd_eager", "verl", "hf_padded", "packfwd_buckets", "packfwd_cudnn", "packfwd_cudnn_buckets",
+            "packfwd", "packfwd_fine", "packfwd_cudnn_graphs")  # the graphs last: their pool is freed after each row
+CUDNN = ("packfwd_cudnn", "packfwd_cudnn_buckets", "packfwd_cudnn_graphs")  # the model with cuDNN's attention
+GRAPHED = ("packfwd", "packfwd_fine", "packfwd_cudnn_graphs", "packfwd_buckets", "packfwd_cudnn_buckets")
 PASSES = ("fwd+bwd", "fwd")  # fwd: the forward-only log-probs of compute_log_prob
 MODELS = ("llama1b", "qwen3_moe")
 
@@ -131,10 +140,15 @@ def rl_batch(n: int, s: int, vocab: int, seed: int, device) -> dict:
 # ------------------------------------------------------------------------------------------------ the steps
 
 
-def packfwd_runner(model, cost, cfg, graphs: bool, bucket_steps: int | None = None, max_graphs: int | None = None):
+def packfwd_runner(model, cost, cfg, graphs, bucket_steps: int | None = None, max_graphs: int | None = None):
+    """``graphs``: True, False, or ``"buckets"``: each micro-batch padded to its bucket and run eagerly
+    (``StepGraphs(capture=False)``: the shapes the graphs would replay, so a kernel that plans per shape, cuDNN's
+    attention, sees few of them)."""
     forward = pf.make_forward("thd", logits_processor=next_token_log_probs)
     buckets = {} if bucket_steps is None else {"bucket_steps": bucket_steps}
-    if max_graphs is not None and cfg.device.type == "cuda":
+    if graphs == "buckets":
+        graphs = forward.step_graphs = StepGraphs(capture=False)
+    elif max_graphs is not None and cfg.device.type == "cuda":
         forward.step_graphs = StepGraphs(max_graphs=max_graphs)  # graphs=True takes the forward's own
 
     def run(batch, grad):
@@ -356,6 +370,24 @@ def build_models(cfg, dtype, shapes):
         ("flops", per_layer // (shape.heads * shape.head_dim), 1)
 
 
+def build_cudnn_model(hf, cfg, dtype, args):
+    """A second packfwd model of ``hf``'s weights with cuDNN's ragged attention (``prefer_cudnn``), for the
+    ``packfwd_cudnn*`` rows; Skip where cuDNN's attention would not run (no nvidia-cudnn-frontend, its check failed,
+    not CUDA)."""
+    from packfwd.models import from_hf
+    from packfwd.models.mixers.varlen import PREFER_CUDNN, choose_backend
+    from packfwd.models.mlp.experts import grouped_kernel, set_grouped_experts
+
+    got = choose_backend(cfg.device, dtype, args.kv_channels, backend=PREFER_CUDNN)
+    if got != "cudnn":
+        raise Skip(f"cuDNN's attention does not run here (prefer_cudnn chose {got!r}): install "
+                   "nvidia-cudnn-frontend on a CUDA device")
+    model = from_hf(hf, device=cfg.device, params_dtype=dtype, attention_backend=PREFER_CUDNN)
+    if cfg.model == "qwen3_moe":
+        set_grouped_experts(model, None if grouped_kernel(torch.zeros(1, 8, dtype=dtype, device=cfg.device)) else True)
+    return model
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model and batches on the CPU (CI): seconds")
@@ -407,7 +439,7 @@ def main(argv=None) -> int:
           + (f", {record['active_parameters'] / 1e9:.2f} B active" if "active_parameters" in record else "")
           + f"), {layers} layers, attention {backend}, matmul ceiling {ceiling} TFLOP/s", flush=True)
 
-    runners, skipped = {}, {}
+    runners, skipped, cudnn_model = {}, {}, None
     for name in cfg.variants:
         try:
             if name == "packfwd":
@@ -417,6 +449,13 @@ def main(argv=None) -> int:
             elif name == "packfwd_fine":
                 runners[name] = (packfwd_runner(model, cost, cfg, graphs=True, bucket_steps=64, max_graphs=64),
                                  model)
+            elif name == "packfwd_buckets":
+                runners[name] = (packfwd_runner(model, cost, cfg, graphs="buckets"), model)
+            elif name in CUDNN:
+                if cudnn_model is None:
+                    cudnn_model = build_cudnn_model(hf, cfg, dtype, args)
+                how = {"packfwd_cudnn": False, "packfwd_cudnn_buckets": "buckets", "packfwd_cudnn_graphs": True}[name]
+                runners[name] = (packfwd_runner(cudnn_model, cost, cfg, graphs=how), cudnn_model)
             elif name == "verl":
                 runners[name] = (verl_runner(model, cfg), model)
             else:
@@ -467,7 +506,7 @@ def main(argv=None) -> int:
                     row["TFLOP/s"] = tflop / (row["ms"] / 1e3)
                     row["% ceiling"] = 100 * row["TFLOP/s"] / ceiling if ceiling else None
                 graphs = getattr(getattr(run, "forward", None), "step_graphs", None)
-                if name in ("packfwd", "packfwd_fine") and graphs is not None:  # captured: warm-up and timed steps
+                if name in GRAPHED and graphs is not None:  # captured: warm-up and timed steps
                     row["graphs"] = {"memory_GiB": graphs.memory_bytes / GiB, "captured": graphs.captured,
                                      "captured_in_timed_steps": graphs.captured - row.get("_captured_warm", 0),
                                      "replayed": graphs.replayed, "eager": graphs.eager, "reason": graphs.reason}
