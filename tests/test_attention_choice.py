@@ -89,3 +89,64 @@ def test_prefer_cudnn_on_the_cpu_is_the_automatic_choice():
     assert choose_backend("cpu", torch.bfloat16, 64, backend="prefer_cudnn") == "reference"
     with pytest.raises(ValueError, match="prefer_cudnn"):  # the message lists every name backend= takes
         choose_backend("cpu", torch.bfloat16, 64, backend="fastest")
+
+
+def _tiny_llama():
+    from packfwd.models import ModelArgs, build_model
+
+    torch.manual_seed(0)
+    return build_model(ModelArgs(vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=2,
+                                 num_attention_heads=2))
+
+
+def test_a_bucket_plan_asks_for_cudnn_and_other_plans_do_not(monkeypatch):
+    """A bucket plan's batch (shapes that recur: CUDA graphs, StepGraphs) reaches the automatic attention as
+    ``prefer_cudnn`` (cuDNN where checked); a batch planned for its own shapes, and a named backend, as before; on
+    the CPU both resolve to the reference (the logits agree to float32 rounding: the bucket's padding changes the
+    GEMMs' shapes)."""
+    import packfwd as pf
+    from packfwd.layout.bucket import Bucket
+    from packfwd.models.mixers import attention
+
+    asked = []
+    real = attention.varlen_attention
+
+    def spy(*args, backend=None, **kwargs):
+        asked.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_attention", spy)
+    model = _tiny_llama()
+    forward = pf.make_forward("thd")
+    ids = torch.randint(1, 32, (3, 10))
+    mask = torch.arange(10)[None] < torch.tensor([10, 4, 7])[:, None]
+    with torch.no_grad():
+        plain = forward(model, ids, mask)
+        assert asked == [None, None]
+        asked.clear()
+        plan = forward.plan(ids, mask, bucket=Bucket(tokens=32, max_seqlen=16))
+        assert plan.bucket == Bucket(tokens=32, max_seqlen=16) and plan.packed_seq_params().bucket == plan.bucket
+        bucketed = forward(model, ids, plan=plan)
+        assert asked == ["prefer_cudnn", "prefer_cudnn"]
+    torch.testing.assert_close(bucketed, plain, rtol=1e-5, atol=1e-6)
+    assert forward.plan(ids, mask).bucket is None and forward.plan(ids, mask).packed_seq_params().bucket is None
+    layer = next(m for m in model.modules() if isinstance(m, attention.CoreAttention))
+    layer.backend = "reference"  # named: kept for bucket plans too
+    assert layer.backend_for(plan.packed_seq_params()) == "reference"
+
+
+def test_the_forward_reports_what_bucket_plans_run(monkeypatch):
+    import packfwd as pf
+    from packfwd.models.mixers import attention
+
+    model = _tiny_llama()
+    forward = pf.make_forward("thd")
+    assert forward.attention_backend(model) == "reference"  # the CPU: one answer for both
+
+    def on_cuda(device, dtype, d, d_v, *, backend=None, features=()):  # cuDNN checked on a CUDA device
+        return "cudnn" if backend == "prefer_cudnn" else backend or "torch_varlen"
+
+    monkeypatch.setattr(attention, "choose_backend", on_cuda)
+    assert attention.attention_backends(model) == {"torch_varlen": 2}
+    assert attention.attention_backends(model, bucket_plans=True) == {"cudnn": 2}
+    assert forward.attention_backend(model) == "torch_varlen; cudnn on bucket plans"

@@ -297,7 +297,8 @@ def _attention_backend(model) -> str:
     """What ``model``'s attention layers run (``forward.attention_backend(model)``): ``backend=None`` resolved on
     the model's device and dtype, as :func:`packfwd.models.mixers.attention.attention_backends` says it; one name, or
     each with its layer count (``"cudnn x 12, reference x 12"``: layers with a window or sinks take a backend that
-    honours them).
+    honours them); where a bucket plan's batch (CUDA graphs, ``StepGraphs``) runs another, that too
+    (``"torch_varlen; cudnn on bucket plans"``).
 
     >>> import torch
     >>> from packfwd.models import ModelArgs, build_model
@@ -309,7 +310,11 @@ def _attention_backend(model) -> str:
     from ..models.mixers.attention import attention_backends
     from ..models.runtime.gpt import unwrap
 
-    found = attention_backends(unwrap(model))
-    if len(found) <= 1:
-        return next(iter(found), "none")
-    return ", ".join(f"{name} x {n}" for name, n in found.items())
+    def words(found: dict) -> str:
+        if len(found) <= 1:
+            return next(iter(found), "none")
+        return ", ".join(f"{name} x {n}" for name, n in found.items())
+
+    plain = words(attention_backends(unwrap(model)))
+    bucketed = words(attention_backends(unwrap(model), bucket_plans=True))
+    return plain if bucketed == plain else f"{plain}; {bucketed} on bucket plans"

@@ -109,7 +109,7 @@ def plan_thd_bucket(
         attention_mask, tp_size=tp, cp_size=cp, cp_rank=cp_rank, seq_align=seq_align, max_seqlen=bucket.max_seqlen,
         seqlens=seqlens, x=None, padding=functools.partial(_bucket_padding, bucket=bucket),
     )
-    return _owning(info, attention_mask)
+    return _owning(dataclasses.replace(info, bucket=bucket), attention_mask)
 
 
 def _owning(plan, given: Tensor):

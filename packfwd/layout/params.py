@@ -8,6 +8,9 @@ communicates over, and its core attention reads it.  Params made elsewhere (verl
 the model then takes the place from the group and carries it on.  ``position_ids`` (``[t]``, multimodal ``[3,
 t]``): the caller's positions, added by the model for its core attention's RoPE.  ``layout_pads`` (``[1, t]``
 bool): the plan's ``padding_mask()``, which an MoE model's routers skip when its caller passes no ``padding_mask``.
+``bucket``: the :class:`~packfwd.layout.bucket.Bucket` that fixed every shape of the plan (None: shapes of the
+batch's own): the batch's shapes recur, so the automatic attention takes cuDNN's, which builds a graph per shape,
+where it has passed its check (:mod:`packfwd.models.mixers.varlen`).
 
 The params class subclasses Megatron-Core's (not frozen: Megatron-Core's is not, and verl's MTP path sets an
 attribute on it); Megatron-Core is imported when the first params are built, not at import.
@@ -57,6 +60,7 @@ def thd_params(info):
         max_seqlen_kv=info.max_seqlen,
         cp=CpPlace(info.cp_size, info.cp_rank),
         layout_pads=info.padding_mask(),
+        bucket=getattr(info, "bucket", None),
     )
 
 
@@ -87,13 +91,14 @@ def _as_packfwd(params, **changes):
 
 @functools.lru_cache(maxsize=None)
 def params_class() -> type:
-    """Megatron-Core's ``PackedSeqParams`` with ``cp`` (:class:`CpPlace`), ``position_ids`` and ``layout_pads``."""
+    """Megatron-Core's ``PackedSeqParams`` with ``cp`` (:class:`CpPlace`), ``position_ids``, ``layout_pads`` and
+    ``bucket``."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     return dataclasses.make_dataclass(
         "PackfwdSeqParams",
         [("cp", CpPlace, dataclasses.field(default=None)), ("position_ids", Tensor, dataclasses.field(default=None)),
-         ("layout_pads", Tensor, dataclasses.field(default=None))],
+         ("layout_pads", Tensor, dataclasses.field(default=None)), ("bucket", object, dataclasses.field(default=None))],
         bases=(PackedSeqParams,),
         namespace={"__module__": __name__, "__repr__": _params_repr, "_repr_html_": _params_html},
         repr=False,

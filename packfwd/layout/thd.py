@@ -20,7 +20,7 @@ THD index function built on them.  With ``seq_align=None`` (the default) each se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +59,9 @@ class ThdInfo(PlanOfSource):
     index: Tensor  # [cp_size * local_tokens] canvas row of every rank's token, rank after rank (-1 at padding)
     inverse: Tensor  # [canvas_rows] rank * local_tokens + local row of each canvas row (-1 at padding)
     local_positions: Tensor  # [local_tokens] int64, position of each local token in its padded sequence
+    # the Bucket that fixes every shape of the plan (packfwd.layout.bucket.plan_thd_bucket), or None: its shapes
+    # recur from batch to batch, so the model's attention may take a kernel that plans per shape (cuDNN's)
+    bucket: Any = None
 
     @property
     def gather_index(self) -> Tensor:

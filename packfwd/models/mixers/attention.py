@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .varlen import CHOICES, available_backends, choose_backend, varlen_attention
+from .varlen import CHOICES, PREFER_CUDNN, available_backends, choose_backend, varlen_attention
 
 __all__ = ["CoreAttention", "attention_backends", "thd_cp_place"]
 
@@ -112,7 +112,7 @@ class CoreAttention(torch.nn.Module):
         cp_size, cp_rank, group = self.cp_place(params)
         if self.rope is not None:
             q, k = self.rope(q, k, cu_q, cp_size, cp_rank, positions=getattr(params, "position_ids", None))
-        attn = functools.partial(varlen_attention, backend=self.backend, window=self.window,
+        attn = functools.partial(varlen_attention, backend=self.backend_for(params), window=self.window,
                                  sinks=self.softmax_offset)
         if cp_size > 1:
             if not causal:
@@ -126,6 +126,15 @@ class CoreAttention(torch.nn.Module):
         else:
             out = attn(q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal, self.softmax_scale)
         return out.reshape(out.shape[0], -1)
+
+    def backend_for(self, params) -> str | None:
+        """The backend asked of :func:`varlen_attention` for a THD batch: the named one, or (``backend=None``, the
+        automatic choice) ``"prefer_cudnn"`` for a bucket plan's batch (``params.bucket``: shapes that recur batch
+        after batch, so cuDNN's graph per shape is built once; cuDNN where it has passed its check, else the
+        automatic choice), None for the others (cuDNN would build a graph for nearly every batch)."""
+        if self.backend is None and getattr(params, "bucket", None) is not None:
+            return PREFER_CUDNN
+        return self.backend
 
     def cp_place(self, params) -> tuple[int, int, object]:
         """:func:`thd_cp_place` of a THD batch, with the CP group Megatron passed."""
@@ -163,11 +172,12 @@ def thd_cp_place(params, cp_group) -> tuple[int, int, object]:
     return cp_size, cp_rank, group
 
 
-def attention_backends(model: torch.nn.Module) -> dict[str, int]:
+def attention_backends(model: torch.nn.Module, *, bucket_plans: bool = False) -> dict[str, int]:
     """What the attention layers of ``model`` run on its parameters' device and dtype: ``{backend: layers}``, each
     :class:`CoreAttention`'s named backend, or ``backend=None`` resolved as
     :func:`~packfwd.models.mixers.varlen.choose_backend` resolves it (with ``backend='prefer_cudnn'``: cuDNN on CUDA
-    once checked; a backend that honours a layer's window or sinks).  ``forward.attention_backend(model)`` says it in words.
+    once checked; a backend that honours a layer's window or sinks); ``bucket_plans=True``: for a bucket plan's
+    batch (:meth:`CoreAttention.backend_for`).  ``forward.attention_backend(model)`` says both in words.
 
     >>> import torch
     >>> from packfwd.models import ModelArgs, build_model
@@ -187,7 +197,8 @@ def attention_backends(model: torch.nn.Module) -> dict[str, int]:
         if isinstance(m, CoreAttention):
             features = (("window",) if m.window is not None else ()) + (
                 ("sinks",) if m.softmax_offset is not None else ())
-            name = choose_backend(param.device, param.dtype, d, d_v, backend=m.backend, features=features)
+            backend = PREFER_CUDNN if bucket_plans and m.backend is None else m.backend
+            name = choose_backend(param.device, param.dtype, d, d_v, backend=backend, features=features)
             out[name] = out.get(name, 0) + 1
     return out
 

@@ -39,7 +39,9 @@ is ``flex`` for fp16/bf16 on CUDA (torch >= 2.9), else the reference (on CUDA wi
 ``max_seqlen``); a named backend that cannot honour them raises.
 
 Automatic choice (``backend=None``, :func:`choose_backend`): for fp16/bf16 inputs on CUDA the first flash backend
-present; else the reference (``"prefer_cudnn"``: cuDNN first, where checked).  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
+present; else the reference (``"prefer_cudnn"``: cuDNN first, where checked).  packfwd's models ask ``"prefer_cudnn"``
+for a batch planned into a fixed bucket (``packfwd.layout.bucket``: CUDA graphs, ``StepGraphs``), whose shapes recur
+(:meth:`packfwd.models.mixers.attention.CoreAttention.backend_for`).  float32 and float64 inputs on CUDA have no flash kernel (both take fp16/bf16 only), so they go to the
 reference, which pads every sequence to ``max_seqlen`` (work ``n * max_seqlen**2`` per head, against
 ``sum(len_i**2)`` for a varlen kernel); a warning says so once per dtype (run the model in bfloat16 to get
 ``torch_varlen`` or ``flash_attn``).
@@ -66,9 +68,9 @@ __all__ = ["BACKENDS", "BACKEND_FEATURES", "CHOICES", "PREFER_CUDNN", "available
            "varlen_attention_reference"]
 
 BACKENDS = ("flash_attn", "torch_varlen", "cudnn", "flex", "reference")
-# cuDNN where it passes cudnn_check on the device, else the automatic choice (choose_backend).  Not the automatic
-# choice itself yet: cuDNN builds a graph per new shape, and a whole RL step of varied micro-batches has not been
-# measured with it (benchmarks/bench_rl_step.py); the fixed-shape 1B step was (benchmarks/RESULTS.md).
+# cuDNN where it passes cudnn_check on the device, else the automatic choice (choose_backend).  What packfwd's
+# attention asks for a bucket plan's batch when no backend is named (CoreAttention.backend_for): its shapes recur, so
+# cuDNN's graph per shape is built once; not for other batches, where nearly every one is a new shape.
 PREFER_CUDNN = "prefer_cudnn"
 CHOICES = BACKENDS + (PREFER_CUDNN,)  # what backend= takes besides None
 # What each backend computes beyond plain (causal) attention: a sliding window, per-head sinks (module docstring).
@@ -220,8 +222,9 @@ def choose_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int
     benchmarks/RESULTS.md) and it has passed :func:`cudnn_check` on the device (run once per device and dtype: it
     reads a value back, so a first call under CUDA graph capture or ``torch.compile`` takes the flash kernel
     instead), else the automatic choice; not cuDNN under split-K control (``batch_invariant``: cuDNN plans per batch
-    shape).  It is not the automatic choice until a whole RL step of varied micro-batches has measured it (cuDNN
-    builds a graph per new shape).  A layer with a window or sinks gets a backend that honours them.
+    shape).  Not the automatic choice for a batch of its own shapes (cuDNN builds a graph per new shape); packfwd's
+    attention asks it for a bucket plan's batch, whose shapes recur.  A layer with a window or sinks gets a backend
+    that honours them.
 
     >>> choose_backend("cpu", torch.bfloat16, 128)
     'reference'
