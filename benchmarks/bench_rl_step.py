@@ -41,12 +41,15 @@ the run goes on):
   ``max_tokens / 64`` tokens, where the default 16 padded 16k-token micro-batches by ~6 % in RESULTS history 20) and
   room for 64 graphs (``StepGraphs(max_graphs=64)``).
 * ``packfwd_buckets``: ``packfwd_eager`` with each micro-batch padded to its bucket, as the graphed rows pad it,
-  and run eagerly (``graphs=StepGraphs(capture=False)``): what the padding costs without the graphs.
-* ``packfwd_cudnn``, ``packfwd_cudnn_buckets``, ``packfwd_cudnn_graphs``: a second packfwd model of the same weights
-  with cuDNN's ragged attention (``attention_backend="prefer_cudnn"``; skipped where it would not run), eager,
-  eager padded to the buckets, and graphed (``graphs=True``).  cuDNN builds a graph per new shape: unpadded, nearly
-  every micro-batch is a new one; padded to the buckets, a few shapes recur from the warm-up on (a trainer's steady
-  state).  The other rows do not use cuDNN, so they fill no cache for these.
+  and run eagerly (``graphs=StepGraphs(capture=False)``).  A bucket plan's shapes recur, so where cuDNN's attention
+  has passed its check the automatic attention takes it for these rows and the graphed ones (``packfwd``,
+  ``packfwd_fine``); the plain eager rows keep the flash kernel (``"attention"`` in each row says which ran).
+* ``packfwd_flash_buckets``, ``packfwd_flash_graphs``: ``packfwd_buckets`` and ``packfwd`` on a second packfwd model of
+  the same weights with the flash kernel named (``torch_varlen``, or ``flash_attn`` where installed): what the
+  buckets and the graphs give without cuDNN.
+* ``packfwd_cudnn``: ``packfwd_eager`` on a second model with ``attention_backend="prefer_cudnn"``: cuDNN on the
+  micro-batches' own shapes, nearly each a new one, for which it builds a graph.  The flash rows and this one fill no
+  cache the automatic rows read (the automatic rows' cuDNN graphs are of the bucket shapes only).
 * ``verl``: verl 0.9.1's own code: ``rearrange_micro_batches`` (its dynamic batching: micro-batches of at most
   ``--max-tokens`` real tokens) and per micro-batch ``model_forward_gen()(..., data_format="thd")`` (its THD packing
   ``preprocess_packed_seqs`` / ``postprocess_packed_seqs``) on the same packfwd model, the log-probs by the same
@@ -104,10 +107,11 @@ import packfwd as pf  # noqa: E402
 from packfwd.logits import log_probs  # noqa: E402
 from packfwd.micro import StepGraphs, plan_micro_batches, run_micro_batches  # noqa: E402
 
-VARIANTS = ("packfwd_eager", "verl", "hf_padded", "packfwd_buckets", "packfwd_cudnn", "packfwd_cudnn_buckets",
-            "packfwd", "packfwd_fine", "packfwd_cudnn_graphs")  # the graphs last: their pool is freed after each row
-CUDNN = ("packfwd_cudnn", "packfwd_cudnn_buckets", "packfwd_cudnn_graphs")  # the model with cuDNN's attention
-GRAPHED = ("packfwd", "packfwd_fine", "packfwd_cudnn_graphs", "packfwd_buckets", "packfwd_cudnn_buckets")
+VARIANTS = ("packfwd_eager", "verl", "hf_padded", "packfwd_cudnn", "packfwd_buckets", "packfwd_flash_buckets",
+            "packfwd", "packfwd_fine", "packfwd_flash_graphs")  # the graphs last: their pool is freed after each row
+SECOND = {"packfwd_cudnn": ("prefer_cudnn", False), "packfwd_flash_buckets": ("flash", "buckets"),
+          "packfwd_flash_graphs": ("flash", True)}  # rows on a second model: its attention, the row's graphs
+GRAPHED = ("packfwd", "packfwd_fine", "packfwd_buckets", "packfwd_flash_buckets", "packfwd_flash_graphs")
 PASSES = ("fwd+bwd", "fwd")  # fwd: the forward-only log-probs of compute_log_prob
 MODELS = ("llama1b", "qwen3_moe")
 
@@ -370,19 +374,25 @@ def build_models(cfg, dtype, shapes):
         ("flops", per_layer // (shape.heads * shape.head_dim), 1)
 
 
-def build_cudnn_model(hf, cfg, dtype, args):
-    """A second packfwd model of ``hf``'s weights with cuDNN's ragged attention (``prefer_cudnn``), for the
-    ``packfwd_cudnn*`` rows; Skip where cuDNN's attention would not run (no nvidia-cudnn-frontend, its check failed,
-    not CUDA)."""
+def build_second_model(hf, cfg, dtype, args, attention: str):
+    """A second packfwd model of ``hf``'s weights whose attention is ``attention``: ``"prefer_cudnn"`` (cuDNN's
+    ragged attention on every batch) or ``"flash"`` (the flash kernel named: never cuDNN); Skip where that would not
+    run here."""
     from packfwd.models import from_hf
     from packfwd.models.mixers.varlen import PREFER_CUDNN, choose_backend
     from packfwd.models.mlp.experts import grouped_kernel, set_grouped_experts
 
-    got = choose_backend(cfg.device, dtype, args.kv_channels, backend=PREFER_CUDNN)
-    if got != "cudnn":
-        raise Skip(f"cuDNN's attention does not run here (prefer_cudnn chose {got!r}): install "
-                   "nvidia-cudnn-frontend on a CUDA device")
-    model = from_hf(hf, device=cfg.device, params_dtype=dtype, attention_backend=PREFER_CUDNN)
+    if attention == "flash":
+        backend = choose_backend(cfg.device, dtype, args.kv_channels)  # the automatic choice off bucket plans
+        if backend not in ("flash_attn", "torch_varlen"):
+            raise Skip(f"no flash kernel here (the automatic choice is {backend!r}): a CUDA device in fp16/bf16")
+    else:
+        backend = PREFER_CUDNN
+        got = choose_backend(cfg.device, dtype, args.kv_channels, backend=PREFER_CUDNN)
+        if got != "cudnn":
+            raise Skip(f"cuDNN's attention does not run here (prefer_cudnn chose {got!r}): install "
+                       "nvidia-cudnn-frontend on a CUDA device")
+    model = from_hf(hf, device=cfg.device, params_dtype=dtype, attention_backend=backend)
     if cfg.model == "qwen3_moe":
         set_grouped_experts(model, None if grouped_kernel(torch.zeros(1, 8, dtype=dtype, device=cfg.device)) else True)
     return model
@@ -397,7 +407,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="micro-batch budget (default 16384; smoke 96)")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--attention", default="none",
-                    help="attention_backend of the packfwd model every packfwd and verl row runs (default none: "
+                    help="attention_backend of the packfwd model the packfwd rows (but the second model's) and verl's run (default none: "
                          "the automatic choice, what a user gets; prefer_cudnn: cuDNN where it passes its check, "
                          "whose per-shape graph cache is shared by the rows: a later row reuses the graphs an earlier "
                          "one built for the same micro-batch shapes)")
@@ -439,7 +449,7 @@ def main(argv=None) -> int:
           + (f", {record['active_parameters'] / 1e9:.2f} B active" if "active_parameters" in record else "")
           + f"), {layers} layers, attention {backend}, matmul ceiling {ceiling} TFLOP/s", flush=True)
 
-    runners, skipped, cudnn_model = {}, {}, None
+    runners, skipped, second = {}, {}, {}
     for name in cfg.variants:
         try:
             if name == "packfwd":
@@ -451,11 +461,11 @@ def main(argv=None) -> int:
                                  model)
             elif name == "packfwd_buckets":
                 runners[name] = (packfwd_runner(model, cost, cfg, graphs="buckets"), model)
-            elif name in CUDNN:
-                if cudnn_model is None:
-                    cudnn_model = build_cudnn_model(hf, cfg, dtype, args)
-                how = {"packfwd_cudnn": False, "packfwd_cudnn_buckets": "buckets", "packfwd_cudnn_graphs": True}[name]
-                runners[name] = (packfwd_runner(cudnn_model, cost, cfg, graphs=how), cudnn_model)
+            elif name in SECOND:
+                attention, how = SECOND[name]
+                if attention not in second:
+                    second[attention] = build_second_model(hf, cfg, dtype, args, attention)
+                runners[name] = (packfwd_runner(second[attention], cost, cfg, graphs=how), second[attention])
             elif name == "verl":
                 runners[name] = (verl_runner(model, cfg), model)
             else:
@@ -512,6 +522,11 @@ def main(argv=None) -> int:
                                      "replayed": graphs.replayed, "eager": graphs.eager, "reason": graphs.reason}
                     graphs.clear()  # its memory pool freed: the next row measures its own memory
                     graphs.captured = graphs.replayed = graphs.eager = 0
+                if "ms" in row:  # what the row's attention ran: bucket plans (graphs, buckets) or the batch's own shapes
+                    said = pf.make_forward("thd").attention_backend(module) if name != "hf_padded" else "sdpa"
+                    bucketed = name in GRAPHED and not (graphs is not None and graphs.reason)
+                    row["attention"] = said.split("; ")[-1].removesuffix(" on bucket plans") if bucketed \
+                        else said.split("; ")[0]
                 row.pop("_captured_warm", None)
                 print(f"  {row['batch']} {pass_} {name}: " + (f"{row['ms']:.0f} ms, {row['micro_batches']} "
                       f"micro-batches, peak {row.get('peak_reserved_GiB')} GiB reserved" if "ms" in row
