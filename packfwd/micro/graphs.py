@@ -26,7 +26,8 @@ MTP, the MoE aux loss or routing replay, a forward without a logits processor (i
 held by every bucket), a model with module hooks, a DDP or FSDP wrapper, a forward that is not ``make_forward``'s).
 
 **Checked at every replay** (host ints): each parameter's and buffer's storage is where it was at capture (a
-parameter replaced rather than updated in place is captured again), and the bucket's key: its shapes, the model,
+parameter replaced rather than updated in place is captured again; the model's tensors are listed once per
+``run_micro_batches`` call and again after each warm-up, :class:`ModelTensors`), and the bucket's key: its shapes, the model,
 its train/eval mode, grad and inference mode, autocast and torch's deterministic mode, which parameters take
 gradients, every non-tensor argument's value.
 """
@@ -174,12 +175,32 @@ def _own_codes() -> dict:
 _OWN: dict = {}
 
 
-def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int], canvas: dict, loss_fn, params: list,
-                 counts=None):
+class ModelTensors:
+    """A model's tensors as the bucketed step reads them: ``params`` (those that take gradients, in the model's
+    order) and :meth:`storage`, every parameter's and buffer's data pointer.  Listed by walking the model when made
+    (once per ``run_micro_batches`` call: a parameter replaced between calls is found) and again by :meth:`refresh`
+    after a warm-up (a module may make a buffer on its first call); the walk costs milliseconds on a model of many
+    modules (an MoE's experts), too much for every micro-batch of an RL step."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.tensors = [*self.model.parameters(), *self.model.buffers()]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def storage(self) -> tuple:
+        """Every parameter's and buffer's data pointer: a graph reads them where they were at capture."""
+        return tuple(t.data_ptr() for t in self.tensors)
+
+
+def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int], canvas: dict, loss_fn,
+                 tensors: ModelTensors, counts=None):
     """One micro-batch ``mb`` (:class:`~packfwd.micro.batches.MicroBatchInputs`) through its bucket ``shape``
     ``(rows, tokens)``: returns ``(outputs of its real rows, detached copies; loss or None)`` like the eager
-    step.  ``canvas``: ``{"width": s, "batch": the names of processor arguments cut per row}``; ``params``: the
-    parameters that take gradients;
+    step.  ``canvas``: ``{"width": s, "batch": the names of processor arguments cut per row}``; ``tensors``: the
+    model's (:class:`ModelTensors`, made by the caller once per call);
     ``counts`` (a forward that scores the loss tokens only): each sequence's loss tokens, as the eager step passes
     them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up to a
     quarter of the bucket (a fixed number of head rows per bucket, at most 4 per token size)."""
@@ -194,8 +215,9 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
     canvas = {**canvas, "padded": rules.round_up(canvas["width"], WIDTH_STEP)}
+    params = tensors.params
     key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) + (tuple(map(id, params)),)
-    storage = _storage_of(model)  # per micro-batch: a buffer a module makes on its first call counts from then on
+    storage = tensors.storage()
     entry = graphs._entries.get(key)
     if entry is not None and (entry.model() is not model or entry.storage != storage):
         graphs._entries.pop(key)  # parameters replaced, or another model at the same id: capture again
@@ -222,21 +244,29 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         graphs.replayed += 1
     else:
         graphs.eager += 1
-    if not capture or entry.warm:
+    if not capture:  # the padded step without graphs (StepGraphs(capture=False), the CPU): autograd as usual
+        out, loss = _run(entry, b, params, grad, mb, loss_fn, direct=True)
+    elif entry.warm:
         out, loss = _run(entry, b, params, grad, mb, loss_fn)
     else:  # the warm-up, on the stream the capture will use
         out, loss = _DEVICE.run_on(graphs._stream, lambda: _run(entry, b, params, grad, mb, loss_fn))
-    if not entry.warm:
-        entry.storage = _storage_of(model)  # after the warm-up: what the capture will read
+    if not entry.warm:  # after the warm-up: what the capture will read (a buffer made on the first call included)
+        tensors.refresh()
+        entry.storage = tensors.storage()
     entry.warm = True
     kept = {k: v.clone() for k, v in out.items()} if isinstance(out, Mapping) else out.clone()  # the statics change
     return kept, None if loss is None else loss.clone()
 
 
-def _run(entry, b: int, params: list, grad: bool, mb, loss_fn):
+def _run(entry, b: int, params: list, grad: bool, mb, loss_fn, direct: bool = False):
     """Replay (or run eagerly) the bucket's forward, the loss on the real rows, its backward; the outputs of the
-    real rows (views of the static outputs, detached) and the loss."""
-    if grad:
+    real rows (views of the static outputs, detached) and the loss.  ``direct``: a bucket that is never captured
+    runs its forward as a plain call, its backward by autograd through the model (no node of every parameter, no
+    nested backward: on a model of many parameters, an MoE's experts, that node cost the host more than the step
+    saved)."""
+    if grad and direct:
+        flat = entry.body()
+    elif grad:
         flat = _Replay.apply(entry, *params)
     else:
         with torch.no_grad():
@@ -497,8 +527,4 @@ def _padded_mask(mask: Tensor, rows: int, width: int) -> Tensor:
 def _unflatten(names, flat: list):
     return flat[0] if names is None else dict(zip(names, flat))
 
-
-def _storage_of(model) -> tuple:
-    """Every parameter's and buffer's data pointer: a graph reads them where they were at capture."""
-    return tuple(t.data_ptr() for t in model.parameters()) + tuple(t.data_ptr() for t in model.buffers())
 

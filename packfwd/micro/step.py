@@ -49,7 +49,7 @@ from ..forward.factory import ForwardLayout
 from ..engine.facts import check_every_ep_rank_runs
 from . import pipeline
 from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
-from .graphs import StepGraphs, capturable, graphed_step, why_eager
+from .graphs import ModelTensors, StepGraphs, capturable, graphed_step, why_eager
 from .plan import MicroBatchPlan
 
 __all__ = ["StepResult", "agree_micro_batch_count", "run_micro_batches", "sequence_weights"]
@@ -144,12 +144,12 @@ def run_micro_batches(
         shapes = iter([shape for shape, mb in zip(plan.buckets(dp_rank), plan.micro_batches[dp_rank]) if mb])
         canvas = {"width": input_ids.shape[1], "batch": {k for k, v in processor_args.items() if isinstance(v, Tensor)
                                                          and v.dim() > 0 and v.shape[0] == input_ids.shape[0]}}
-        params = [p for p in model.parameters() if p.requires_grad]
+        tensors = ModelTensors(model)  # walked once per call, not per micro-batch
     total, pieces, done = None, [], []
     for mb in mbs:
         with torch.set_grad_enabled(loss_fn is not None):
             if bucketed is not None:
-                out, loss = graphed_step(bucketed, forward, model, mb, next(shapes), canvas, loss_fn, params,
+                out, loss = graphed_step(bucketed, forward, model, mb, next(shapes), canvas, loss_fn, tensors,
                                          counts if _scores(forward, loss_mask) else None)
             else:
                 out, loss = _eager_step(forward, model, mb, loss_fn, counts if _scores(forward, loss_mask) else None)
