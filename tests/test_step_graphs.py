@@ -2,13 +2,15 @@
 
 Strategy: the bucket shapes are checked as properties over random plans (each micro-batch fits its bucket, padded
 by less than ``max_tokens / bucket_steps`` tokens, at most ``bucket_steps`` sizes, one row count per rank, sizes
-valid for ``plan_thd_bucket``).  The bucketed step is run without graphs (``StepGraphs(capture=False)``: the same
-padded rows, spare sequences and autograd node that the CUDA graphs replay) against the plain eager step in
-float64: outputs, losses under each normalisation and gradients agree to rounding, so padding never changes a
+valid for ``plan_thd_bucket``).  The bucketed step is run without graphs (``StepGraphs(capture=False)``, or
+``buckets=True``: the same padded rows and spare sequences that the CUDA graphs replay) against the plain eager step
+in float64: outputs, losses under each normalisation and gradients agree to rounding, so padding never changes a
 real token's result nor the loss normalisation.  The default on the CPU is today's eager path, bit for bit, and
 every case graphs cannot take is named.  The graphed path's bookkeeping (warm-up, capture, replays that overwrite
 static outputs, the captured backward's gradients, recapture, a failed capture) runs with a CPU stand-in for a CUDA
-graph that recomputes on replay, against the padded eager steps bit for bit.  The CUDA graphs themselves:
+graph that recomputes on replay, against the padded eager steps bit for bit.  ``buckets=None`` (the default) pads
+only where it was measured to pay (``padding_pays``: a CUDA batch, cuDNN's attention on bucket plans alone, no MoE
+layer), each case named.  The CUDA graphs themselves:
 ``tests/gpu/test_step_graphs_cuda.py``.
 """
 
@@ -319,3 +321,56 @@ def test_batches_of_another_width_share_the_buckets(cpu_graphs):
     assert all(torch.equal(got_grads[n], narrow_grads[n]) for n in narrow_grads)
     for k in narrow.outputs:
         assert got.outputs[k].shape[1] == 21 and torch.equal(got.outputs[k][:, :16], narrow.outputs[k]), k
+
+
+def test_buckets_true_pads_every_micro_batch_and_none_on_the_cpu_does_not():
+    model, forward, plan, d = _setup()
+    plain, plain_grads = _step(model, forward, plan, d, False)
+    default, default_grads = _step(model, forward, plan, d, False)  # buckets=None on the CPU: the plain step
+    assert torch.equal(default.loss, plain.loss) and all(torch.equal(default_grads[n], plain_grads[n]) for n in plain_grads)
+    assert forward.padded_steps.eager == 0 and "not a CUDA batch" in forward.padded_steps.reason
+
+    def step(graphs, **kw):
+        model.zero_grad(set_to_none=True)
+        out = run_micro_batches(forward, model, plan, d["ids"], d["mask"], dp_rank=0, graphs=graphs,
+                                labels=d["labels"], loss_fn=lambda o: -o["log_probs"], loss_mask=d["loss_mask"], **kw)
+        return out, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    padded, grads = step(False, buckets=True)
+    assert forward.padded_steps.reason is None and forward.padded_steps.eager == plan.num_micro_batches
+    same, same_grads = step(StepGraphs(capture=False))  # the same padded steps, held elsewhere: the same bits
+    assert torch.equal(padded.loss, same.loss) and all(torch.equal(grads[n], same_grads[n]) for n in grads)
+    assert all(torch.equal(padded.outputs[k], same.outputs[k]) for k in same.outputs)
+    off, off_grads = step(False, buckets=False)
+    torch.testing.assert_close(padded.loss, off.loss, rtol=1e-12, atol=1e-14)  # float64: padding only rounds
+    for n in grads:
+        torch.testing.assert_close(grads[n], off_grads[n], rtol=1e-10, atol=1e-13)
+    with pytest.raises(ValueError, match="buckets=False refuses"):
+        step(True, buckets=False)
+    with pytest.raises(TypeError, match="buckets must be"):
+        step(False, buckets="yes")
+
+
+def test_buckets_none_pads_where_padding_was_measured_to_pay(monkeypatch):
+    from packfwd.micro import step as step_module
+    from packfwd.models.mixers import attention
+
+    model, forward, plan, d = _setup()
+    ids = d["ids"]
+    assert step_module.padding_pays(model, ids) == "not a CUDA batch: no attention kernel here plans per shape"
+    monkeypatch.setattr(step_module, "capturable", lambda x: True)  # a CUDA batch, as far as the rule reads
+    said = step_module.padding_pays(model, ids)
+    assert "as on others" in said and "nvidia-cudnn-frontend" in said  # no cuDNN here: the same kernel on both
+
+    def with_cudnn(m, *, bucket_plans=False):  # cuDNN checked on the device: taken for bucket plans only
+        return {"cudnn" if bucket_plans else "torch_varlen": 2}
+
+    monkeypatch.setattr(attention, "attention_backends", with_cudnn)
+    assert step_module.padding_pays(model, ids) is None
+    monkeypatch.setattr(model.config, "num_moe_experts", 8)
+    assert "MoE layers" in step_module.padding_pays(model, ids)
+    monkeypatch.setattr(model.config, "num_moe_experts", None)
+    model.zero_grad(set_to_none=True)  # and the default then pads (the padded step itself runs on the CPU)
+    run_micro_batches(forward, model, plan, ids, d["mask"], dp_rank=0, labels=d["labels"],
+                      loss_fn=lambda o: -o["log_probs"], loss_mask=d["loss_mask"])
+    assert forward.padded_steps.reason is None and forward.padded_steps.eager == plan.num_micro_batches

@@ -75,6 +75,7 @@ def run_micro_batches(
     normalize: str = "token_mean",
     multi_modal_inputs: Sequence[Mapping[str, Tensor] | None] | None = None,
     graphs: bool | StepGraphs | None = False,
+    buckets: bool | None = None,
     **processor_args,
 ) -> StepResult | None:
     """Run rank ``dp_rank``'s micro-batches of ``plan`` (see the module docstring).
@@ -102,13 +103,23 @@ def run_micro_batches(
     Every rank of ``pp_group`` passes the same batch and plan; the result comes back on the rank that holds the
     last stage, None on the others.
 
-    ``graphs=True`` (CUDA; off by default: not faster on the RL step timed, docs/micro-batches.md): each
-    micro-batch is padded to its bucket (``plan.buckets(dp_rank)``) and its forward and backward replayed from CUDA
-    graphs captured once per bucket and kept in ``forward.step_graphs`` (a :class:`~packfwd.micro.graphs.StepGraphs`;
-    pass your own to hold it elsewhere).  Where graphs cannot work (the CPU; see :mod:`packfwd.micro.graphs`) the
-    eager step runs, unchanged, with one warning naming why.  ``graphs=None``: the same where graphs can work, the
-    eager step quietly where they cannot (``forward.step_graphs.reason`` says why, on CUDA).  ``graphs=False``: the
-    plain eager step.
+    ``buckets`` (micro-batches padded to their buckets, ``plan.buckets(dp_rank)``, and run eagerly: the shapes recur
+    step after step, so the automatic attention takes cuDNN's ragged kernel, which builds a graph per shape, where
+    it has passed its check): ``None`` (default) where that was measured to pay, a CUDA batch whose model's
+    attention runs cuDNN on bucket plans and the flash kernel otherwise, and that has no MoE layer (on one H100 a
+    1B Llama's RL step ran 1.095 x the plain step at 0.8 x its memory, an 8-layer Qwen3-MoE's 0.97 x:
+    benchmarks/RESULTS.md); ``True``: wherever the padded step can run (else the plain one, with one warning naming
+    why); ``False``: never.  What ran is kept on ``forward.padded_steps`` (a ``StepGraphs(capture=False)``: the
+    micro-batches it ran, ``eager``, and ``reason``, why the plain step ran instead).
+
+    ``graphs=True`` (CUDA; off by default: not faster than the padded eager step on the RL steps timed, and a pool of
+    about one micro-batch's activations more; docs/micro-batches.md): each micro-batch is padded to its bucket and its
+    forward and backward replayed from CUDA graphs captured once per bucket and kept in ``forward.step_graphs`` (a
+    :class:`~packfwd.micro.graphs.StepGraphs`; pass your own to hold it elsewhere).  Where graphs cannot work (the
+    CPU; see :mod:`packfwd.micro.graphs`) the step runs as ``buckets`` says, with one warning naming why.
+    ``graphs=None``: the same where graphs can work, quietly where they cannot (``forward.step_graphs.reason`` says
+    why, on CUDA).  ``graphs=False``: no graphs.  Graphs pad to the buckets: ``buckets=False`` with graphs asked is a
+    ValueError.
     """
     if schedule not in ("packfwd", "megatron"):
         raise ValueError(f"schedule={schedule!r}; pass 'packfwd' or 'megatron'")
@@ -139,7 +150,14 @@ def run_micro_batches(
 
         run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
         return run(forward, model, list(mbs), pp_group, loss_fn, batch_masks)
+    if buckets is not None and not isinstance(buckets, bool):
+        raise TypeError(f"buckets must be None, True or False, got {buckets!r}")
+    if buckets is False and graphs is not False:
+        raise ValueError(f"graphs={graphs!r} pads every micro-batch to its bucket, which buckets=False refuses; pass "
+                         "graphs=False with buckets=False (or leave buckets=None)")
     bucketed = _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processor_args)
+    if bucketed is None:
+        bucketed = _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, processor_args)
     if bucketed is not None:
         shapes = iter([shape for shape, mb in zip(plan.buckets(dp_rank), plan.micro_batches[dp_rank]) if mb])
         canvas = {"width": input_ids.shape[1], "batch": {k for k, v in processor_args.items() if isinstance(v, Tensor)
@@ -203,6 +221,51 @@ def _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processo
                              "(graphs=None graphs only where they can work, quietly; graphs=False never)")
         return None
     return graphs
+
+
+def _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, processor_args) -> StepGraphs | None:
+    """The padded eager steps (``forward.padded_steps``, a ``StepGraphs(capture=False)``), or None for the plain
+    step: ``buckets=False``; the padded step cannot run here; or ``buckets=None`` and padding was not measured to
+    pay (:func:`padding_pays`).  The reason is kept on ``forward.padded_steps.reason`` (said once for ``True``)."""
+    if buckets is False or getattr(forward, "engine", None) is None:
+        return None  # a callable not make_forward's holds nothing: the plain step, as why_eager would say
+    held = getattr(forward, "padded_steps", None)
+    if held is None:
+        held = forward.padded_steps = StepGraphs(capture=False)
+    reason = padding_pays(model, input_ids) if buckets is None else None
+    if reason is None:
+        reason = why_eager(forward, model, input_ids, multi_modal_inputs=multi_modal_inputs,
+                           processor_args=processor_args, cuda=False)
+    held.reason = reason
+    if reason is not None:
+        if buckets is True:
+            held.warn_once(f"packfwd: run_micro_batches(buckets=True) runs the plain step: {reason}")
+        return None
+    return held
+
+
+def padding_pays(model, input_ids: Tensor) -> str | None:
+    """Why ``buckets=None`` runs the plain step for ``model`` on ``input_ids``' device (None: it pads to the
+    buckets).  Measured on one H100 (benchmarks/RESULTS.md, history 21): padded to the buckets, a 1B Llama's RL step
+    took cuDNN's attention and ran 1.095 x the plain step (torch's flash kernel) at 27 against 34 GiB; with the
+    flash kernel in both the padding gained nothing; an 8-layer Qwen3-MoE ran 0.97 x.
+
+    >>> padding_pays(torch.nn.Linear(2, 2), torch.zeros(1, 2, dtype=torch.long))
+    'not a CUDA batch: no attention kernel here plans per shape'
+    """
+    from ..engine.facts import is_moe
+    from ..models.mixers.attention import attention_backends
+    from ..models.runtime.gpt import unwrap
+
+    if not capturable(input_ids):
+        return "not a CUDA batch: no attention kernel here plans per shape"
+    if is_moe(model):
+        return "the model has MoE layers: padded to the buckets its step measured 0.97 x the plain one"
+    plain, bucketed = attention_backends(unwrap(model)), attention_backends(unwrap(model), bucket_plans=True)
+    if "cudnn" not in bucketed or plain == bucketed:
+        return (f"the attention runs {', '.join(bucketed) or 'nothing'} on bucket plans as on others (cuDNN's, which "
+                "pays for the padding, needs nvidia-cudnn-frontend and its check on the device)")
+    return None
 
 
 def sequence_weights(loss_counts: Sequence[int], normalize: str = "token_mean") -> list[float]:
