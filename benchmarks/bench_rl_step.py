@@ -32,11 +32,14 @@ the shapes a new batch brings.
 Variants (``--variants``; one that cannot run is recorded as skipped with its reason, out of memory included, and
 the run goes on):
 
+* ``packfwd_default``: ``run_micro_batches`` with its defaults, what a user gets (``graphs=False``,
+  ``buckets=None``: padded to the buckets where that pays, ``forward.padded_steps``; the row's ``padded`` says how
+  many micro-batches were).
 * ``packfwd``: ``plan_micro_batches(lengths, max_tokens=--max-tokens, cost=("flops", a, 1))`` (``a = 12 h`` for the
   Llama; for the MoE its per-layer active weights over the query width, about ``11.5 h``; ``plan_cost`` in the
   JSON) then ``run_micro_batches(make_forward("thd", logits_processor=<log-probs>), ..., graphs=True)``: CUDA graphs
   of each bucket (``forward.step_graphs``), ``--attention`` (default: the automatic choice), scored tokens only.
-* ``packfwd_eager``: the same with ``graphs=False``.
+* ``packfwd_eager``: the plain step, ``graphs=False, buckets=False``.
 * ``packfwd_fine``: ``packfwd`` with buckets 4 x finer (``bucket_steps=64``: a micro-batch padded by under
   ``max_tokens / 64`` tokens, where the default 16 padded 16k-token micro-batches by ~6 % in RESULTS history 20) and
   room for 64 graphs (``StepGraphs(max_graphs=64)``).
@@ -107,11 +110,11 @@ import packfwd as pf  # noqa: E402
 from packfwd.logits import log_probs  # noqa: E402
 from packfwd.micro import StepGraphs, plan_micro_batches, run_micro_batches  # noqa: E402
 
-VARIANTS = ("packfwd_eager", "verl", "hf_padded", "packfwd_cudnn", "packfwd_buckets", "packfwd_flash_buckets",
+VARIANTS = ("packfwd_default", "packfwd_eager", "verl", "hf_padded", "packfwd_cudnn", "packfwd_buckets", "packfwd_flash_buckets",
             "packfwd", "packfwd_fine", "packfwd_flash_graphs")  # the graphs last: their pool is freed after each row
 SECOND = {"packfwd_cudnn": ("prefer_cudnn", False), "packfwd_flash_buckets": ("flash", "buckets"),
           "packfwd_flash_graphs": ("flash", True)}  # rows on a second model: its attention, the row's graphs
-GRAPHED = ("packfwd", "packfwd_fine", "packfwd_buckets", "packfwd_flash_buckets", "packfwd_flash_graphs")
+GRAPHED = ("packfwd_default", "packfwd", "packfwd_fine", "packfwd_buckets", "packfwd_flash_buckets", "packfwd_flash_graphs")
 PASSES = ("fwd+bwd", "fwd")  # fwd: the forward-only log-probs of compute_log_prob
 MODELS = ("llama1b", "qwen3_moe")
 
@@ -145,9 +148,9 @@ def rl_batch(n: int, s: int, vocab: int, seed: int, device) -> dict:
 
 
 def packfwd_runner(model, cost, cfg, graphs, bucket_steps: int | None = None, max_graphs: int | None = None):
-    """``graphs``: True, False, or ``"buckets"``: each micro-batch padded to its bucket and run eagerly
-    (``StepGraphs(capture=False)``: the shapes the graphs would replay, so a kernel that plans per shape, cuDNN's
-    attention, sees few of them)."""
+    """``graphs``: True, False (the plain step: ``buckets=False``), ``"buckets"``: each micro-batch padded to its
+    bucket and run eagerly (``StepGraphs(capture=False)``: the shapes the graphs would replay, so a kernel that plans
+    per shape, cuDNN's attention, sees few of them), or ``"default"``: ``run_micro_batches``' own defaults."""
     forward = pf.make_forward("thd", logits_processor=next_token_log_probs)
     buckets = {} if bucket_steps is None else {"bucket_steps": bucket_steps}
     if graphs == "buckets":
@@ -160,7 +163,8 @@ def packfwd_runner(model, cost, cfg, graphs, bucket_steps: int | None = None, ma
                                   **forward.layout.plan_args)
         kw = dict(loss_fn=lambda o: -o["log_probs"], loss_mask=batch["loss_mask"], loss_tokens=batch["counts"]) \
             if grad else {}
-        extra = {"graphs": graphs}  # named both ways: the rows stay what they say whatever the default is
+        # named both ways: the rows stay what they say whatever the default is ("default": what a user gets)
+        extra = {} if graphs == "default" else {"graphs": graphs, **({"buckets": False} if graphs is False else {})}
         with torch.set_grad_enabled(grad):
             res = run_micro_batches(forward, model, plan, batch["ids"], batch["mask"], dp_rank=0,
                                     labels=batch["labels"], **kw, **extra)
@@ -454,6 +458,8 @@ def main(argv=None) -> int:
         try:
             if name == "packfwd":
                 runners[name] = (packfwd_runner(model, cost, cfg, graphs=True), model)
+            elif name == "packfwd_default":
+                runners[name] = (packfwd_runner(model, cost, cfg, graphs="default"), model)
             elif name == "packfwd_eager":
                 runners[name] = (packfwd_runner(model, cost, cfg, graphs=False), model)
             elif name == "packfwd_fine":
@@ -515,7 +521,8 @@ def main(argv=None) -> int:
                     row["tokens/s"] = real / row["ms"] * 1e3
                     row["TFLOP/s"] = tflop / (row["ms"] / 1e3)
                     row["% ceiling"] = 100 * row["TFLOP/s"] / ceiling if ceiling else None
-                graphs = getattr(getattr(run, "forward", None), "step_graphs", None)
+                held = getattr(run, "forward", None)  # graphs= rows: step_graphs; the default row: padded_steps
+                graphs = getattr(held, "step_graphs", None) or getattr(held, "padded_steps", None)
                 if name in GRAPHED and graphs is not None:  # captured: warm-up and timed steps
                     row["graphs"] = {"memory_GiB": graphs.memory_bytes / GiB, "captured": graphs.captured,
                                      "captured_in_timed_steps": graphs.captured - row.get("_captured_warm", 0),
