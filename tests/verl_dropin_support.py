@@ -221,7 +221,7 @@ def same_call(ref: dict, ours: dict, ignore=()):
         r, o = ref[k], ours[k]
         if k == "packed_seq_params":  # verl's fields, equal; packfwd's params add their CP place (layout/params.py)
             r, o = dataclasses.asdict(r), dataclasses.asdict(o)
-            assert r.keys() <= o.keys() <= r.keys() | {"cp", "position_ids", "layout_pads"} and all(
+            assert r.keys() <= o.keys() <= r.keys() | {"cp", "position_ids", "layout_pads", "bucket"} and all(
                 torch.equal(r[f], o[f]) if isinstance(r[f], torch.Tensor) else r[f] == o[f] for f in r), k
         elif k == "attention_mask" and o is None and isinstance(r, torch.Tensor) and not r.is_nested:
             # BSHD without CP: packfwd passes no mask where every row's real tokens come first, so causal attention
