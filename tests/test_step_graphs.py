@@ -360,13 +360,16 @@ def test_buckets_none_pads_where_padding_was_measured_to_pay(monkeypatch):
     assert step_module.padding_pays(model, ids) == "not a CUDA batch: no attention kernel here plans per shape"
     monkeypatch.setattr(step_module, "capturable", lambda x: True)  # a CUDA batch, as far as the rule reads
     said = step_module.padding_pays(model, ids)
-    assert "as on others" in said and "nvidia-cudnn-frontend" in said  # no cuDNN here: the same kernel on both
+    assert "not cuDNN" in said and "nvidia-cudnn-frontend" in said  # no cuDNN here
 
     def with_cudnn(m, *, bucket_plans=False):  # cuDNN checked on the device: taken for bucket plans only
         return {"cudnn" if bucket_plans else "torch_varlen": 2}
 
     monkeypatch.setattr(attention, "attention_backends", with_cudnn)
     assert step_module.padding_pays(model, ids) is None
+    monkeypatch.setattr(attention, "attention_backends", lambda m, *, bucket_plans=False: {"cudnn": 2})
+    assert step_module.padding_pays(model, ids) is None  # built with cuDNN: its shapes should recur too
+    monkeypatch.setattr(attention, "attention_backends", with_cudnn)
     monkeypatch.setattr(model.config, "num_moe_experts", 8)
     assert "MoE layers" in step_module.padding_pays(model, ids)
     monkeypatch.setattr(model.config, "num_moe_experts", None)
@@ -374,3 +377,37 @@ def test_buckets_none_pads_where_padding_was_measured_to_pay(monkeypatch):
     run_micro_batches(forward, model, plan, ids, d["mask"], dp_rank=0, labels=d["labels"],
                       loss_fn=lambda o: -o["log_probs"], loss_mask=d["loss_mask"])
     assert forward.padded_steps.reason is None and forward.padded_steps.eager == plan.num_micro_batches
+
+
+def test_padded_steps_refuse_processor_inputs_that_take_gradients_and_forget_old_buckets_quietly(monkeypatch):
+    """A processor tensor with requires_grad would lose its gradient in the padded step's static copy: the plain
+    step runs (it gets its gradient), the reason named; past max_graphs the padded steps drop their oldest bucket
+    without the graphs' warning."""
+    import warnings
+
+    from packfwd.logits import log_probs
+
+    model, forward, plan, d = _setup()
+    temperature = (1 + torch.rand(10, 16, dtype=torch.float64)).requires_grad_()  # per token, learned
+
+    def tempered(logits, labels, temperature):
+        return {"log_probs": log_probs(logits / temperature[:, None], labels)}
+
+    tempered_forward = pf.make_forward("thd", logits_processor=tempered)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="take gradients"):
+        run_micro_batches(tempered_forward, model, plan, d["ids"], d["mask"], dp_rank=0, labels=d["labels"],
+                          loss_fn=lambda o: -o["log_probs"], loss_mask=d["loss_mask"], buckets=True,
+                          temperature=temperature)
+    assert "take gradients" in tempered_forward.padded_steps.reason and tempered_forward.padded_steps.eager == 0
+    assert temperature.grad is not None and temperature.grad.abs().sum() > 0  # the plain step: its gradient
+    held = StepGraphs(capture=False, max_graphs=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for width in (16, 300):  # two canvases: two buckets for a cache of one
+            ids = torch.nn.functional.pad(d["ids"], (0, width - 16))
+            mask = torch.nn.functional.pad(d["mask"], (0, width - 16))
+            labels = torch.nn.functional.pad(d["labels"], (0, width - 16), value=-100)
+            run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, graphs=held)
+    assert len(held._entries) == 1 and held.eager == 2 * plan.num_micro_batches
+    assert not [w for w in said if "max_graphs" in str(w.message)]  # no "captured again" for steps capturing nothing

@@ -297,7 +297,8 @@ def _attention_backend(model) -> str:
     """What ``model``'s attention layers run (``forward.attention_backend(model)``): ``backend=None`` resolved on
     the model's device and dtype, as :func:`packfwd.models.mixers.attention.attention_backends` says it; one name, or
     each with its layer count (``"cudnn x 12, reference x 12"``: layers with a window or sinks take a backend that
-    honours them); where a bucket plan's batch (CUDA graphs, ``StepGraphs``) runs another, that too
+    honours them); where a bucket plan's batch (CUDA graphs, ``run_micro_batches``' padded micro-batches) runs another,
+    that too
     (``"torch_varlen; cudnn on bucket plans"``).
 
     >>> import torch

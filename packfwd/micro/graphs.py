@@ -20,8 +20,8 @@ token's result changes only by the rounding of a GEMM of another row count.
 **The first micro-batch of a bucket** runs the same padded step eagerly (the warm-up: kernels compiled, cuDNN plans
 built), the second captures the graphs and replays them, the rest replay.  A capture that fails (an operation that
 synchronises with the host, a model that calls Python per step) is abandoned with one warning and that bucket stays
-eager; nothing captured half-way is ever replayed.  Where graphs cannot work at all the step runs today's eager path
-unchanged (:func:`why_eager`: the CPU, pipelines, vision inputs, tensor/context/expert parallelism, a forward with
+eager; nothing captured half-way is ever replayed.  Where graphs cannot work at all the step runs as
+``run_micro_batches(buckets=)`` says (by default the plain step, or the padded one where that pays) (:func:`why_eager`: the CPU, pipelines, vision inputs, tensor/context/expert parallelism, a forward with
 MTP, the MoE aux loss or routing replay, a forward without a logits processor (its ``[b, s, v]`` logits would be
 held by every bucket), a model with module hooks, a DDP or FSDP wrapper, a forward that is not ``make_forward``'s).
 
@@ -55,9 +55,10 @@ class StepGraphs:
 
     ``run_micro_batches(..., graphs=True)`` keeps one on the forward (``forward.step_graphs``); pass your own to
     hold it elsewhere; ``graphs=None`` graphs where they can work, quietly eager elsewhere; ``graphs=False`` (the
-    default) is the plain eager path.  ``capture=False``: the padded bucket
-    step runs eagerly (what the graphs replay, for comparing and debugging).  ``max_graphs``: buckets kept; past it
-    every graph is dropped and captured again as needed.  All graphs share one memory pool.
+    default): no graphs.  ``capture=False``: the padded bucket step runs eagerly (what the graphs replay; what
+    ``run_micro_batches(buckets=...)`` runs, held on ``forward.padded_steps``).  ``max_graphs``: buckets kept; past it
+    every graph is dropped and captured again as needed (without graphs: the least recently used bucket's inputs are
+    dropped, quietly).  All graphs share one memory pool.
 
     After a step: ``memory_bytes`` (what the captures reserved: the graphs' activations and outputs, and one set of
     parameter gradients all buckets write, held while the object lives), ``captured`` / ``replayed`` / ``eager`` (micro-batch counts since made), ``reason`` (why the
@@ -129,6 +130,10 @@ def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, mul
     if any(isinstance(e, Mtp) or (isinstance(e, RoutingReplay) and e.record) or type(e).__name__ == "MoeAuxLoss"
            for e in engine.extensions) or {"routed_experts", "replay_mask"} & set(processor_args or {}):
         return "the forward records or replays routing, or has MTP or the MoE aux loss"
+    grads = sorted(k for k, v in (processor_args or {}).items() if isinstance(v, Tensor) and v.requires_grad)
+    if grads:
+        return (f"processor argument(s) {grads} take gradients: the padded step copies them into its own inputs, "
+                "through which no gradient flows back")
     if not isinstance(model, torch.nn.Module):
         return "the model is not one torch.nn.Module"
     from ..engine.facts import is_value_model
@@ -217,13 +222,15 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     canvas = {**canvas, "padded": rules.round_up(canvas["width"], WIDTH_STEP)}
     params = tensors.params
     key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) + (tuple(map(id, params)),)
-    storage = tensors.storage()
+    storage = tensors.storage() if graphs.capture else ()  # no graph reads a pointer of a padded eager step
     entry = graphs._entries.get(key)
     if entry is not None and (entry.model() is not model or entry.storage != storage):
         graphs._entries.pop(key)  # parameters replaced, or another model at the same id: capture again
         entry = None
     if entry is None:
-        if len(graphs._entries) >= graphs.max_graphs:
+        if len(graphs._entries) >= graphs.max_graphs and not graphs.capture:
+            graphs._entries.popitem(last=False)  # padded eager steps: only small static inputs, the oldest dropped
+        elif len(graphs._entries) >= graphs.max_graphs:
             graphs.warn_once(f"packfwd: more than max_graphs={graphs.max_graphs} buckets; the CUDA graphs are "
                              "dropped and captured again (StepGraphs(max_graphs=...) keeps more)")
             graphs.clear()
@@ -250,7 +257,7 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         out, loss = _run(entry, b, params, grad, mb, loss_fn)
     else:  # the warm-up, on the stream the capture will use
         out, loss = _DEVICE.run_on(graphs._stream, lambda: _run(entry, b, params, grad, mb, loss_fn))
-    if not entry.warm:  # after the warm-up: what the capture will read (a buffer made on the first call included)
+    if not entry.warm and graphs.capture:  # after the warm-up: what the capture will read (a new buffer included)
         tensors.refresh()
         entry.storage = tensors.storage()
     entry.warm = True
@@ -414,7 +421,7 @@ def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> Non
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         graphs.reason = entry.failed = f"capture failed: {type(e).__name__}: {first}"
         graphs.warn_once(f"packfwd: run_micro_batches could not capture the step as a CUDA graph ({graphs.reason}); "
-                         "this bucket runs eagerly (padded); pass graphs=False to run the plain eager step")
+                         "this bucket runs eagerly (padded); pass graphs=False, buckets=False to run the plain eager step")
         _DEVICE.reserved(settle=True)
         return
     entry.graphs = (fwd, bwd, outs, grads_out if grad else [], statics)
@@ -514,8 +521,9 @@ def _static_shape(v: Tensor, rows: int, canvas: dict, row_dim: int | None) -> tu
 
 def _fill(static: Tensor, value: Tensor) -> None:
     """``value`` into the leading block of ``static`` (its rows and columns), zeros elsewhere."""
-    static.zero_()
-    static[tuple(slice(0, n) for n in value.shape)].copy_(value)
+    with torch.no_grad():  # the static input keeps no autograd history (why_eager refuses inputs that take grads)
+        static.zero_()
+        static[tuple(slice(0, n) for n in value.shape)].copy_(value)
 
 
 def _padded_mask(mask: Tensor, rows: int, width: int) -> Tensor:

@@ -40,6 +40,7 @@ caller vouches that it packs the way the plan assumed.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -52,7 +53,7 @@ from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
 from .graphs import ModelTensors, StepGraphs, capturable, graphed_step, why_eager
 from .plan import MicroBatchPlan
 
-__all__ = ["StepResult", "agree_micro_batch_count", "run_micro_batches", "sequence_weights"]
+__all__ = ["StepResult", "agree_micro_batch_count", "padding_pays", "run_micro_batches", "sequence_weights"]
 
 NORMALIZE = ("token_mean", "sequence_mean", "sum")
 
@@ -106,7 +107,7 @@ def run_micro_batches(
     ``buckets`` (micro-batches padded to their buckets, ``plan.buckets(dp_rank)``, and run eagerly: the shapes recur
     step after step, so the automatic attention takes cuDNN's ragged kernel, which builds a graph per shape, where
     it has passed its check): ``None`` (default) where that was measured to pay, a CUDA batch whose model's
-    attention runs cuDNN on bucket plans and the flash kernel otherwise, and that has no MoE layer (on one H100 a
+    attention runs cuDNN on bucket plans, and that has no MoE layer (:func:`padding_pays`) (on one H100 a
     1B Llama's RL step ran 1.095 x the plain step at 0.8 x its memory, an 8-layer Qwen3-MoE's 0.97 x:
     benchmarks/RESULTS.md); ``True``: wherever the padded step can run (else the plain one, with one warning naming
     why); ``False``: never.  What ran is kept on ``forward.padded_steps`` (a ``StepGraphs(capture=False)``: the
@@ -116,7 +117,7 @@ def run_micro_batches(
     about one micro-batch's activations more; docs/micro-batches.md): each micro-batch is padded to its bucket and its
     forward and backward replayed from CUDA graphs captured once per bucket and kept in ``forward.step_graphs`` (a
     :class:`~packfwd.micro.graphs.StepGraphs`; pass your own to hold it elsewhere).  Where graphs cannot work (the
-    CPU; see :mod:`packfwd.micro.graphs`) the step runs as ``buckets`` says, with one warning naming why.
+    CPU; see :mod:`packfwd.micro.graphs`) the step runs as ``buckets`` says, with one warning naming why (on CUDA).
     ``graphs=None``: the same where graphs can work, quietly where they cannot (``forward.step_graphs.reason`` says
     why, on CUDA).  ``graphs=False``: no graphs.  Graphs pad to the buckets: ``buckets=False`` with graphs asked is a
     ValueError.
@@ -126,6 +127,14 @@ def run_micro_batches(
     if schedule == "megatron" and pp_group is None:
         raise ValueError("schedule='megatron' runs a pipeline: pass pp_group (Megatron's pipeline group)")
     _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask)
+    if buckets is not None and not isinstance(buckets, bool):
+        raise TypeError(f"buckets must be None, True or False, got {buckets!r}")
+    if buckets is False and graphs is not False:
+        raise ValueError(f"graphs={graphs!r} pads every micro-batch to its bucket, which buckets=False refuses; pass "
+                         "graphs=False with buckets=False (or leave buckets=None)")
+    if buckets is True and pp_group is not None:
+        warnings.warn("packfwd: run_micro_batches(buckets=True) runs the plain step: pipeline parallelism "
+                      "(pp_group=)", stacklevel=2)
     check_layout(forward, plan)
     check_every_ep_rank_runs(model, any(not mb for rank in plan.micro_batches for mb in rank))
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
@@ -150,11 +159,6 @@ def run_micro_batches(
 
         run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
         return run(forward, model, list(mbs), pp_group, loss_fn, batch_masks)
-    if buckets is not None and not isinstance(buckets, bool):
-        raise TypeError(f"buckets must be None, True or False, got {buckets!r}")
-    if buckets is False and graphs is not False:
-        raise ValueError(f"graphs={graphs!r} pads every micro-batch to its bucket, which buckets=False refuses; pass "
-                         "graphs=False with buckets=False (or leave buckets=None)")
     bucketed = _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processor_args)
     if bucketed is None:
         bucketed = _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, processor_args)
@@ -232,10 +236,13 @@ def _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, proces
     held = getattr(forward, "padded_steps", None)
     if held is None:
         held = forward.padded_steps = StepGraphs(capture=False)
-    reason = padding_pays(model, input_ids) if buckets is None else None
-    if reason is None:
-        reason = why_eager(forward, model, input_ids, multi_modal_inputs=multi_modal_inputs,
-                           processor_args=processor_args, cuda=False)
+    reason = why_eager(forward, model, input_ids, multi_modal_inputs=multi_modal_inputs,
+                       processor_args=processor_args, cuda=False)
+    if reason is None and buckets is None:
+        try:
+            reason = padding_pays(model, input_ids)
+        except Exception as e:  # noqa: BLE001 - an odd model: the plain step is always right
+            reason = f"could not tell whether padding pays for this model ({type(e).__name__}: {e})"
     held.reason = reason
     if reason is not None:
         if buckets is True:
@@ -246,7 +253,8 @@ def _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, proces
 
 def padding_pays(model, input_ids: Tensor) -> str | None:
     """Why ``buckets=None`` runs the plain step for ``model`` on ``input_ids``' device (None: it pads to the
-    buckets).  Measured on one H100 (benchmarks/RESULTS.md, history 21): padded to the buckets, a 1B Llama's RL step
+    buckets: a CUDA batch, no MoE layer, and cuDNN's attention on bucket plans, which the automatic choice takes there
+    and a model built with ``attention_backend="prefer_cudnn"`` or ``"cudnn"`` takes everywhere).  Measured on one H100 (benchmarks/RESULTS.md, history 21): padded to the buckets, a 1B Llama's RL step
     took cuDNN's attention and ran 1.095 x the plain step (torch's flash kernel) at 27 against 34 GiB; with the
     flash kernel in both the padding gained nothing; an 8-layer Qwen3-MoE ran 0.97 x.
 
@@ -261,10 +269,11 @@ def padding_pays(model, input_ids: Tensor) -> str | None:
         return "not a CUDA batch: no attention kernel here plans per shape"
     if is_moe(model):
         return "the model has MoE layers: padded to the buckets its step measured 0.97 x the plain one"
-    plain, bucketed = attention_backends(unwrap(model)), attention_backends(unwrap(model), bucket_plans=True)
-    if "cudnn" not in bucketed or plain == bucketed:
-        return (f"the attention runs {', '.join(bucketed) or 'nothing'} on bucket plans as on others (cuDNN's, which "
-                "pays for the padding, needs nvidia-cudnn-frontend and its check on the device)")
+    bucketed = attention_backends(unwrap(model), bucket_plans=True)
+    if "cudnn" not in bucketed:
+        return (f"the attention runs {', '.join(bucketed) or 'nothing'} on bucket plans, not cuDNN's, which pays for "
+                "the padding (it needs nvidia-cudnn-frontend and its check on the device; not a named other backend, "
+                "not under batch_invariant)")
     return None
 
 
