@@ -411,3 +411,12 @@ def test_padded_steps_refuse_processor_inputs_that_take_gradients_and_forget_old
             run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, graphs=held)
     assert len(held._entries) == 1 and held.eager == 2 * plan.num_micro_batches
     assert not [w for w in said if "max_graphs" in str(w.message)]  # no "captured again" for steps capturing nothing
+
+
+def test_activation_recompute_is_named_for_graphs_and_padded_steps_still_run(monkeypatch):
+    """Megatron-Core's checkpointing refuses ``torch.autograd.grad``, which the graphs' backward is: graphs name it;
+    the padded eager steps run plain autograd, so they take such a model."""
+    model, forward, plan, d = _setup()
+    monkeypatch.setattr(model.config, "recompute_granularity", "full")
+    assert "activation recompute" in why_eager(forward, model, d["ids"], cuda=True)
+    assert why_eager(forward, model, d["ids"], cuda=False) is None

@@ -146,6 +146,9 @@ def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, mul
                  "pipeline_model_parallel_size"):
         if (getattr(config, name, 1) or 1) > 1:
             return f"the model's {name}={getattr(config, name)}"
+    if cuda and getattr(config, "recompute_granularity", None):  # the graphs' backward is torch.autograd.grad
+        return (f"activation recompute (recompute_granularity={config.recompute_granularity!r}): Megatron-Core's "
+                "checkpointing refuses the graphs' torch.autograd.grad backward")
     if "DistributedDataParallel" in type(model).__name__ or "FSDP" in type(model).__name__:
         return f"the model is wrapped ({type(model).__name__}): its per-step Python would be frozen into a graph"
     for name, m in model.named_modules():
