@@ -298,8 +298,7 @@ def _attention_backend(model) -> str:
     the model's device and dtype, as :func:`packfwd.models.mixers.attention.attention_backends` says it; one name, or
     each with its layer count (``"cudnn x 12, reference x 12"``: layers with a window or sinks take a backend that
     honours them); where a bucket plan's batch (CUDA graphs, ``run_micro_batches``' padded micro-batches) runs another,
-    that too
-    (``"torch_varlen; cudnn on bucket plans"``).
+    that too (``"torch_varlen; cudnn on bucket plans"``).
 
     >>> import torch
     >>> from packfwd.models import ModelArgs, build_model

@@ -60,7 +60,7 @@ def thd_params(info):
         max_seqlen_kv=info.max_seqlen,
         cp=CpPlace(info.cp_size, info.cp_rank),
         layout_pads=info.padding_mask(),
-        bucket=getattr(info, "bucket", None),
+        bucket=info.bucket,
     )
 
 

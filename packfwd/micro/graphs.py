@@ -21,14 +21,16 @@ token's result changes only by the rounding of a GEMM of another row count.
 built), the second captures the graphs and replays them, the rest replay.  A capture that fails (an operation that
 synchronises with the host, a model that calls Python per step) is abandoned with one warning and that bucket stays
 eager; nothing captured half-way is ever replayed.  Where graphs cannot work at all the step runs as
-``run_micro_batches(buckets=)`` says (by default the plain step, or the padded one where that pays) (:func:`why_eager`: the CPU, pipelines, vision inputs, tensor/context/expert parallelism, a forward with
-MTP, the MoE aux loss or routing replay, a forward without a logits processor (its ``[b, s, v]`` logits would be
-held by every bucket), a model with module hooks, a DDP or FSDP wrapper, a forward that is not ``make_forward``'s).
+``run_micro_batches(buckets=)`` says: by default the plain step, or the padded one where that pays (:func:`why_eager`
+names why: the CPU, pipelines, vision inputs, tensor/context/expert parallelism, a forward with MTP, the MoE aux loss
+or routing replay, a forward without a logits processor (its ``[b, s, v]`` logits would be held by every bucket), a
+processor argument that takes gradients, activation recompute, a model with module hooks, a DDP or FSDP wrapper, a
+forward that is not ``make_forward``'s).
 
 **Checked at every replay** (host ints): each parameter's and buffer's storage is where it was at capture (a
 parameter replaced rather than updated in place is captured again; the model's tensors are listed once per
-``run_micro_batches`` call and again after each warm-up, :class:`ModelTensors`), and the bucket's key: its shapes, the model,
-its train/eval mode, grad and inference mode, autocast and torch's deterministic mode, which parameters take
+``run_micro_batches`` call and again after each warm-up, :class:`ModelTensors`), and the bucket's key: its shapes,
+the model, its train/eval mode, grad and inference mode, autocast and torch's deterministic mode, which parameters take
 gradients, every non-tensor argument's value.
 """
 
@@ -195,8 +197,9 @@ class ModelTensors:
         self.refresh()
 
     def refresh(self) -> None:
-        self.tensors = [*self.model.parameters(), *self.model.buffers()]
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        params = list(self.model.parameters())
+        self.tensors = [*params, *self.model.buffers()]
+        self.params = [p for p in params if p.requires_grad]
 
     def storage(self) -> tuple:
         """Every parameter's and buffer's data pointer: a graph reads them where they were at capture."""
@@ -424,7 +427,8 @@ def _capture(graphs: StepGraphs, entry: _Entry, params: list, grad: bool) -> Non
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         graphs.reason = entry.failed = f"capture failed: {type(e).__name__}: {first}"
         graphs.warn_once(f"packfwd: run_micro_batches could not capture the step as a CUDA graph ({graphs.reason}); "
-                         "this bucket runs eagerly (padded); pass graphs=False, buckets=False to run the plain eager step")
+                         "this bucket runs eagerly (padded); pass graphs=False, buckets=False to run the plain eager "
+                         "step")
         _DEVICE.reserved(settle=True)
         return
     entry.graphs = (fwd, bwd, outs, grads_out if grad else [], statics)

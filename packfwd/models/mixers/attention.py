@@ -112,7 +112,8 @@ class CoreAttention(torch.nn.Module):
         cp_size, cp_rank, group = self.cp_place(params)
         if self.rope is not None:
             q, k = self.rope(q, k, cu_q, cp_size, cp_rank, positions=getattr(params, "position_ids", None))
-        attn = functools.partial(varlen_attention, backend=self.backend_for(params), window=self.window,
+        attn = functools.partial(varlen_attention, backend=self.backend_for(getattr(params, "bucket", None) is not None),
+                                 window=self.window,
                                  sinks=self.softmax_offset)
         if cp_size > 1:
             if not causal:
@@ -127,12 +128,12 @@ class CoreAttention(torch.nn.Module):
             out = attn(q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, causal, self.softmax_scale)
         return out.reshape(out.shape[0], -1)
 
-    def backend_for(self, params) -> str | None:
+    def backend_for(self, bucketed: bool) -> str | None:
         """The backend asked of :func:`varlen_attention` for a THD batch: the named one, or (``backend=None``, the
-        automatic choice) ``"prefer_cudnn"`` for a bucket plan's batch (``params.bucket``: shapes that recur batch
-        after batch, so cuDNN's graph per shape is built once; cuDNN where it has passed its check, else the
-        automatic choice), None for the others (cuDNN would build a graph for nearly every batch)."""
-        if self.backend is None and getattr(params, "bucket", None) is not None:
+        automatic choice) ``"prefer_cudnn"`` for a bucket plan's batch (``bucketed``: ``params.bucket`` is set, shapes
+        that recur batch after batch, so cuDNN's graph per shape is built once; cuDNN where it has passed its check,
+        else the automatic choice), None for the others (cuDNN would build a graph for nearly every batch)."""
+        if self.backend is None and bucketed:
             return PREFER_CUDNN
         return self.backend
 
@@ -197,8 +198,8 @@ def attention_backends(model: torch.nn.Module, *, bucket_plans: bool = False) ->
         if isinstance(m, CoreAttention):
             features = (("window",) if m.window is not None else ()) + (
                 ("sinks",) if m.softmax_offset is not None else ())
-            backend = PREFER_CUDNN if bucket_plans and m.backend is None else m.backend
-            name = choose_backend(param.device, param.dtype, d, d_v, backend=backend, features=features)
+            name = choose_backend(param.device, param.dtype, d, d_v, backend=m.backend_for(bucket_plans),
+                                  features=features)
             out[name] = out.get(name, 0) + 1
     return out
 
