@@ -296,21 +296,27 @@ def test_gated_deltanet_layer_compiles_fullgraph():
     compiled_matches_eager(layer)
 
 
-def test_context_parallelism_refuses_heads_that_do_not_divide():
-    """CP cuts each TP rank's key heads over the CP ranks: 2 key heads split over cp=2 (built), not over cp=4."""
-    from packfwd.models.mixers.gdn import PackedGatedDeltaNet
+def cp_builds_at_2_and_refuses_4(layer_class, args, keyword: str, match: str):
+    """A linear-attention layer of ``args`` with 2 heads to split builds at cp=2 and raises ``match`` at cp=4."""
     from packfwd.models.runtime import ensure_model_parallel
     from packfwd.models.runtime.config import transformer_config
 
     ensure_model_parallel()
+    layer_class(transformer_config(args, cp_size=2, init=False), layer_number=1, **{keyword: args.linear_attention})
+    with pytest.raises(ValueError, match=match):
+        layer_class(transformer_config(args, cp_size=4, init=False), layer_number=1,
+                    **{keyword: args.linear_attention})
+
+
+def test_context_parallelism_refuses_heads_that_do_not_divide():
+    """CP cuts each TP rank's key heads over the CP ranks: 2 key heads split over cp=2 (built), not over cp=4."""
+    from packfwd.models.mixers.gdn import PackedGatedDeltaNet
+
     args = args_from_hf_config(hf_model("qwen3_5").config)
     assert args.linear_attention.num_k_heads == 2
-    PackedGatedDeltaNet(transformer_config(args, cp_size=2, init=False), layer_number=1,
-                        deltanet=args.linear_attention)
-    with pytest.raises(ValueError, match=r"context parallelism \(cp_size=4\) with Gated DeltaNet .* "
-                                         r"linear_num_key_heads=2 must be divisible by tp_size \* cp_size = 4"):
-        PackedGatedDeltaNet(transformer_config(args, cp_size=4, init=False), layer_number=1,
-                            deltanet=args.linear_attention)
+    cp_builds_at_2_and_refuses_4(PackedGatedDeltaNet, args, "deltanet",
+                                 r"context parallelism \(cp_size=4\) with Gated DeltaNet .* "
+                                 r"linear_num_key_heads=2 must be divisible by tp_size \* cp_size = 4")
 
 
 # ------------------------------------------------------------------------------------------------- two ranks

@@ -32,7 +32,7 @@ from packfwd.models.convert.hf_weights import hf_to_megatron
 
 from .oracles import assert_equals_hf_per_sequence, hf_float64_module
 from .test_compile_layer import quiet_megatron  # noqa: F401 (a fixture)
-from .test_hybrid_families import LAYOUTS, _forward, ragged_batch, randomise
+from .test_hybrid_families import LAYOUTS, _forward, cp_builds_at_2_and_refuses_4, ragged_batch, randomise
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "KimiLinearConfig"):
@@ -208,16 +208,10 @@ def test_what_is_refused_names_the_fix():
     with pytest.raises(ValueError, match="linear_num_heads=2 is not divisible by tp_size=4"):
         hf_to_megatron({}, args, tp_size=4, tp_rank=0)
     from packfwd.models.mixers.kda import PackedKimiDeltaAttention
-    from packfwd.models.runtime import ensure_model_parallel
-    from packfwd.models.runtime.config import transformer_config
 
-    ensure_model_parallel()
-    PackedKimiDeltaAttention(transformer_config(args, cp_size=2, init=False), layer_number=1,
-                             kda=args.linear_attention)
-    with pytest.raises(ValueError, match=r"context parallelism \(cp_size=4\) with Kimi Delta Attention layers .* "
-                                         r"linear_num_heads=2 must be divisible by tp_size \* cp_size = 4"):
-        PackedKimiDeltaAttention(transformer_config(args, cp_size=4, init=False), layer_number=1,
-                                 kda=args.linear_attention)
+    cp_builds_at_2_and_refuses_4(PackedKimiDeltaAttention, args, "kda",
+                                 r"context parallelism \(cp_size=4\) with Kimi Delta Attention layers .* "
+                                 r"linear_num_heads=2 must be divisible by tp_size \* cp_size = 4")
 
 
 # ------------------------------------------------------------------------------- two pipeline stages, one process
