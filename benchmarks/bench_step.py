@@ -20,6 +20,11 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
   batch's own size, ``plan=`` in the captured forward) and replayed: each timed step plans the batch on the host
   (no sync), copies the plan into the captured one (``copy_plan_``) and replays, so the device runs the step's
   kernels without waiting for Python's launches (CUDA only).
+* ``packfwd_default``: what a user gets: ``from_hf``'s model (fused layers, the automatic attention) and
+  ``run_micro_batches`` with its defaults, the batch planned as one micro-batch (``plan_micro_batches(lengths,
+  max_tokens=<its real tokens>)``, planned in each timed step): padded to its bucket where that pays (cuDNN's
+  attention on bucket plans, ``forward.padded_steps``), else the plain step; the row's ``padded_steps`` and
+  ``attention`` say which ran.
 * ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
   ``dynamic=True``; fullgraph, else with graph breaks), or where dynamo cannot trace the layer its MLP and norms
   (``--compile-scope``); every failure recorded.  Megatron-Core's row-parallel linears warn on every call (a graph
@@ -83,7 +88,7 @@ from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
 VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
             "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn", "packfwd_fused_graph",
-            "packfwd_fused_cudnn_graph")
+            "packfwd_fused_cudnn_graph", "packfwd_default")
 # the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.norm.FUSED_NORMS)
 NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
@@ -308,6 +313,23 @@ def graphed_step(model, batch, warmup: int = 2):
     captured = plan()
     body = packfwd_step(model, batch, forward, captured)
     return graph_replay(body, model, captured, plan, warmup)
+
+
+def default_step(model, batch):
+    """``run_micro_batches`` with its defaults on the batch as one micro-batch (module docstring)."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    forward = make_forward("thd", logits_processor=next_token_log_probs)
+    loss_mask = batch["labels"] >= 0
+
+    def step():
+        plan = plan_micro_batches(batch["lengths"], max_tokens=sum(batch["lengths"]))
+        res = run_micro_batches(forward, model, plan, batch["ids"], batch["mask"], dp_rank=0, labels=batch["labels"],
+                                loss_fn=lambda o: -o["log_probs"], loss_mask=loss_mask)
+        return res.loss, res.outputs["log_probs"]
+
+    step.forward = forward
+    return step
 
 
 def hf_step(hf, batch):
@@ -639,7 +661,7 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
         if name in NORM_VARIANTS:
             norm.FUSED_NORMS.update(dict.fromkeys(norm.FUSED_NORMS, NORM_VARIANTS[name]))
         try:
-            module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith("packfwd_fused"),
+            module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith(("packfwd_fused", "packfwd_default")),
                                    attention_backend="cudnn" if "_cudnn" in name else None)
         finally:
             norm.FUSED_NORMS.update(kept)
@@ -649,6 +671,8 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
             if cfg.device.type != "cuda":
                 raise Skip("CUDA graphs need a CUDA device")
             step = graphed_step(module, batch)
+        elif name == "packfwd_default":
+            step = default_step(module, batch)
         else:
             step = packfwd_step(module, batch)
         row["fused_switch"] = fused_switch()
@@ -659,6 +683,11 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
     row.update(measure(step, module, cfg, timer))
     if cfg.profile:
         row["profile"] = profile_step(step, module, cfg.device)
+    if name == "packfwd_default":
+        row["attention"] = step.forward.attention_backend(module)
+        padded = getattr(step.forward, "padded_steps", None)
+        row["padded_steps"] = None if padded is None else {
+            k: getattr(padded, k) for k in ("captured", "replayed", "eager", "reason")}
     return row, module
 
 
