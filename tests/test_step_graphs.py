@@ -61,7 +61,7 @@ def test_bucket_steps_is_checked():
         plan_micro_batches([3, 4], max_tokens=8, bucket_steps=0)
 
 
-def _setup(dtype=torch.float64):
+def _setup(dtype=torch.float64, width=16, max_tokens=40):
     import transformers
 
     from packfwd.models import from_hf
@@ -72,17 +72,17 @@ def _setup(dtype=torch.float64):
         num_key_value_heads=2)).to(dtype)
     model = from_hf(hf, params_dtype=dtype)
     g = torch.Generator().manual_seed(1)
-    seqlens = torch.randint(1, 16, (10,), generator=g).tolist()
-    ids = torch.randint(1, 128, (10, 16), generator=g)
+    seqlens = torch.randint(1, width, (10,), generator=g).tolist()
+    ids = torch.randint(1, 128, (10, width), generator=g)
     start = torch.randint(0, 3, (10,), generator=g)  # some rows left-padded
-    col = torch.arange(16)[None]
-    mask = (col >= start[:, None]) & (col < (start + torch.tensor(seqlens)).clamp(max=16)[:, None])
+    col = torch.arange(width)[None]
+    mask = (col >= start[:, None]) & (col < (start + torch.tensor(seqlens)).clamp(max=width)[:, None])
     seqlens = mask.sum(1).tolist()
     labels = pf.next_token_labels(ids, mask)
     loss_mask = (labels >= 0) & (col >= 3)
     adv = torch.randn(10, generator=g, dtype=dtype)
     forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy)
-    plan = plan_micro_batches(seqlens, max_tokens=40, **forward.layout.plan_args)
+    plan = plan_micro_batches(seqlens, max_tokens=max_tokens, **forward.layout.plan_args)
     return model, forward, plan, dict(ids=ids, mask=mask, labels=labels, loss_mask=loss_mask, adv=adv)
 
 
@@ -420,3 +420,31 @@ def test_activation_recompute_is_named_for_graphs_and_padded_steps_still_run(mon
     monkeypatch.setattr(model.config, "recompute_granularity", "full")
     assert "activation recompute" in why_eager(forward, model, d["ids"], cuda=True)
     assert why_eager(forward, model, d["ids"], cuda=False) is None
+
+
+def test_padded_eager_steps_size_the_head_as_the_plain_step_does(cpu_graphs, monkeypatch):
+    """The head's rows (``scored_tokens`` rounded to slots): a padded eager step keeps the plain step's rounding
+    (``slots_for`` of its loss tokens), where a graph rounds up to a quarter of its bucket to bound the graphs; the
+    outputs are the plain step's either way (thousands of tokens: below 64 the slots are the bucket's either way)."""
+    from packfwd.forward import scored
+
+    model, forward, plan, d = _setup(width=1024, max_tokens=3000)
+    d["loss_mask"] = d["loss_mask"] & (torch.arange(1024)[None] >= 300)  # prompts: the head scores part of a bucket
+    slots = []
+    original = scored.slots_for
+    monkeypatch.setattr(scored, "slots_for", lambda count, tokens: slots.append(original(count, tokens)) or slots[-1])
+    plain, _ = _step(model, forward, plan, d, False)
+    plain_slots, slots[:] = list(slots), []
+    padded, _ = _step(model, forward, plan, d, StepGraphs(capture=False))
+    padded_slots, slots[:] = list(slots), []
+    graphed, _ = _step(model, forward, plan, d, StepGraphs())
+    graphed_slots = slots[-plan.num_micro_batches:]
+    counts = [int(d["loss_mask"][list(mb)].sum()) for mb in plan.micro_batches[0]]
+    buckets = [t for _, t in plan.buckets(0)]
+    assert plain_slots == [original(c, t) for c, t in zip(counts, plan.tokens[0])]
+    assert padded_slots == [original(c, t) for c, t in zip(counts, buckets)]
+    quarters = [min(t, -(-c // -(-t // 4)) * -(-t // 4)) for c, t in zip(counts, buckets)]
+    assert graphed_slots == [original(q, t) for q, t in zip(quarters, buckets)]
+    assert any(q > p for q, p in zip(quarters, padded_slots)), (quarters, padded_slots)
+    for out in (padded, graphed):
+        torch.testing.assert_close(out.loss, plain.loss, rtol=1e-12, atol=1e-14)

@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
+from ..forward.scored import slots_for
 from ..layout import rules
 from ..layout.bucket import Bucket, _clone, copy_plan_
 
@@ -213,16 +214,21 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     step.  ``canvas``: ``{"width": s, "batch": the names of processor arguments cut per row}``; ``tensors``: the
     model's (:class:`ModelTensors`, made by the caller once per call);
     ``counts`` (a forward that scores the loss tokens only): each sequence's loss tokens, as the eager step passes
-    them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up to a
-    quarter of the bucket (a fixed number of head rows per bucket, at most 4 per token size)."""
+    them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up: for a
+    graph to a quarter of the bucket (a fixed number of head rows per bucket, at most 4 per token size), for a padded
+    eager step as the plain step rounds it (``packfwd.forward.scored.slots_for``: at most 1/16 more rows)."""
     grad = loss_fn is not None
     rows, tokens = shape
     ids, mask, positions = mb.args
     b = ids.shape[0]
     kwargs = mb.kwargs
     if counts is not None:
-        quarter = -(-tokens // 4)
-        scored = min(tokens, -(-sum(counts[i] for i in mb.indices) // quarter) * quarter)
+        count = sum(counts[i] for i in mb.indices)
+        if graphs.capture:  # a graph per head size: a quarter of the bucket's tokens at a time
+            quarter = -(-tokens // 4)
+            scored = min(tokens, -(-count // quarter) * quarter)
+        else:  # no graph is kept: the plain step's head rows (a bucket pads a quarter more of them on average)
+            scored = slots_for(count, tokens)
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
     canvas = {**canvas, "padded": rules.round_up(canvas["width"], WIDTH_STEP)}
