@@ -9,8 +9,8 @@ real token's result nor the loss normalisation.  The default on the CPU is today
 every case graphs cannot take is named.  The graphed path's bookkeeping (warm-up, capture, replays that overwrite
 static outputs, the captured backward's gradients, recapture, a failed capture) runs with a CPU stand-in for a CUDA
 graph that recomputes on replay, against the padded eager steps bit for bit.  ``buckets=None`` (the default) pads
-only where it was measured to pay (``padding_pays``: a CUDA batch, cuDNN's attention on bucket plans alone, no MoE
-layer), each case named.  The CUDA graphs themselves:
+only where it was measured to pay (``padding_pays``: a CUDA batch, cuDNN's attention on bucket plans alone), each
+case named.  An MoE model's padded step equals its plain step and routes no pad.  The CUDA graphs themselves:
 ``tests/gpu/test_step_graphs_cuda.py``.
 """
 
@@ -370,8 +370,8 @@ def test_buckets_none_pads_where_padding_was_measured_to_pay(monkeypatch):
     monkeypatch.setattr(attention, "attention_backends", lambda m, *, bucket_plans=False: {"cudnn": 2})
     assert step_module.padding_pays(model, ids) is None  # built with cuDNN: its shapes should recur too
     monkeypatch.setattr(attention, "attention_backends", with_cudnn)
-    monkeypatch.setattr(model.config, "num_moe_experts", 8)
-    assert "MoE layers" in step_module.padding_pays(model, ids)
+    monkeypatch.setattr(model.config, "num_moe_experts", 8)  # an MoE model pads too (history 22: 1.04 x)
+    assert step_module.padding_pays(model, ids) is None
     monkeypatch.setattr(model.config, "num_moe_experts", None)
     model.zero_grad(set_to_none=True)  # and the default then pads (the padded step itself runs on the CPU)
     run_micro_batches(forward, model, plan, ids, d["mask"], dp_rank=0, labels=d["labels"],
@@ -448,3 +448,55 @@ def test_padded_eager_steps_size_the_head_as_the_plain_step_does(cpu_graphs, mon
     assert any(q > p for q, p in zip(quarters, padded_slots)), (quarters, padded_slots)
     for out in (padded, graphed):
         torch.testing.assert_close(out.loss, plain.loss, rtol=1e-12, atol=1e-14)
+
+
+def test_an_moe_models_padded_step_equals_its_plain_step_and_routes_no_pad(monkeypatch):
+    """The padded step of a Qwen3-MoE (float64, 2 MoE layers of 4 experts top-2): loss, outputs and every gradient
+    equal the plain step's to rounding, and its experts get the real tokens only (``2 x 2 x`` real tokens per
+    micro-batch, however many pads its bucket adds), read in the experts' forward (a hook would send the step to
+    the plain path)."""
+    import transformers
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from packfwd.models import from_hf
+
+    from .test_moe import TINY, randomise
+
+    hf = randomise(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **TINY, intermediate_size=48, moe_intermediate_size=16, num_experts=4, norm_topk_prob=True,
+        mlp_only_layers=[1], head_dim=16)))
+    model = from_hf(hf, params_dtype=torch.float64)
+    _, forward, plan, d = _setup()
+    d["ids"] = d["ids"] % TINY["vocab_size"]
+    d["labels"] = pf.next_token_labels(d["ids"], d["mask"])
+    experts = {type(m) for m in model.modules() if isinstance(m, SequentialMLP)}
+    routed = []
+    for cls in experts:
+        original = cls.forward
+        monkeypatch.setattr(cls, "forward", lambda self, x, counts, probs, original=original: (
+            routed.append(int(counts.sum())), original(self, x, counts, probs))[1])
+
+    def step(buckets):
+        model.zero_grad(set_to_none=True)
+        routed.clear()
+        out = run_micro_batches(forward, model, plan, d["ids"], d["mask"], dp_rank=0, buckets=buckets,
+                                labels=d["labels"], loss_fn=lambda o: -o["log_probs"],
+                                loss_mask=d["loss_mask"])
+        return out, grads_of(model), list(routed)
+
+    plain, plain_grads, plain_routed = step(False)
+    padded, padded_grads, padded_routed = step(True)
+    assert forward.padded_steps.reason is None and forward.padded_steps.eager == plan.num_micro_batches
+    assert any(t > used for (_, t), used in zip(plan.buckets(0), plan.tokens[0])), "no bucket adds padding"
+    per_layer = [2 * used for used in plan.tokens[0] for _ in range(2)]  # top-2, two MoE layers each
+    assert plain_routed == padded_routed == per_layer, (plain_routed, padded_routed, per_layer)
+    torch.testing.assert_close(padded.loss, plain.loss, rtol=1e-12, atol=1e-14)
+    for k in plain.outputs:
+        torch.testing.assert_close(padded.outputs[k], plain.outputs[k], rtol=1e-12, atol=1e-13)
+    assert padded_grads.keys() == plain_grads.keys() and any("experts" in n for n in plain_grads)
+    for n in plain_grads:
+        torch.testing.assert_close(padded_grads[n], plain_grads[n], rtol=1e-10, atol=1e-13)
+
+
+def grads_of(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -107,9 +107,8 @@ def run_micro_batches(
     ``buckets`` (micro-batches padded to their buckets, ``plan.buckets(dp_rank)``, and run eagerly: the shapes recur
     step after step, so the automatic attention takes cuDNN's ragged kernel, which builds a graph per shape, where
     it has passed its check): ``None`` (default) where that was measured to pay, a CUDA batch whose model's
-    attention runs cuDNN on bucket plans, and that has no MoE layer (:func:`padding_pays`; on one H100 a
-    1B Llama's RL step ran 1.095 x the plain step at 0.8 x its memory, an 8-layer Qwen3-MoE's 0.97 x:
-    benchmarks/RESULTS.md); ``True``: wherever the padded step can run (else the plain one, with one warning naming
+    attention runs cuDNN on bucket plans (:func:`padding_pays`; on one H100 a 1B Llama's RL step ran 1.13 x the
+    plain step at 0.84 x its memory, an 8-layer Qwen3-MoE's 1.04 x: benchmarks/RESULTS.md); ``True``: wherever the padded step can run (else the plain one, with one warning naming
     why); ``False``: never.  What ran is kept on ``forward.padded_steps`` (a ``StepGraphs(capture=False)``: the
     micro-batches it ran, ``eager``, and ``reason``, why the plain step ran instead).
 
@@ -253,23 +252,20 @@ def _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, proces
 
 def padding_pays(model, input_ids: Tensor) -> str | None:
     """Why ``buckets=None`` runs the plain step for ``model`` on ``input_ids``' device (None: it pads to the
-    buckets: a CUDA batch, no MoE layer, and cuDNN's attention on bucket plans, which the automatic choice takes there
-    and a model built with ``attention_backend="prefer_cudnn"`` or ``"cudnn"`` takes everywhere).  Measured on one
-    H100 (benchmarks/RESULTS.md, history 21): padded to the buckets, a 1B Llama's RL step
-    took cuDNN's attention and ran 1.095 x the plain step (torch's flash kernel) at 27 against 34 GiB; with the
-    flash kernel in both the padding gained nothing; an 8-layer Qwen3-MoE ran 0.97 x.
+    buckets: a CUDA batch, and cuDNN's attention on bucket plans, which the automatic choice takes there and a model
+    built with ``attention_backend="prefer_cudnn"`` or ``"cudnn"`` takes everywhere).  Measured on one H100
+    (benchmarks/RESULTS.md, history 22): padded to the buckets, a 1B Llama's RL step took cuDNN's attention and ran
+    1.13 x the plain step (torch's flash kernel) at 28.6 against 34.1 GiB, an 8-layer Qwen3-MoE's 1.04 x (history 21:
+    with the flash kernel in both the padding gained nothing).
 
     >>> padding_pays(torch.nn.Linear(2, 2), torch.zeros(1, 2, dtype=torch.long))
     'not a CUDA batch: no attention kernel here plans per shape'
     """
-    from ..engine.facts import is_moe
     from ..models.mixers.attention import attention_backends
     from ..models.runtime.gpt import unwrap
 
     if not capturable(input_ids):
         return "not a CUDA batch: no attention kernel here plans per shape"
-    if is_moe(model):
-        return "the model has MoE layers: padded to the buckets its step measured 0.97 x the plain one"
     bucketed = attention_backends(unwrap(model), bucket_plans=True)
     if "cudnn" not in bucketed:
         return (f"the attention runs {', '.join(bucketed) or 'nothing'} on bucket plans, not cuDNN's, which pays for "
