@@ -661,7 +661,8 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
         if name in NORM_VARIANTS:
             norm.FUSED_NORMS.update(dict.fromkeys(norm.FUSED_NORMS, NORM_VARIANTS[name]))
         try:
-            module = packfwd_model(hf, cfg.device, cfg.dtype, fused=name.startswith(("packfwd_fused", "packfwd_default")),
+            fused = name.startswith(("packfwd_fused", "packfwd_default"))
+            module = packfwd_model(hf, cfg.device, cfg.dtype, fused=fused,
                                    attention_backend="cudnn" if "_cudnn" in name else None)
         finally:
             norm.FUSED_NORMS.update(kept)

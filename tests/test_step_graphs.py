@@ -209,7 +209,7 @@ def test_replayed_steps_equal_the_padded_eager_steps(cpu_graphs, grad):
     bits of the same padded steps run eagerly; a parameter replaced is captured again; a failed capture warns
     once and stays eager."""
     model, forward, plan, d = _setup()
-    eager, eager_grads = _step(model, forward, plan, d, StepGraphs(capture=False), grad=grad)
+    eager, eager_grads = _step(model, forward, plan, d, StepGraphs(capture=False, head_quarters=True), grad=grad)
     graphs = StepGraphs()
     for _ in range(2):
         got, got_grads = _step(model, forward, plan, d, graphs, grad=grad)
@@ -230,7 +230,7 @@ def test_replayed_steps_equal_the_padded_eager_steps(cpu_graphs, grad):
         first.data = first.data * 1.5
     captured = graphs.captured
     got, got_grads = _step(model, forward, plan, d, graphs)
-    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False))
+    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False, head_quarters=True))
     assert graphs.captured > captured and torch.equal(got.loss, want.loss)
     assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
 
@@ -241,7 +241,7 @@ def test_a_failed_capture_warns_once_and_stays_eager(cpu_graphs, monkeypatch):
 
     monkeypatch.setattr(graphs_module._DEVICE, "record", refuse)
     model, forward, plan, d = _setup()
-    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False))
+    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False, head_quarters=True))
     graphs = StepGraphs()
     with pytest.warns(UserWarning, match="could not capture") as caught:
         for _ in range(3):  # the third step tries no capture: its buckets stay eager, and say why
@@ -300,7 +300,7 @@ def test_inference_mode_and_frozen_parameters_get_buckets_of_their_own(cpu_graph
     for p in model.decoder.parameters():
         p.requires_grad_(False)
     got, got_grads = _step(model, forward, plan, d, graphs)
-    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False))
+    want, want_grads = _step(model, forward, plan, d, StepGraphs(capture=False, head_quarters=True))
     assert torch.equal(got.loss, want.loss) and got_grads.keys() == want_grads.keys()
     assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
 

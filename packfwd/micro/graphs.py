@@ -1,7 +1,8 @@
 """``run_micro_batches``' fast path: each micro-batch padded to its bucket (:mod:`packfwd.micro.buckets`) and its
 forward and backward replayed from CUDA graphs captured once per bucket; the cache is a :class:`StepGraphs` the
 caller holds (with ``graphs=True``, the forward's ``forward.step_graphs``).  Opt-in: correct on an H100
-(``tests/gpu/test_step_graphs_cuda.py``: bit for bit the padded eager step); on the one RL step timed (a 1B model,
+(``tests/gpu/test_step_graphs_cuda.py``: bit for bit the padded eager step with the graphs' head size,
+``StepGraphs(capture=False, head_quarters=True)``); on the one RL step timed (a 1B model,
 16k-token micro-batches, H100) not faster than eager and 15.7 GiB more reserved (benchmarks/RESULTS.md history 20).
 
 **What is captured.**  The model's forward on the bucket's static inputs (the padded rows of ``input_ids``, the
@@ -61,7 +62,11 @@ class StepGraphs:
     default): no graphs.  ``capture=False``: the padded bucket step runs eagerly (what the graphs replay; what
     ``run_micro_batches(buckets=...)`` runs, held on ``forward.padded_steps``).  ``max_graphs``: buckets kept; past it
     every graph is dropped and captured again as needed (without graphs: the least recently used bucket's inputs are
-    dropped, quietly).  All graphs share one memory pool.
+    dropped, quietly).  All graphs share one memory pool.  ``head_quarters`` (default: ``capture``): a forward that
+    scores the loss tokens only computes its head on their count rounded up to a quarter of the bucket (at most four
+    graphs per bucket); False: rounded as the plain step rounds it (``packfwd.forward.scored.slots_for``, at most
+    1/16 more rows), what a padded eager step does.  ``StepGraphs(capture=False, head_quarters=True)`` runs what the
+    graphs replay, bit for bit.
 
     After a step: ``memory_bytes`` (what the captures reserved: the graphs' activations and outputs, and one set of
     parameter gradients all buckets write, held while the object lives), ``captured`` / ``replayed`` / ``eager`` (micro-batch counts since made), ``reason`` (why the
@@ -72,12 +77,15 @@ class StepGraphs:
     StepGraphs(capture=True, buckets=0, captured=0, replayed=0, eager=0, memory=0.00 GiB)
     """
 
-    def __init__(self, *, capture: bool = True, max_graphs: int = 16):
+    def __init__(self, *, capture: bool = True, max_graphs: int = 16, head_quarters: bool | None = None):
         if not isinstance(capture, bool):
             raise TypeError(f"capture must be True or False, got {capture!r}")
+        if head_quarters is not None and not isinstance(head_quarters, bool):
+            raise TypeError(f"head_quarters must be True, False or None (capture's value), got {head_quarters!r}")
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"max_graphs={max_graphs!r}; pass a positive int (buckets kept)")
         self.capture, self.max_graphs = capture, max_graphs
+        self.head_quarters = capture if head_quarters is None else head_quarters
         self.captured = self.replayed = self.eager = 0
         self.memory_bytes = 0
         self.reason: str | None = None
@@ -214,9 +222,9 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     step.  ``canvas``: ``{"width": s, "batch": the names of processor arguments cut per row}``; ``tensors``: the
     model's (:class:`ModelTensors`, made by the caller once per call);
     ``counts`` (a forward that scores the loss tokens only): each sequence's loss tokens, as the eager step passes
-    them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up: for a
-    graph to a quarter of the bucket (a fixed number of head rows per bucket, at most 4 per token size), for a padded
-    eager step as the plain step rounds it (``packfwd.forward.scored.slots_for``: at most 1/16 more rows)."""
+    them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up
+    (:class:`StepGraphs`' ``head_quarters``: for graphs to a quarter of the bucket, at most 4 head sizes per token
+    size; for a padded eager step as the plain step rounds it)."""
     grad = loss_fn is not None
     rows, tokens = shape
     ids, mask, positions = mb.args
@@ -224,10 +232,10 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     kwargs = mb.kwargs
     if counts is not None:
         count = sum(counts[i] for i in mb.indices)
-        if graphs.capture:  # a graph per head size: a quarter of the bucket's tokens at a time
+        if graphs.head_quarters:  # a graph per head size: a quarter of the bucket's tokens at a time
             quarter = -(-tokens // 4)
             scored = min(tokens, -(-count // quarter) * quarter)
-        else:  # no graph is kept: the plain step's head rows (a bucket pads a quarter more of them on average)
+        else:  # no graph kept: the plain step's head rows (the quarters add about an eighth of the bucket)
             scored = slots_for(count, tokens)
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}

@@ -5,7 +5,9 @@ every output row and every parameter gradient, over two steps (the first warms u
 second only replays), forward + backward and forward-only.  Against the plain eager step (``graphs=False,
 buckets=False``: other GEMM row counts, and the flash kernel where cuDNN takes the bucket plans) within bf16
 rounding.  The default (``buckets=None``): padded where cuDNN's attention runs on bucket plans alone, the same bits as
-``StepGraphs(capture=False)`` (an MoE model's too).  Also: it keeps its graphs on the forward and reports their memory;
+``StepGraphs(capture=False)``; an MoE model's too, its experts given the real tokens only.  Graph oracles are
+``StepGraphs(capture=False, head_quarters=True)``: the graphs' head size.  Also: it keeps its graphs on the forward
+and reports their memory;
 parameters updated in place (an optimizer) or replaced are seen by the replays; a processor that synchronises with
 the host cannot be captured: one warning, and the bucket's eager step gives the same bits.
 
@@ -97,7 +99,7 @@ def test_graphs_equal_the_padded_eager_step_bit_for_bit(grad, deterministic):
     from packfwd.micro import StepGraphs
 
     model, forward, data, plan = setup()
-    eager = step(forward, model, plan, data, StepGraphs(capture=False), grad)
+    eager = step(forward, model, plan, data, StepGraphs(capture=False, head_quarters=True), grad)
     graphs = StepGraphs()
     first = step(forward, model, plan, data, graphs, grad)  # warm-up and capture of each bucket
     second = step(forward, model, plan, data, graphs, grad)  # replays only
@@ -130,7 +132,7 @@ def test_graphs_are_kept_on_the_forward_and_see_parameter_updates(deterministic)
         first = next(model.parameters())
         first.data = first.data.clone() * 1.1
     got = step(forward, model, plan, data, True)
-    want = step(forward, model, plan, data, StepGraphs(capture=False))
+    want = step(forward, model, plan, data, StepGraphs(capture=False, head_quarters=True))
     assert_same(got, want, "after the update")
 
 
@@ -155,10 +157,10 @@ def test_a_processor_that_syncs_falls_back_with_one_warning(deterministic):
     # the abandoned capture leaves the device's random generator usable outside graphs (it used to stay in capture
     # mode: every later random op raised 'Offset increment outside graph capture')
     torch.randn(4, device="cuda")
-    assert_same(got, step(forward, model, plan, data, StepGraphs(capture=False)), "fallback")
+    assert_same(got, step(forward, model, plan, data, StepGraphs(capture=False, head_quarters=True)), "fallback")
 
 
-def test_the_default_pads_where_cudnn_takes_the_bucket_plans(deterministic, monkeypatch):
+def test_the_default_pads_where_cudnn_takes_the_bucket_plans(deterministic):
     from packfwd.micro import StepGraphs
     from packfwd.models.mixers.attention import attention_backends
 
@@ -173,7 +175,50 @@ def test_the_default_pads_where_cudnn_takes_the_bucket_plans(deterministic, monk
     assert held.reason is None and held.eager == plan.num_micro_batches, held
     assert forward.attention_backend(model).endswith("; cudnn on bucket plans")
     assert_same(default, step(forward, model, plan, data, StepGraphs(capture=False)), "default vs padded")
-    from packfwd.micro.step import padding_pays
 
-    monkeypatch.setattr(model.config, "num_moe_experts", 8)  # an MoE model pads too
-    assert padding_pays(model, data[0]) is None
+
+def test_an_moe_models_default_pads_routes_no_pad_and_agrees_with_its_plain_step(deterministic, monkeypatch):
+    """A bf16 Qwen3-MoE (2 MoE layers, 8 experts top-2) on CUDA: the default pads it where cuDNN takes the bucket
+    plans, the same bits as ``StepGraphs(capture=False)``; its experts get the real tokens only (read in their
+    forward, per micro-batch and layer); loss and log-probs within bf16 rounding of the plain step's."""
+    import packfwd as pf
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from packfwd.logits import log_probs_and_entropy
+    from packfwd.micro import StepGraphs, plan_micro_batches
+    from packfwd.models import from_hf
+    from packfwd.models.mixers.attention import attention_backends
+
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=64, vocab_size=512, num_experts=8, num_experts_per_tok=2,
+                                            norm_topk_prob=True))
+    model = from_hf(hf, device="cuda", params_dtype=torch.bfloat16)
+    forward = pf.make_forward("thd", logits_processor=log_probs_and_entropy)
+    data = batch(2)
+    plan = plan_micro_batches(data[-1], max_tokens=1024, **forward.layout.plan_args)
+    routed = []
+    for cls in {type(m) for m in model.modules() if isinstance(m, SequentialMLP)}:
+        monkeypatch.setattr(cls, "forward", lambda self, x, counts, probs, original=cls.forward: (
+            routed.append(int(counts.sum())), original(self, x, counts, probs))[1])
+
+    def run(graphs, **options):
+        routed.clear()
+        return step(forward, model, plan, data, graphs, **options), list(routed)
+
+    (default, default_grads), default_routed = run(False)
+    if "cudnn" not in attention_backends(model, bucket_plans=True):
+        pytest.skip("nvidia-cudnn-frontend missing: the default runs the plain step")
+    assert forward.padded_steps.reason is None and forward.padded_steps.eager == plan.num_micro_batches
+    (padded, padded_grads), _ = run(StepGraphs(capture=False))
+    assert_same((default, default_grads), (padded, padded_grads), "MoE default vs padded")
+    (plain, _), plain_routed = run(False, buckets=False)
+    per_layer = [2 * t for t in plan.tokens[0] for _ in range(2)]  # top-2, two MoE layers
+    assert default_routed == plain_routed == per_layer, (default_routed, plain_routed, per_layer)
+    assert any(t > used for (_, t), used in zip(plan.buckets(0), plan.tokens[0])), "no bucket adds padding"
+    torch.testing.assert_close(default.loss, plain.loss, rtol=2e-2, atol=2e-2)
+    scored = data[3].cpu()
+    diff = (default.outputs["log_probs"].float() - plain.outputs["log_probs"].float()).cpu()[scored].abs()
+    assert float(diff.mean()) < 2e-2, float(diff.mean())
