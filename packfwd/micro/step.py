@@ -108,10 +108,10 @@ def run_micro_batches(
     step after step, so the automatic attention takes cuDNN's ragged kernel, which builds a graph per shape, where
     it has passed its check): ``None`` (default) where that was measured to pay, a CUDA batch whose model's
     attention runs cuDNN on bucket plans (:func:`padding_pays`; on one H100 a 1B Llama's RL step ran 1.07 x the
-    plain step at 0.84 x its memory, an 8-layer Qwen3-MoE's 1.04 x: benchmarks/RESULTS.md); ``True``: wherever the
-    padded step can run (else the plain one, with one warning naming
-    why); ``False``: never.  What ran is kept on ``forward.padded_steps`` (a ``StepGraphs(capture=False)``: the
-    micro-batches it ran, ``eager``, and ``reason``, why the plain step ran instead).
+    plain step at 0.84 x its memory, an 8-layer Qwen3-MoE's 1.01-1.04 x: benchmarks/RESULTS.md); ``True``:
+    wherever the padded step can run (else the plain one, with one warning naming why); ``False``: never.  What ran
+    is kept on ``forward.padded_steps`` (a ``StepGraphs(capture=False)``: the micro-batches it ran, ``eager``, and
+    ``reason``, why the plain step ran instead).
 
     ``graphs=True`` (CUDA; off by default: not faster than the padded eager step on the RL steps timed, and a pool of
     about one micro-batch's activations more; docs/micro-batches.md): each micro-batch is padded to its bucket and its
@@ -256,8 +256,8 @@ def padding_pays(model, input_ids: Tensor) -> str | None:
     buckets: a CUDA batch, and cuDNN's attention on bucket plans, which the automatic choice takes there and a model
     built with ``attention_backend="prefer_cudnn"`` or ``"cudnn"`` takes everywhere).  Measured on one H100
     (benchmarks/RESULTS.md, history 22): padded to the buckets, a 1B Llama's RL step took cuDNN's attention and ran
-    1.07 x the plain step (torch's flash kernel) at 28.6 against 34.1 GiB, an 8-layer Qwen3-MoE's 1.04 x (history 21:
-    with the flash kernel in both the padding gained nothing).
+    1.07 x the plain step (torch's flash kernel) at 28.6 against 34.1 GiB, an 8-layer Qwen3-MoE's 1.01-1.04 x in
+    two runs (history 21: with the flash kernel in both the padding gained nothing).
 
     >>> padding_pays(torch.nn.Linear(2, 2), torch.zeros(1, 2, dtype=torch.long))
     'not a CUDA batch: no attention kernel here plans per shape'
