@@ -162,12 +162,23 @@ def why_eager(forward: Callable, model, input_ids: Tensor, *, pp_group=None, mul
                 "checkpointing refuses the graphs' torch.autograd.grad backward")
     if "DistributedDataParallel" in type(model).__name__ or "FSDP" in type(model).__name__:
         return f"the model is wrapped ({type(model).__name__}): its per-step Python would be frozen into a graph"
+    hooked = odd = off = None  # one walk of the model (it runs every step), the reasons in this order
     for name, m in model.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
-            return f"module {name or type(model).__name__!r} has hooks, which a graph would run only at capture"
-    if any(type(p) is not torch.nn.Parameter and type(p) is not Tensor for p in model.parameters()):
+        if hooked is None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                               or getattr(m, "_backward_pre_hooks", None)):
+            hooked = name or type(model).__name__
+        for p in m._parameters.values():
+            if p is None:
+                continue
+            if odd is None and type(p) is not torch.nn.Parameter and type(p) is not Tensor:
+                odd = p
+            if cuda and off is None and not _DEVICE.takes(p):
+                off = p
+    if hooked is not None:
+        return f"module {hooked!r} has hooks, which a graph would run only at capture"
+    if odd is not None:
         return "the model has parameters of another tensor type (DTensor, ...)"
-    if cuda and not (_DEVICE.takes(input_ids) and all(_DEVICE.takes(p) for p in model.parameters())):
+    if cuda and (off is not None or not _DEVICE.takes(input_ids)):
         return "the batch or the model is not on a CUDA device"
     return None
 
@@ -203,12 +214,23 @@ class ModelTensors:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.refresh()
+        self._lists: tuple | None = None  # walked when first read: padded eager steps never read them
 
     def refresh(self) -> None:
         params = list(self.model.parameters())
-        self.tensors = [*params, *self.model.buffers()]
-        self.params = [p for p in params if p.requires_grad]
+        self._lists = ([*params, *self.model.buffers()], [p for p in params if p.requires_grad])
+
+    @property
+    def tensors(self) -> list:
+        if self._lists is None:
+            self.refresh()
+        return self._lists[0]
+
+    @property
+    def params(self) -> list:
+        if self._lists is None:
+            self.refresh()
+        return self._lists[1]
 
     def storage(self) -> tuple:
         """Every parameter's and buffer's data pointer: a graph reads them where they were at capture."""
@@ -240,7 +262,7 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
     canvas = {**canvas, "padded": rules.round_up(canvas["width"], WIDTH_STEP)}
-    params = tensors.params
+    params = tensors.params if graphs.capture else []  # a padded eager step runs plain autograd: no list needed
     key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) + (tuple(map(id, params)),)
     storage = tensors.storage() if graphs.capture else ()  # no graph reads a pointer of a padded eager step
     entry = graphs._entries.get(key)
