@@ -284,7 +284,8 @@ def to_host(values: Tensor) -> np.ndarray:
 
 
 def to_device(host: np.ndarray, device: torch.device) -> Tensor:
-    """Upload a small host int64 array without a sync: through pinned memory, asynchronously."""
+    """Upload a small host array (int64, or float64 weights) without a sync: through pinned memory,
+    asynchronously."""
     t = torch.from_numpy(host)
     if device.type == "cpu":
         return t

@@ -16,10 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..layout.labels import mtp_loss_mask
+from ..layout.source import to_device
 
 __all__ = ["MicroBatchInputs", "StepResult", "detach_outputs", "in_row_order", "micro_batch_inputs", "step_result"]
 
@@ -65,10 +67,11 @@ def micro_batch_inputs(plan, input_ids, attention_mask, *, dp_rank, position_ids
     for indices in plan.micro_batches[dp_rank]:
         if not indices:
             continue
-        rows = torch.tensor(indices, dtype=torch.long).to(input_ids.device, non_blocking=True)
+        rows = to_device(np.asarray(indices, dtype=np.int64), input_ids.device)  # no sync: through pinned memory
         take = _taker(rows, input_ids.shape[0])
         positions = None if position_ids is None else _take_positions(position_ids, rows)
-        w = None if weights is None else torch.tensor([weights[i] for i in indices], dtype=torch.float64)
+        w = None if weights is None else to_device(np.asarray([weights[i] for i in indices], dtype=np.float64),
+                                                   input_ids.device)
         vision = {} if multi_modal_inputs is None else {"multi_modal_inputs": _concat_rows(multi_modal_inputs, indices)}
         yield MicroBatchInputs(
             indices=list(indices),
@@ -155,7 +158,9 @@ def in_row_order(pieces: list, order: list[int]):
     """The micro-batches' outputs concatenated and put in ascending global index."""
     if not pieces:
         return None
-    perm = torch.tensor(sorted(range(len(order)), key=order.__getitem__), dtype=torch.long)
+    host = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
+    first = next(iter(pieces[0].values())) if isinstance(pieces[0], Mapping) else pieces[0]
+    perm = to_device(host, first.device)  # no sync: through pinned memory
     if isinstance(pieces[0], Mapping):
         return {k: torch.cat([p[k] for p in pieces]).index_select(0, perm.to(pieces[0][k].device)) for k in pieces[0]}
-    return torch.cat(pieces).index_select(0, perm.to(pieces[0].device))
+    return torch.cat(pieces).index_select(0, perm)

@@ -187,3 +187,29 @@ def test_moe_forward_and_backward_on_grouped_experts_makes_no_sync(batch):
         want = forward(moe, ids, mask, seqlens=lengths)
     diff = (got[mask].float() - want[mask].float()).abs()
     assert diff.mean() < 0.05 * want[mask].float().abs().mean(), (diff.mean(), diff.max())  # a flipped route moves a few
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["plain", "padded"])
+def test_run_micro_batches_with_host_counts_makes_no_sync(model, batch, buckets):
+    """The whole step through ``run_micro_batches`` (two micro-batches, the loss and its backward), given the host
+    lengths (the plan's) and each sequence's loss tokens (``loss_tokens``): no host sync, padded to the buckets or
+    not (the rows, the loss weights and the outputs' order go up through pinned memory)."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    ids, mask, lengths = batch
+    labels = next_token_labels(ids, mask)
+    loss_mask = labels >= 0
+    counts = loss_mask.sum(1).tolist()
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy)
+    plan = plan_micro_batches(lengths, max_tokens=160, **forward.layout.plan_args)
+    assert plan.num_micro_batches >= 2, plan.tokens
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        return run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, buckets=buckets,
+                                 loss_fn=lambda o: -o["log_probs"], loss_mask=loss_mask, loss_tokens=counts)
+
+    want = step()  # warm-up (and the padded steps' first inputs)
+    got = no_sync(step)
+    assert torch.equal(got.loss, want.loss) and got.loss.isfinite()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
