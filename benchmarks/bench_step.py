@@ -22,7 +22,8 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
   kernels without waiting for Python's launches (CUDA only).
 * ``packfwd_default``: what a user gets: ``from_hf``'s model (fused layers, the automatic attention) and
   ``run_micro_batches`` with its defaults, the batch planned as one micro-batch (``plan_micro_batches(lengths,
-  max_tokens=<its real tokens>)``, planned in each timed step): padded to its bucket where that pays (cuDNN's
+  max_tokens=<its real tokens>)``, planned in each timed step; each sequence's loss tokens passed from the host,
+  ``loss_tokens=``, as the RL benchmark passes them): padded to its bucket where that pays (cuDNN's
   attention on bucket plans, ``forward.padded_steps``), else the plain step; the row's ``padded_steps`` and
   ``attention`` say which ran.
 * ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
@@ -321,11 +322,12 @@ def default_step(model, batch):
 
     forward = make_forward("thd", logits_processor=next_token_log_probs)
     loss_mask = batch["labels"] >= 0
+    counts = loss_mask.sum(1).tolist()  # each sequence's loss tokens on the host, as a trainer has them: no sync
 
     def step():
         plan = plan_micro_batches(batch["lengths"], max_tokens=sum(batch["lengths"]))
         res = run_micro_batches(forward, model, plan, batch["ids"], batch["mask"], dp_rank=0, labels=batch["labels"],
-                                loss_fn=lambda o: -o["log_probs"], loss_mask=loss_mask)
+                                loss_fn=lambda o: -o["log_probs"], loss_mask=loss_mask, loss_tokens=counts)
         return res.loss, res.outputs["log_probs"]
 
     step.forward = forward
