@@ -158,6 +158,8 @@ def in_row_order(pieces: list, order: list[int]):
     """The micro-batches' outputs concatenated and put in ascending global index."""
     if not pieces:
         return None
+    if isinstance(pieces[0], Mapping) and not pieces[0]:
+        return {}
     host = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
     first = next(iter(pieces[0].values())) if isinstance(pieces[0], Mapping) else pieces[0]
     perm = to_device(host, first.device)  # no sync: through pinned memory

@@ -32,7 +32,8 @@ forward that is not ``make_forward``'s).
 parameter replaced rather than updated in place is captured again; the model's tensors are listed once per
 ``run_micro_batches`` call and again after each warm-up, :class:`ModelTensors`), and the bucket's key: its shapes,
 the model, its train/eval mode, grad and inference mode, autocast and torch's deterministic mode, which parameters take
-gradients, every non-tensor argument's value.
+gradients (graphs only: a padded eager step runs plain autograd on the model as it is), every non-tensor argument's
+value.
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ _OWN: dict = {}
 
 class ModelTensors:
     """A model's tensors as the bucketed step reads them: ``params`` (those that take gradients, in the model's
-    order) and :meth:`storage`, every parameter's and buffer's data pointer.  Listed by walking the model when made
-    (once per ``run_micro_batches`` call: a parameter replaced between calls is found) and again by :meth:`refresh`
+    order) and :meth:`storage`, every parameter's and buffer's data pointer.  Listed by walking the model when first
+    read (at most once per ``run_micro_batches`` call: a parameter replaced between calls is found; never for padded
+    eager steps) and again by :meth:`refresh`
     after a warm-up (a module may make a buffer on its first call); the walk costs milliseconds on a model of many
     modules (an MoE's experts), too much for every micro-batch of an RL step."""
 

@@ -211,5 +211,7 @@ def test_run_micro_batches_with_host_counts_makes_no_sync(model, batch, buckets)
 
     want = step()  # warm-up (and the padded steps' first inputs)
     got = no_sync(step)
+    if buckets:  # the padded step ran, not the plain one it falls back to
+        assert forward.padded_steps.reason is None and forward.padded_steps.eager > 0, forward.padded_steps
     assert torch.equal(got.loss, want.loss) and got.loss.isfinite()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
