@@ -210,9 +210,8 @@ class ModelTensors:
     """A model's tensors as the bucketed step reads them: ``params`` (those that take gradients, in the model's
     order) and :meth:`storage`, every parameter's and buffer's data pointer.  Listed by walking the model when first
     read (at most once per ``run_micro_batches`` call: a parameter replaced between calls is found; never for padded
-    eager steps) and again by :meth:`refresh`
-    after a warm-up (a module may make a buffer on its first call); the walk costs milliseconds on a model of many
-    modules (an MoE's experts), too much for every micro-batch of an RL step."""
+    eager steps) and again by :meth:`refresh` after a warm-up (a module may make a buffer on its first call); the
+    walk costs milliseconds on a model of many modules (an MoE's experts), too much for every micro-batch."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
