@@ -47,7 +47,9 @@ do), the device's time per step once the host runs ahead of it.
 ``--profile``: one more step per variant under ``torch.profiler``; kernel time by category (gemm, attention,
 norm, elementwise, copy, other) with the top kernels of each; on the GPU the step's timeline (``device_timeline``:
 the time before the first kernel, the device's idle gaps by length and by the host thread then working, the
-longest gaps with the host op and Python frames they waited on).  ``--attention-bench``: ``varlen_attn`` forward and
+longest gaps with the host op and Python frames they waited on).  ``--host-profile``: five more steps per variant
+under cProfile, the host's time per step by Python function (own and cumulative, the top 30 of each).
+``--attention-bench``: ``varlen_attn`` forward and
 forward + backward on the step's packed shapes against torch's SDPA backends (cuDNN first) on a nested jagged
 tensor.
 
@@ -434,6 +436,37 @@ def kernel_category(name: str) -> str:
 STEP_RANGE = "bench_step::step"
 
 
+def host_profile(step, module, device, steps: int = 5, top: int = 30) -> dict:
+    """``steps`` steps under cProfile, the device synchronised after each (its wait is ``synchronize``'s own
+    time): the host's milliseconds per step in total and per function, the ``top`` functions by their own time and
+    by their cumulative time (packfwd's, Megatron-Core's, torch's and cuDNN-frontend's Python): where a step's host
+    time goes, which the device timeline only shows as gaps."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        prof.enable()
+        step()
+        prof.disable()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        module.zero_grad(set_to_none=True)
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+
+    def rows(key):
+        ranked = sorted(stats.items(), key=lambda kv: kv[1][key], reverse=True)[:top]
+        return [{"function": f"{Path(f).name}:{line}({name})" if f != "~" else name, "calls": nc / steps,
+                 "own_ms": own / steps * 1e3, "cumulative_ms": cum / steps * 1e3}
+                for (f, line, name), (_, nc, own, cum, _) in ranked]
+
+    total = sum(v[2] for v in stats.values()) / steps * 1e3
+    return {"steps": steps, "wall_ms_per_step": wall, "profiled_ms_per_step": total,
+            "calls_per_step": sum(v[1] for v in stats.values()) / steps, "by_own": rows(2), "by_cumulative": rows(3)}
+
+
 def profile_step(step, module, device) -> dict:
     """One step under torch.profiler: device (CPU: self host) time per category, ms and %, top kernels of each;
     on CUDA also the step's timeline (:func:`device_timeline`: when the device had no kernel to run, and what the
@@ -686,6 +719,8 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
     row.update(measure(step, module, cfg, timer))
     if cfg.profile:
         row["profile"] = profile_step(step, module, cfg.device)
+    if cfg.host_profile:
+        row["host_profile"] = host_profile(step, module, cfg.device)
     if name == "packfwd_default":
         row["attention"] = step.forward.attention_backend(module)
         padded = getattr(step.forward, "padded_steps", None)
@@ -788,6 +823,8 @@ def main(argv=None) -> int:
                     help="packfwd_compiled: leave Megatron-Core's per-call tp_group warning (a graph break per linear)")
     ap.add_argument("--compile-on-cpu", action="store_true", help="run packfwd_compiled on the CPU too")
     ap.add_argument("--profile", action="store_true", help="one profiled step per variant: time by kernel category")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="five more steps per variant under cProfile: the host's time by Python function")
     ap.add_argument("--fp32", action="store_true",
                     help="float32 models on the GPU too (a correctness check of every variant against transformers "
                          "with bf16 rounding out of the way; packfwd's attention then runs its reference backend)")
