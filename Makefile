@@ -24,8 +24,10 @@ CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 XDIST   ?= -n 2 --dist loadfile
 # pip compiles every installed file to .pyc (about 15 s for torch, transformers and megatron-core): keep it, since
 # with PYTHONDONTWRITEBYTECODE set (as on this project's machines) Python would otherwise compile each module anew
-# in every process, and the suite starts hundreds (ranks, scripts): --no-compile made `make test` twice as slow
-PIP     = -m pip install -q
+# in every process, and the suite starts hundreds (ranks, scripts): --no-compile made `make test` twice as slow.
+# --no-cache-dir: no second copy of the downloads (for Python 3.12 the CUDA build's 4.7 GB) kept in ~/.cache/pip; a
+# CI run once stopped on a full disk while installing
+PIP     = -m pip install -q --no-cache-dir
 
 # The first interpreter of version $(1) that runs: python$(1) on PATH, then pyenv's.
 find_python = $(firstword $(foreach p,python$(1) $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python3),\
