@@ -437,10 +437,12 @@ STEP_RANGE = "bench_step::step"
 
 
 def host_profile(step, module, device, steps: int = 5, top: int = 30) -> dict:
-    """``steps`` steps under cProfile, the device synchronised after each (its wait is ``synchronize``'s own
-    time): the host's milliseconds per step in total and per function, the ``top`` functions by their own time and
-    by their cumulative time (packfwd's, Megatron-Core's, torch's and cuDNN-frontend's Python): where a step's host
-    time goes, which the device timeline only shows as gaps."""
+    """``steps`` steps under cProfile, the device synchronised after each outside the profile (the wait for the
+    device is in ``wall_ms_per_step``, not in the functions' times; cProfile slows the host, so compare rows with
+    each other, not with the timed steps): the host's milliseconds per step in total and per function, the ``top`` functions by their own time and by their
+    cumulative time (packfwd's, Megatron-Core's, torch's and cuDNN-frontend's Python): where a step's host time
+    goes, which the device timeline only shows as gaps.  A sync inside the step shows as the time of the call that
+    made it (a ``.item()``, a blocking copy)."""
     import cProfile
     import pstats
 

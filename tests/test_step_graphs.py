@@ -53,7 +53,8 @@ def test_buckets_fit_with_bounded_padding_and_few_shapes(seed):
             assert t * cp % period == 0  # plan_thd_bucket's rule for Bucket.tokens
             pf.layout.bucket.plan_thd_bucket(  # the bucket holds the micro-batch's own layout
                 torch.arange(1000)[None] < torch.tensor([lengths[i] for i in mb])[:, None],
-                pf.layout.bucket.Bucket(t * cp, -(-1000 // align) * align), tp_size=tp, cp_size=cp, seq_align=align)
+                pf.layout.bucket.Bucket(t * cp, -(-1000 // align) * align), tp_size=tp, cp_size=cp, cp_rank=0,
+                seq_align=align)
 
 
 def test_bucket_steps_is_checked():
@@ -86,13 +87,13 @@ def _setup(dtype=torch.float64, width=16, max_tokens=40):
     return model, forward, plan, dict(ids=ids, mask=mask, labels=labels, loss_mask=loss_mask, adv=adv)
 
 
-def _step(model, forward, plan, d, graphs, normalize="token_mean", grad=True):
+def _step(model, forward, plan, d, graphs, normalize="token_mean", grad=True, **options):
     model.zero_grad(set_to_none=True)
     kw = dict(loss_fn=lambda o, adv: -o["log_probs"] * adv[:, None] + 0.1 * o["entropy"], loss_args={"adv": d["adv"]},
               loss_mask=d["loss_mask"], normalize=normalize) if grad else {}
     with torch.set_grad_enabled(grad):
         out = run_micro_batches(forward, model, plan, d["ids"], d["mask"], dp_rank=0, graphs=graphs,
-                                labels=d["labels"], **kw)
+                                labels=d["labels"], **kw, **options)
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -325,10 +326,13 @@ def test_batches_of_another_width_share_the_buckets(cpu_graphs):
 
 def test_buckets_true_pads_every_micro_batch_and_none_on_the_cpu_does_not():
     model, forward, plan, d = _setup()
-    plain, plain_grads = _step(model, forward, plan, d, False)
+    plain, plain_grads = _step(model, forward, plan, d, False, buckets=False)
     default, default_grads = _step(model, forward, plan, d, False)  # buckets=None on the CPU: the plain step
     assert torch.equal(default.loss, plain.loss) and all(torch.equal(default_grads[n], plain_grads[n]) for n in plain_grads)
     assert forward.padded_steps.eager == 0 and "not a CUDA batch" in forward.padded_steps.reason
+    elsewhere, _ = _step(model, forward, plan, d, StepGraphs(capture=False))  # the padded step, held elsewhere: other
+    assert not torch.equal(elsewhere.loss, plain.loss)  # bits, so the equalities above tell the two steps apart
+    assert forward.padded_steps.eager == 0
 
     def step(graphs, **kw):
         model.zero_grad(set_to_none=True)
@@ -415,11 +419,59 @@ def test_padded_steps_refuse_processor_inputs_that_take_gradients_and_forget_old
 
 def test_activation_recompute_is_named_for_graphs_and_padded_steps_still_run(monkeypatch):
     """Megatron-Core's checkpointing refuses ``torch.autograd.grad``, which the graphs' backward is: graphs name it;
-    the padded eager steps run plain autograd, so they take such a model."""
+    the padded eager steps run plain autograd, so they take such a model, with the plain step's numbers."""
     model, forward, plan, d = _setup()
-    monkeypatch.setattr(model.config, "recompute_granularity", "full")
+    plain, plain_grads = _step(model, forward, plan, d, False, buckets=False)  # before recompute is switched on
+    for name, value in (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                        ("recompute_num_layers", 1)):
+        monkeypatch.setattr(model.config, name, value)
     assert "activation recompute" in why_eager(forward, model, d["ids"], cuda=True)
     assert why_eager(forward, model, d["ids"], cuda=False) is None
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    # Megatron-Core's checkpoint saves and restores the CUDA generator's state; this model draws no random number
+    # (no dropout), so on the CPU the host generator's state stands in for it
+    monkeypatch.setattr(megatron_random, "_get_all_rng_states", lambda: (torch.get_rng_state(), None, None))
+    monkeypatch.setattr(megatron_random, "_set_all_rng_states", lambda cpu, cuda, tracker: torch.set_rng_state(cpu))
+    calls = []
+    layer = model.decoder.layers[0]
+    original = layer.forward  # an instance attribute, not a hook (a hooked model runs the plain step)
+    monkeypatch.setattr(layer, "forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    padded, padded_grads = _step(model, forward, plan, d, False, buckets=True)
+    assert forward.padded_steps.reason is None and forward.padded_steps.eager == plan.num_micro_batches
+    assert len(calls) == 2 * plan.num_micro_batches  # each micro-batch's layer ran again in its backward
+    torch.testing.assert_close(padded.loss, plain.loss, rtol=1e-12, atol=1e-14)  # float64: padding only rounds
+    for n in plain_grads:
+        torch.testing.assert_close(padded_grads[n], plain_grads[n], rtol=1e-10, atol=1e-13)
+
+
+def test_padded_eager_steps_keep_one_entry_per_bucket_whatever_the_head_size():
+    """A padded eager step takes its head size (``scored_tokens``, from the micro-batch's loss tokens) per call: the
+    bucket's static inputs are made once, not again for each new count of loss tokens."""
+    model, forward, plan, d = _setup()
+    held = StepGraphs(capture=False)
+    g = torch.Generator().manual_seed(3)
+    heads = set()
+    for _ in range(4):  # other loss masks: other loss-token counts per micro-batch, the same buckets
+        d["loss_mask"] = (d["labels"] >= 0) & (torch.rand(d["labels"].shape, generator=g) < 0.7)
+        counts = d["loss_mask"].sum(1).tolist()
+        heads |= {sum(counts[i] for i in mb) for mb in plan.micro_batches[0]}
+        _step(model, forward, plan, d, held, loss_tokens=counts)
+    assert len(heads) > len(set(plan.buckets(0)))  # more head sizes than buckets
+    assert len(held._entries) == len(set(plan.buckets(0))), (len(held._entries), plan.buckets(0))
+    assert held.eager == 4 * plan.num_micro_batches
+
+
+def test_buckets_true_with_a_forward_of_ones_own_warns_and_runs_the_plain_step():
+    model, forward, plan, d = _setup()
+
+    def mine(*args, **kw):  # a caller's wrapper: no plan= path to pad
+        return forward(*args, **kw)
+
+    plain, plain_grads = _step(model, forward, plan, d, False, buckets=False)
+    with pytest.warns(UserWarning, match="not one make_forward made"):
+        got, got_grads = _step(model, mine, plan, d, False, buckets=True)
+    assert torch.equal(got.loss, plain.loss) and all(torch.equal(got_grads[n], plain_grads[n]) for n in plain_grads)
 
 
 def test_padded_eager_steps_size_the_head_as_the_plain_step_does(cpu_graphs, monkeypatch):

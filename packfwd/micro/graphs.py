@@ -66,7 +66,8 @@ class StepGraphs:
     dropped, quietly).  All graphs share one memory pool.  ``head_quarters`` (default: ``capture``): a forward that
     scores the loss tokens only computes its head on their count rounded up to a quarter of the bucket (at most four
     graphs per bucket); False: rounded as the plain step rounds it (``packfwd.forward.scored.slots_for``, at most
-    1/16 more rows), what a padded eager step does.  ``StepGraphs(capture=False, head_quarters=True)`` runs what the
+    1/16 more rows, capped at the bucket's tokens where the plain step caps at the micro-batch's), what a padded
+    eager step does.  ``StepGraphs(capture=False, head_quarters=True)`` runs what the
     graphs replay, bit for bit.
 
     After a step: ``memory_bytes`` (what the captures reserved: the graphs' activations and outputs, and one set of
@@ -247,7 +248,7 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     ``counts`` (a forward that scores the loss tokens only): each sequence's loss tokens, as the eager step passes
     them; here the forward gets the micro-batch's loss mask and, as ``scored_tokens``, its count rounded up
     (:class:`StepGraphs`' ``head_quarters``: for graphs to a quarter of the bucket, at most 4 head sizes per token
-    size; for a padded eager step as the plain step rounds it)."""
+    size; for a padded eager step as the plain step rounds it, capped at the bucket's tokens)."""
     grad = loss_fn is not None
     rows, tokens = shape
     ids, mask, positions = mb.args
@@ -255,16 +256,19 @@ def graphed_step(graphs: StepGraphs, forward, model, mb, shape: tuple[int, int],
     kwargs = mb.kwargs
     if counts is not None:
         count = sum(counts[i] for i in mb.indices)
-        if graphs.head_quarters:  # a graph per head size: a quarter of the bucket's tokens at a time
-            quarter = -(-tokens // 4)
-            scored = min(tokens, -(-count // quarter) * quarter)
+        if graphs.head_quarters:  # a graph per head size: a quarter of the bucket's tokens at a time (no
+            quarter = -(-tokens // 4)  # fifth size, 0, for a micro-batch without loss tokens)
+            scored = min(tokens, -(-max(count, 1) // quarter) * quarter)
         else:  # no graph kept: the plain step's head rows (the quarters add about an eighth of the bucket)
             scored = slots_for(count, tokens)
         kwargs = {**kwargs, "loss_mask": mb.loss_mask, "scored_tokens": scored}
         canvas = {**canvas, "batch": canvas["batch"] | {"loss_mask"}}
     canvas = {**canvas, "padded": rules.round_up(canvas["width"], WIDTH_STEP)}
     params = tensors.params if graphs.capture else []  # a padded eager step runs plain autograd: no list needed
-    key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) + (tuple(map(id, params)),)
+    # a padded eager step takes its non-tensor arguments (the head's size among them) per call: not in its key, or
+    # each new head size would make the bucket's static inputs again
+    key = _key(model, rows, tokens, canvas, grad, ids, positions, kwargs, values=graphs.capture) + (
+        tuple(map(id, params)),)
     storage = tensors.storage() if graphs.capture else ()  # no graph reads a pointer of a padded eager step
     entry = graphs._entries.get(key)
     if entry is not None and (entry.model() is not model or entry.storage != storage):
@@ -379,6 +383,8 @@ class _Entry:
         for k, static in self.kwargs.items():
             if isinstance(static, Tensor):
                 _fill(static, kwargs[k])
+            else:  # a graph's key holds these values (the same); a padded eager step takes this call's
+                self.kwargs[k] = kwargs[k]
         if self.plan is None:
             self.plan = _clone(plan)
         else:
@@ -528,8 +534,11 @@ class _Device:
 _DEVICE = _Device()
 
 
-def _key(model, rows, tokens, canvas, grad, ids, positions, kwargs) -> tuple:
-    args = tuple(sorted((k, _signature(v, rows, canvas, 0 if k in canvas["batch"] else None))
+def _key(model, rows, tokens, canvas, grad, ids, positions, kwargs, values: bool = True) -> tuple:
+    """What a bucket's entry is made for; ``values=False`` (no graph: the entry takes its non-tensor arguments per
+    call, :meth:`_Entry.load`): their names only."""
+    args = tuple(sorted((k, _signature(v, rows, canvas, 0 if k in canvas["batch"] else None)
+                         if values or isinstance(v, Tensor) else "per call")
                         for k, v in kwargs.items() if k != "seqlens"))
     autocast = torch.is_autocast_enabled("cuda")
     positions = None if positions is None else _signature(positions, rows, canvas, _row_dim(positions))

@@ -231,8 +231,13 @@ def _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, proces
     """The padded eager steps (``forward.padded_steps``, a ``StepGraphs(capture=False)``), or None for the plain
     step: ``buckets=False``; the padded step cannot run here; or ``buckets=None`` and padding was not measured to
     pay (:func:`padding_pays`).  The reason is kept on ``forward.padded_steps.reason`` (said once for ``True``)."""
-    if buckets is False or getattr(forward, "engine", None) is None:
-        return None  # a callable not make_forward's holds nothing: the plain step, as why_eager would say
+    if buckets is False:
+        return None
+    if getattr(forward, "engine", None) is None:  # a callable not make_forward's holds nothing: the plain step
+        if buckets is True:
+            warnings.warn("packfwd: run_micro_batches(buckets=True) runs the plain step: the forward is not one "
+                          "make_forward made (its plan= path is what the padded step runs)", stacklevel=3)
+        return None
     held = getattr(forward, "padded_steps", None)
     if held is None:
         held = forward.padded_steps = StepGraphs(capture=False)
