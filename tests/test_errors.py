@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from packfwd import from_bshd, from_thd, next_token_labels, plan_thd, sp_pad, to_bshd, to_thd, unpad
+from packfwd import (from_bshd, from_thd, next_token_labels, plan_bshd, plan_thd, plan_unpad, sp_pad, to_bshd,
+                     to_thd, unpad)
 
 X = torch.randn(2, 5, 3)
 MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
@@ -23,7 +24,9 @@ MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
         (lambda: to_thd(X, MASK, tp_size=2.0), TypeError, "tp_size must be a Python int"),
         (lambda: to_thd(X, MASK, cp_size=2, cp_rank=2), ValueError, "cp_rank=2 is out of range"),
         (lambda: to_thd(X, MASK, cp_size=2, cp_rank=-1), ValueError, "cp_rank=-1 is out of range"),
-        (lambda: to_thd(X, MASK, cp_size=2, seq_align=6), ValueError, "multiple of 4"),
+        (lambda: to_thd(X, MASK, cp_size=2, cp_rank=0, seq_align=6), ValueError, "multiple of 4"),
+        (lambda: to_thd(X, MASK, cp_size=2), ValueError, "cp_size=2 needs cp_rank"),
+        (lambda: plan_thd(MASK, tp_size=2, cp_size=4), ValueError, r"pass cp_rank= .* 0 to 3"),
         (lambda: to_thd(X, MASK, seq_align=0), ValueError, "seq_align must be >= 1"),
         (lambda: to_thd(X, MASK, max_seqlen=2), ValueError, "max_seqlen=2 is below"),
         (lambda: to_thd(X, MASK, seqlens=[3, 5, 1]), ValueError, "seqlens has 3 entries"),
@@ -38,6 +41,22 @@ MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
 def test_planning_errors(call, exc, words):
     with pytest.raises(exc, match=words):
         call()
+
+
+@pytest.mark.parametrize("make_plan, apply", [
+    (lambda: plan_thd(MASK), to_thd),
+    (lambda: plan_unpad(MASK), unpad),
+    (lambda: plan_bshd(MASK), to_bshd),
+], ids=["thd", "unpad", "bshd"])
+def test_applying_a_plan_checks_x_against_it(make_plan, apply):
+    """A plan of a [2, 5] mask applied to x [5, 2, 3] (same element count, rows and columns swapped) or [2, 4, 3]:
+    once reshaped silently (the wrong tokens, or torch's reshape error), now a ValueError naming x and the shape."""
+    plan = make_plan()
+    for x in (X.transpose(0, 1).contiguous(), X[:, :4], X.reshape(-1, 3)):
+        with pytest.raises(ValueError, match=r"x has shape .* plan was made for \[b=2, s=5"):
+            apply(x, plan)
+    with pytest.raises(TypeError, match="nested"):
+        apply(torch.nested.nested_tensor([X[0, :3], X[1]], layout=torch.jagged), plan)
 
 
 def test_from_thd_checks_outputs_against_the_plan():

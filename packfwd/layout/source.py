@@ -137,7 +137,7 @@ def checked_lengths(src: Lengths) -> Tensor:
     host = to_device(src.host, src.mask.device)
     if src.is_int:
         torch._assert_async(((src.mask == 0) | (src.mask == 1)).all(), MASK_VALUES_MESSAGE)
-    torch._assert_async((src.lengths == host).all(), "seqlens does not match attention_mask.sum(-1)")
+    torch._assert_async((src.lengths == host).all(), SEQLENS_MESSAGE)
     return host
 
 
@@ -155,6 +155,9 @@ def padded_source(src: Lengths, cu_seqlens: Tensor) -> TokenSource:
         nested_offsets=None,
     )
 
+
+SEQLENS_MESSAGE = ("seqlens does not match attention_mask.sum(-1); pass the real length of every row (run_micro_batches "
+                   "passes plan.seqlens: plan the micro-batches from this attention_mask's row lengths)")
 
 COMPILE_MESSAGE = ("packfwd plans a layout on the host, which torch.compile cannot trace: plan outside the compiled "
                    "function (info = plan_thd(mask), or plan_bshd / plan_unpad) and pass the plan in (to_thd(x, info))")
@@ -200,13 +203,13 @@ def plan_padded(src: Lengths, layout: LayoutFn) -> tuple[TokenSource, list[int],
         if src.is_int and not ((src.mask == 0) | (src.mask == 1)).all():
             raise ValueError(MASK_VALUES_MESSAGE)
         if not np.array_equal(src.lengths.numpy(), src.host):
-            raise ValueError("seqlens does not match attention_mask.sum(-1); pass the real length of every row")
+            raise ValueError(SEQLENS_MESSAGE)
     check = src.from_caller and on_device
     cu_seqlens, *device_arrays = _upload(src.mask.device, [cumsum0(src.host), *arrays, *([src.host] if check else [])])
     if check:  # verified on the device, raising later (asynchronously) if the caller's lengths were wrong
         if src.is_int:
             torch._assert_async(((src.mask == 0) | (src.mask == 1)).all(), MASK_VALUES_MESSAGE)
-        torch._assert_async((src.lengths == device_arrays.pop()).all(), "seqlens does not match attention_mask.sum(-1)")
+        torch._assert_async((src.lengths == device_arrays.pop()).all(), SEQLENS_MESSAGE)
     return padded_source(src, cu_seqlens.to(torch.int32)), list(ints), device_arrays
 
 
@@ -257,6 +260,12 @@ def canvas_rows_of(x: Tensor, source: TokenSource) -> Tensor:
         if not is_nested(x):
             raise TypeError("this plan was made from a nested tensor; pass a nested x with the same offsets")
         return x.values()
+    if is_nested(x):
+        raise TypeError("x is a nested tensor but this plan was made from a padded attention_mask; pass x padded "
+                        f"[{source.batch_size}, {source.seq_len}, ...], or plan from the nested tensor")
+    if x.dim() < 2 or (x.shape[0], x.shape[1]) != (source.batch_size, source.seq_len):
+        raise ValueError(f"x has shape {tuple(x.shape)} but the plan was made for [b={source.batch_size}, "
+                         f"s={source.seq_len}, ...]; pass x shaped like the attention_mask the plan was made from")
     return x.reshape(source.canvas_rows, *x.shape[2:])
 
 
