@@ -15,7 +15,7 @@ def check_positive_int(name: str, value: object, hint: str | None = None) -> int
     """``value`` if it is an int >= 1; else an error naming ``name`` and the fix (``hint``, or: 1 turns that
     parallelism off)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}; pass e.g. {name}=2")
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__} {value!r}; pass {name}=int(...)")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}; {hint or f'use {name}=1 when that parallelism is off'}")
     return value
@@ -27,6 +27,17 @@ def check_rank(name: str, rank: object, size: int, size_name: str) -> int:
     if not 0 <= rank < size:
         raise ValueError(f"{name}={rank} is out of range for {size_name}={size}; pass a rank in [0, {size - 1}]")
     return rank
+
+
+def cp_rank_for(cp_size: int, cp_rank: object) -> object:
+    """``cp_rank``, or 0 where it was left out (None) and there is one CP rank; a plan of several CP ranks holds one
+    rank's share of the tokens, so there it must be named."""
+    if cp_rank is not None:
+        return cp_rank
+    if cp_size > 1:
+        raise ValueError(f"cp_size={cp_size} needs cp_rank: a THD plan holds one context-parallel rank's share of the "
+                         f"tokens; pass cp_rank= (this process's rank in the CP group, 0 to {cp_size - 1})")
+    return 0
 
 
 def check_tensor(name: str, x: object) -> Tensor:

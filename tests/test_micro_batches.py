@@ -51,7 +51,7 @@ def footprint(seqlens: list[int], *, tp: int, cp: int, align: int | None) -> int
         return 0
     s = max(max(seqlens), 1)
     mask = torch.arange(s)[None, :] < torch.tensor(seqlens)[:, None]
-    return pf.plan_thd(mask, tp_size=tp, cp_size=cp, seq_align=align, seqlens=list(seqlens)).local_tokens
+    return pf.plan_thd(mask, tp_size=tp, cp_size=cp, cp_rank=0, seq_align=align, seqlens=list(seqlens)).local_tokens
 
 
 @functools.lru_cache(maxsize=None)

@@ -180,8 +180,8 @@ def test_padding_sweep_matches_plan_thd_totals():
     for row in rows:
         tp, cp = row["tp"], row["cp"]
         assert row["real"] == sum(lengths)
-        assert row["packfwd"] == plan_thd(mask, tp_size=tp, cp_size=cp).total_tokens
-        assert row["verl"] == plan_thd(mask, tp_size=tp, cp_size=cp, seq_align=verl_seq_align(tp, cp)).total_tokens
+        assert row["packfwd"] == plan_thd(mask, tp_size=tp, cp_size=cp, cp_rank=0).total_tokens
+        assert row["verl"] == plan_thd(mask, tp_size=tp, cp_size=cp, cp_rank=0, seq_align=verl_seq_align(tp, cp)).total_tokens
         assert padding_overhead(lengths, tp_size=tp, cp_size=cp) == {k: row[k] for k in ("real", "packfwd", "verl")}
     with pytest.raises(ValueError, match=r"tps holds \[0\]: every tp_size must be an int >= 1"):
         padding_sweep(lengths, [0], [1])

@@ -111,7 +111,7 @@ def test_an_unpad_plan_is_thd_without_padding():
 def test_draw_mask_takes_every_object(what):
     mask = torch.flip(lengths_mask(LENGTHS), [1])  # left-padded
     objects = {
-        "mask": mask, "lengths": LENGTHS, "unpad": packfwd.plan_unpad(mask), "thd": packfwd.plan_thd(mask, cp_size=2),
+        "mask": mask, "lengths": LENGTHS, "unpad": packfwd.plan_unpad(mask), "thd": packfwd.plan_thd(mask, cp_size=2, cp_rank=0),
         "thd list": [packfwd.plan_thd(mask, cp_size=2, cp_rank=r) for r in (0, 1)], "bshd": packfwd.plan_bshd(mask),
     }
     fig = Figure()
@@ -149,7 +149,7 @@ def test_describe_thd_of_a_large_batch_is_ranges_and_short():
 
 def test_other_pictures_take_the_users_objects():
     mask = lengths_mask(LENGTHS)
-    plan = packfwd.plan_thd(mask, cp_size=2)
+    plan = packfwd.plan_thd(mask, cp_size=2, cp_rank=0)
     fig = Figure(figsize=(8, 3))
     a, b = fig.subplots(1, 2)
     plot_padding_sweep(a, plan, [1, 2], [1, 2])  # a plan: its lengths
@@ -176,7 +176,7 @@ def rank_names(facts, rank):
 def test_rank_tokens_are_to_thd_of_token_codes(lengths, tp, cp, align):
     codes, names = token_codes(lengths), token_names(lengths)
     mask = lengths_mask(lengths)
-    for layout in (lengths, packfwd.plan_thd(mask, tp_size=tp, cp_size=cp, seq_align=align)):
+    for layout in (lengths, packfwd.plan_thd(mask, tp_size=tp, cp_size=cp, cp_rank=0, seq_align=align)):
         sizes = dict(tp_size=tp, cp_size=cp, seq_align=align) if isinstance(layout, list) else {}
         facts = thd_facts(layout, **sizes)
         for rank in range(cp):
@@ -242,7 +242,7 @@ def test_attention_work_against_the_plans_positions(tp, cp):
                   for r in range(cp)]
     assert attention_work(mask, tp_size=tp, cp_size=cp) == {"zigzag": zigzag, "contiguous": contiguous}
     fig = Figure()
-    ax = plot_attention_work(fig.subplots(), packfwd.plan_thd(mask, tp_size=tp, cp_size=cp))
+    ax = plot_attention_work(fig.subplots(), packfwd.plan_thd(mask, tp_size=tp, cp_size=cp, cp_rank=0))
     assert [p.get_height() for p in ax.patches] == contiguous + zigzag
 
 
@@ -283,9 +283,9 @@ def test_draw_expert_load_from_routing_stats_with_and_without_padding():
 @pytest.mark.parametrize("call, error, words", [
     (lambda ax: draw_thd(ax, {"a": 1}), TypeError, ["layout is a dict", "attention mask"]),
     (lambda ax: draw_thd(ax, packfwd.plan_bshd(lengths_mask([3, 2]))), TypeError, ["BshdInfo", "draw_mask"]),
-    (lambda ax: draw_thd(ax, packfwd.plan_thd(lengths_mask([3, 2]), cp_size=2), cp_size=4), ValueError,
+    (lambda ax: draw_thd(ax, packfwd.plan_thd(lengths_mask([3, 2]), cp_size=2, cp_rank=0), cp_size=4), ValueError,
      ["cp_size=2", "cp_size=4", "pass the plan alone"]),
-    (lambda ax: draw_thd(ax, [packfwd.plan_thd(lengths_mask([3, 2]), cp_size=2)]), ValueError,
+    (lambda ax: draw_thd(ax, [packfwd.plan_thd(lengths_mask([3, 2]), cp_size=2, cp_rank=0)]), ValueError,
      ["CP ranks [0]", "cp_size=2"]),
     (lambda ax: draw_thd(ax, [packfwd.plan_thd(lengths_mask([3, 2]), cp_size=2, cp_rank=r) for r in (0, 1)][:1]
                          + [packfwd.plan_thd(lengths_mask([4, 2]), cp_size=2, cp_rank=1)]), ValueError,
@@ -366,12 +366,12 @@ def all_plan_objects():
         "UnpadInfo": packfwd.plan_unpad(mask),
         "ThdInfo": packfwd.plan_thd(mask),
         "ThdInfo tp2 cp4": packfwd.plan_thd(mask, tp_size=2, cp_size=4, cp_rank=3),
-        "ThdInfo bucket": plan_thd_bucket(mask, Bucket(tokens=262144, max_seqlen=4096), cp_size=2),
+        "ThdInfo bucket": plan_thd_bucket(mask, Bucket(tokens=262144, max_seqlen=4096), cp_size=2, cp_rank=0),
         "BshdInfo": packfwd.plan_bshd(mask, tp_size=2),
         "MicroBatchPlan": plan_micro_batches(lengths, max_tokens=8192, dp_size=4, tp_size=2, cp_size=2),
         "MicroBatchPlan dp16": plan_micro_batches(lengths, max_tokens=4096, dp_size=16),
         "RoutingStats": RoutingStats(counts, torch.rand(64, requires_grad=True), torch.tensor(float(sum(lengths)))),
-        "PackedSeqParams": packfwd.plan_thd(mask, cp_size=2).packed_seq_params(),
+        "PackedSeqParams": packfwd.plan_thd(mask, cp_size=2, cp_rank=0).packed_seq_params(),
     }
 
 
@@ -409,7 +409,7 @@ def test_printed_facts_are_right():
 
 
 def test_printing_reads_the_device_once_and_not_while_tracing(monkeypatch):
-    info = packfwd.plan_thd(lengths_mask(rl_lengths(256)), tp_size=2, cp_size=2)
+    info = packfwd.plan_thd(lengths_mask(rl_lengths(256)), tp_size=2, cp_size=2, cp_rank=0)
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or tolist(self))

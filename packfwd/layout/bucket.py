@@ -71,7 +71,7 @@ def plan_thd_bucket(
     *,
     tp_size: int = 1,
     cp_size: int = 1,
-    cp_rank: int = 0,
+    cp_rank: int | None = None,
     seq_align: int | None = None,
     seqlens: Sequence[int] | None = None,
 ) -> ThdInfo:

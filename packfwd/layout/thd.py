@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._validate import check_positive_int, check_rank
+from .._validate import check_positive_int, check_rank, cp_rank_for
 from ..ops import plan as plan_kernel
 from ..ops.gather import gather_rows
 from . import rules
@@ -130,11 +130,12 @@ class ThdInfo(PlanOfSource):
 
 
 def plan_thd(
-    attention_mask: Tensor | None, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int = 0,
+    attention_mask: Tensor | None, *, tp_size: int = 1, cp_size: int = 1, cp_rank: int | None = None,
     seq_align: int | None = None, max_seqlen: int | None = None, seqlens: Sequence[int] | None = None,
     x: Tensor | None = None,
 ) -> ThdInfo:
     """Plan the THD layout of a batch for CP rank ``cp_rank`` (see the module docstring for the layout).
+    ``cp_rank`` is required with ``cp_size > 1`` (the plan gathers that rank's share of the tokens).
 
     ``attention_mask``: [b, s] bool or integer 0/1 (or None with a jagged nested ``x``).  ``max_seqlen``: a fixed
     value to report instead of the longest padded sequence (an upper bound, e.g. a bucket size; must be at least
@@ -160,7 +161,7 @@ def plan_thd_layout(
     passes one that holds a fixed token count."""
     tp = check_positive_int("tp_size", tp_size)
     cp = check_positive_int("cp_size", cp_size)
-    rank = check_rank("cp_rank", cp_rank, cp, "cp_size")
+    rank = check_rank("cp_rank", cp_rank_for(cp, cp_rank), cp, "cp_size")
     align = rules.check_seq_align(seq_align, cp, tp)
     if max_seqlen is not None:
         check_positive_int("max_seqlen", max_seqlen)

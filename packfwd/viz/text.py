@@ -120,7 +120,7 @@ def thd_plans(
     else:
         mask = lengths_mask(host_lengths(layout, "layout").tolist())
     sizes = dict(tp_size=tp_size or 1, cp_size=cp_size or 1, seq_align=seq_align)
-    first = plan_thd(mask, **sizes)  # checks the sizes first
+    first = plan_thd(mask, cp_rank=0, **sizes)  # checks the sizes first
     return [first, *(plan_thd(mask, cp_rank=r, **sizes) for r in range(1, sizes["cp_size"]))]
 
 
@@ -225,8 +225,8 @@ def describe_padding(
     """
     lengths = _lengths_of(lengths)
     mask = lengths_mask(lengths)
-    ours = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
-    verl = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, seq_align=verl_seq_align(tp_size, cp_size))
+    ours = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, cp_rank=0, seq_align=seq_align)  # totals: any rank's
+    verl = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, cp_rank=0, seq_align=verl_seq_align(tp_size, cp_size))
     real = sum(lengths)
     rows = [("packfwd" if seq_align is None else "chosen", ours), ("verl", verl)]
     width = len(str(max(ours.total_tokens, verl.total_tokens)))

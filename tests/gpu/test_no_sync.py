@@ -107,7 +107,7 @@ def test_planning_with_host_seqlens_makes_no_sync():
         for cp in (1, 2, 3):
             for r in range(cp):
                 plan_thd(mask, tp_size=2, cp_size=cp, cp_rank=r, seqlens=seqlens)
-        plan_thd_bucket(mask, Bucket(tokens=1024, max_seqlen=128), cp_size=2, seqlens=seqlens)
+        plan_thd_bucket(mask, Bucket(tokens=1024, max_seqlen=128), cp_size=2, cp_rank=0, seqlens=seqlens)
         plan_thd(mask.int(), seqlens=seqlens)  # integer masks: values checked on the device
     torch.cuda.synchronize()
 
@@ -121,7 +121,7 @@ def test_planning_from_a_device_mask_makes_exactly_one_sync(kind):
         "thd": lambda: plan_thd(mask, tp_size=2),
         "thd_cp2": lambda: plan_thd(mask, tp_size=2, cp_size=2, cp_rank=1),
         "bucket": lambda: plan_thd_bucket(mask, Bucket(tokens=1024, max_seqlen=128)),
-        "int_mask": lambda: plan_thd(mask.to(torch.int64), cp_size=2),
+        "int_mask": lambda: plan_thd(mask.to(torch.int64), cp_size=2, cp_rank=0),
     }[kind]
     plan()  # warm-up: first-use allocations
     assert count_syncs(plan) == 1
