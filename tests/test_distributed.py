@@ -376,7 +376,7 @@ def test_each_kind_of_bad_input_fails_alike_everywhere():
     kind, message = seen["different_batch"]
     assert kind == "ValueError" and message.startswith("the ranks of the process group got different batches")
     kind, message = seen["same_bad_labels"]
-    assert kind == "ValueError" and "processor argument has shape (4, 11)" in message
+    assert kind == "ValueError" and "labels has shape (4, 11)" in message  # the argument named
     kind, message = seen["pipeline_microbatches"]
     assert kind == "ValueError" and "different numbers of stages and microbatches" in message
     assert "rank 0 has [1, 2], rank 1 has [1, 3]" in message

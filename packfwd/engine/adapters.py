@@ -108,8 +108,8 @@ class Thd:
     def output_rows(self, y, info):
         return y[None]  # [t, *] -> [1, t, *]
 
-    def pack_arg(self, value, info, input_ids):
-        return _pack_arg(value, input_ids, lambda x: to_thd(x, info)[0], info.source)
+    def pack_arg(self, value, info, input_ids, name="a processor argument"):
+        return _pack_arg(value, input_ids, lambda x: to_thd(x, info)[0], info.source, name)
 
     def unpack(self, y, info):
         if info.cp_size > 1 and info.local_tokens == 0:  # nothing to gather (every rank planned the same batch)
@@ -172,8 +172,8 @@ class Bshd:
     def rows(self, x, info):
         return to_bshd(x, info)[0]  # [b, s, *] (or jagged [b, j, *]) -> [b, s_c, *]
 
-    def pack_arg(self, value, info, input_ids):
-        return _pack_arg(value, input_ids, lambda x: self.tokens(self.rows(x, info), info), info.source)
+    def pack_arg(self, value, info, input_ids, name="a processor argument"):
+        return _pack_arg(value, input_ids, lambda x: self.tokens(self.rows(x, info), info), info.source, name)
 
     def unpack(self, y, info):
         b = info.source.batch_size
@@ -185,8 +185,8 @@ def _coords_first(packed, position_ids):
     return packed.movedim(-1, 0) if position_ids.is_nested and position_ids.dim() == 3 else packed
 
 
-def _pack_arg(value, input_ids, pack, source):
-    """A processor argument in the packed layout (rules in the module docstring)."""
+def _pack_arg(value, input_ids, pack, source, name="a processor argument"):
+    """A processor argument (``name``) in the packed layout (rules in the module docstring)."""
     if not isinstance(value, Tensor) or value.dim() == 0:
         return value
     b = source.batch_size
@@ -204,6 +204,6 @@ def _pack_arg(value, input_ids, pack, source):
         if value.dim() == 1 and value.shape[0] == b:
             return pack(value[:, None].expand(b, s))
     raise ValueError(
-        f"a processor argument has shape {tuple(value.shape)}; give per-token values like input_ids ([b, s, ...], or "
+        f"{name} has shape {tuple(value.shape)}; give per-token values like input_ids ([b, s, ...], or "
         f"jagged), per-sequence values as [b={b}], or a scalar"
     )

@@ -216,11 +216,11 @@ class Engine:
         else:
             plan = batch.plan
             ids = self.layout.pack_planned(plan, batch.input_ids, batch.attention_mask, batch.seqlens)
-        pack = lambda v: self.layout.pack_arg(v, plan, batch.input_ids)  # noqa: E731
+        pack = lambda k, v: self.layout.pack_arg(v, plan, batch.input_ids, name=k)  # noqa: E731
         step = Step(model=model, batch=batch, facts=facts, layout=self.layout, plan=plan, ids=ids,
-                    processor=processor, args={k: pack(v) for k, v in batch.inputs.items()}, packed={})
+                    processor=processor, args={k: pack(k, v) for k, v in batch.inputs.items()}, packed={})
         for ext in self.extensions:
-            step.packed.update({k: pack(v) for k, v in ext.inputs(step).items()})
+            step.packed.update({k: pack(k, v) for k, v in ext.inputs(step).items()})
         call = dict(self.call(step))
         for ext in self.extensions:
             call.update(ext.model_kwargs(step))

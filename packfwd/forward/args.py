@@ -17,7 +17,9 @@ def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, 
     own keyword dict: packed with the other arguments it is False exactly at the layout's padding slots, where the
     packed temperature holds the layout's fill, so the processor checks the temperature at real tokens only."""
     if processor_args and logits_processor is None:
-        raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor")
+        raise TypeError(f"got processor arguments {sorted(processor_args)} but no logits_processor; build the forward "
+                        "with make_forward(..., logits_processor=...) (e.g. packfwd.logits.log_probs_and_entropy), "
+                        "or drop them")
     if multi_modal_inputs and not vision:
         raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
     temperature = processor_args.get("temperature")
