@@ -119,5 +119,5 @@ clean:
 # environment `make test` runs them in
 .PHONY: notebooks
 notebooks: .venv-3.12/.packfwd-installed
-	$(PY) -m pip install -q -e ".[notebook]"
+	$(PY) $(PIP) -e ".[notebook]"
 	$(PY) -m jupyter lab notebooks

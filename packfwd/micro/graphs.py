@@ -65,10 +65,10 @@ class StepGraphs:
     every graph is dropped and captured again as needed (without graphs: the least recently used bucket's inputs are
     dropped, quietly).  All graphs share one memory pool.  ``head_quarters`` (default: ``capture``): a forward that
     scores the loss tokens only computes its head on their count rounded up to a quarter of the bucket (at most four
-    graphs per bucket); False: rounded as the plain step rounds it (``packfwd.forward.scored.slots_for``, at most
-    1/16 more rows, capped at the bucket's tokens where the plain step caps at the micro-batch's), what a padded
-    eager step does.  ``StepGraphs(capture=False, head_quarters=True)`` runs what the
-    graphs replay, bit for bit.
+    graphs per bucket); False: rounded as the plain step rounds it (``packfwd.forward.scored.slots_for``: at most
+    1/16 more rows, at least 64), but capped at the bucket's tokens where the plain step caps at the micro-batch's
+    (so a micro-batch of fewer than 64 tokens gets up to 64 head rows), what a padded eager step does.
+    ``StepGraphs(capture=False, head_quarters=True)`` runs what the graphs replay, bit for bit.
 
     After a step: ``memory_bytes`` (what the captures reserved: the graphs' activations and outputs, and one set of
     parameter gradients all buckets write, held while the object lives), ``captured`` / ``replayed`` / ``eager`` (micro-batch counts since made), ``reason`` (why the

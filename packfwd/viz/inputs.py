@@ -187,7 +187,7 @@ def _size(value, name: str) -> int:
     if value is None:
         return 1
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}; pass e.g. {name}=2")
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__} {value!r}; pass {name}=int(...)")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}; use {name}=1 when that parallelism is off")
     return value
