@@ -382,6 +382,15 @@ def test_a_bad_tensor_temperature_at_a_real_token_raises(head, layout, shape, ba
         _layout_forward(layout, head)(model, ids, mask, labels=next_token_labels(ids, mask), temperature=temperature)
 
 
+def test_a_temperature_of_another_shape_is_named():
+    """A ``[b, s, 1]`` temperature was refused under another argument's name (``real_tokens``, made from it)."""
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    with pytest.raises(ValueError, match=r"temperature has shape \(4, \d+, 1\); pass a number, a tensor \[b\]"):
+        _layout_forward("thd", "logits")(model, ids, mask, labels=next_token_labels(ids, mask),
+                                         temperature=torch.ones(*ids.shape, 1))
+
+
 @pytest.mark.parametrize("head", ["logits", "fused"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_temperature_at_padding_may_hold_anything(head, layout):

@@ -23,6 +23,9 @@ def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, 
     if multi_modal_inputs and not vision:
         raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
     temperature = processor_args.get("temperature")
+    if isinstance(temperature, Tensor) and temperature.dim() > 2:
+        raise ValueError(f"temperature has shape {tuple(temperature.shape)}; pass a number, a tensor [b] (per "
+                         "sequence) or [b, s] like input_ids (per token)")
     if (isinstance(temperature, Tensor) and temperature.dim() > 0 and "real_tokens" not in processor_args
             and takes(logits_processor, "real_tokens")):
         processor_args["real_tokens"] = torch.ones_like(temperature, dtype=torch.bool)

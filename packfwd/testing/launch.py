@@ -333,7 +333,8 @@ def _startup_hint() -> str:
 
 
 def _timeout_message(timeout: float, pending: list[int], started: set[int]) -> str:
-    msg = f"run_local timed out after {timeout:g} s; ranks {pending} did not finish"
+    msg = (f"run_local timed out after {timeout:g} s; ranks {pending} did not finish (pass a larger timeout=, or "
+           "find the collective a rank skipped)")
     never = [r for r in pending if r not in started]
     if never:
         msg += f"; ranks {never} never got past starting: {_startup_hint()} (or raise timeout if it is just slow)"
