@@ -382,6 +382,19 @@ def test_a_bad_tensor_temperature_at_a_real_token_raises(head, layout, shape, ba
         _layout_forward(layout, head)(model, ids, mask, labels=next_token_labels(ids, mask), temperature=temperature)
 
 
+@pytest.mark.parametrize("data_format", FORMATS)
+def test_multimodal_positions_for_a_text_model_are_refused_in_the_callers_shape(data_format):
+    """``[3, b, s]`` positions given to a 1-D RoPE model: refused before packing, naming the caller's shape (the
+    model's own check saw the packed ``(3, 1, t)``)."""
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    with pytest.raises(ValueError, match=rf"position_ids has shape \(3, {ids.shape[0]}, {ids.shape[1]}\); this model "
+                                         "uses 1-D RoPE"):
+        make_forward(data_format, logits_processor=log_probs_and_entropy)(
+            model, ids, mask, labels=next_token_labels(ids, mask),
+            position_ids=torch.zeros(3, *ids.shape, dtype=torch.long))
+
+
 def test_a_temperature_of_another_shape_is_named():
     """A ``[b, s, 1]`` temperature was refused under another argument's name (``real_tokens``, made from it)."""
     _, model = _llama()

@@ -142,10 +142,11 @@ def _check_id_range(input_ids: Tensor, attention_mask, vocab: int) -> None:
                          f"[0, {vocab}) (vocab_size={vocab}); {fix}")
 
 
-def check_positions(position_ids, input_ids) -> None:
-    """The caller's positions beside ``input_ids``: ``[b, s]``, ``[k, b, s]``, or jagged like jagged ids
+def check_positions(position_ids, input_ids, coords: int | str | None = "any") -> None:
+    """The caller's positions beside ``input_ids``: ``[b, s]``, ``[k, b, s]`` (``coords``: the model's ``k``, None
+    for 1-D RoPE, ``"any"`` where the model is not known), or jagged like jagged ids
     (:func:`packfwd._validate.check_positions`, the one check the models use too)."""
-    _check_positions(position_ids, input_ids, coords="any")
+    _check_positions(position_ids, input_ids, coords=coords)
 
 
 def check_results(results, t: int) -> Mapping[str, Tensor]:

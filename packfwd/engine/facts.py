@@ -31,6 +31,7 @@ class ModelFacts:
     tp_group: object = None
     out_width: int | None = None  # v_local (1 for a value head) on the last stage, the hidden size elsewhere
     dtype: torch.dtype | None = None
+    rope_coords: int | str | None = "any"  # position coordinates per token: 3 (multimodal RoPE), None (1-D), "any"
 
 
 def model_facts(model, tp_size: int, cp_size: int, fix: str | None = None) -> ModelFacts:
@@ -65,7 +66,8 @@ def model_facts(model, tp_size: int, cp_size: int, fix: str | None = None) -> Mo
     return ModelFacts(post_process=post, pre_process=bool(getattr(gpt, "pre_process", True)),
                        sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
                        fp8=getattr(config, "fp8", None), value_model=value, tp_size=1 if value else model_tp,
-                       tp_group=group, out_width=width, dtype=getattr(config, "params_dtype", None))
+                       tp_group=group, out_width=width, dtype=getattr(config, "params_dtype", None),
+                       rope_coords=3 if getattr(gpt, "position_embedding_type", None) == "mrope" else None)
 
 
 def check_cp(model, cp_size: int, cp_rank: int, cp_group) -> None:
