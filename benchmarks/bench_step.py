@@ -690,6 +690,8 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
             module, step = compiled_variant(hf, batch, cfg, timer, row)
             if cfg.profile:
                 row["profile"] = profile_step(step, module, cfg.device)
+            if cfg.host_profile:
+                row["host_profile"] = host_profile(step, module, cfg.device)
         return row, module
     if name.startswith("packfwd"):
         from packfwd.models import norm

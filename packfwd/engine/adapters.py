@@ -82,10 +82,10 @@ class Thd:
             raise ValueError(f"a CP plan whose max_seqlen * cp_size equals its packed total ({info.total_tokens}) "
                              f"is read by Megatron-Core's THD RoPE as one row per packed token; {fix}")
 
-    def positions(self, info, ids, position_ids, input_ids):
+    def positions(self, info, ids, position_ids, input_ids, coords="any"):
         if position_ids is None:
             return thd_position_ids(info)[None]
-        check_positions(position_ids, input_ids)
+        check_positions(position_ids, input_ids, coords)  # in the caller's shapes: the model sees packed ones
         return _coords_first(pack_positions(position_ids, info), position_ids)[..., None, :]  # [1, t] or [k, 1, t]
 
     def model_kwargs(self, info):
@@ -143,10 +143,10 @@ class Bshd:
 
     plan_bucket = plan
 
-    def positions(self, info, ids, position_ids, input_ids):
+    def positions(self, info, ids, position_ids, input_ids, coords="any"):
         if position_ids is None:
             return torch.arange(info.width, device=ids.device).expand(ids.shape[0], info.width)
-        check_positions(position_ids, input_ids)
+        check_positions(position_ids, input_ids, coords)
         return _coords_first(pack_positions(position_ids, info), position_ids)  # [b, s_c] or [k, b, s_c]
 
     def model_kwargs(self, info):

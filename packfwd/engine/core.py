@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from .checks import bind_processor, check_ids, check_positions, check_results, checked_call
+from .checks import bind_processor, check_ids, check_results, checked_call
 from .facts import ModelFacts, check_cp, check_every_ep_rank_runs, empty_output, is_moe, model_facts
 
 __all__ = ["Batch", "Engine", "Extension", "Result", "Step", "router_padding", "seq_major", "text_call"]
@@ -141,10 +141,9 @@ def text_call(step: Step) -> dict:
     """The model keywords of a text batch: the packed ids, their positions (the caller's packed, or each token's
     place in its sequence) and the layout's own keywords (THD: ``packed_seq_params``)."""
     batch = step.batch
-    if batch.position_ids is not None:  # against the model's RoPE, in the caller's shapes (the model sees packed ones)
-        check_positions(batch.position_ids, batch.input_ids, coords=step.facts.rope_coords)
     return dict(input_ids=step.ids, attention_mask=None,
-                position_ids=step.layout.positions(step.plan, step.ids, batch.position_ids, batch.input_ids),
+                position_ids=step.layout.positions(step.plan, step.ids, batch.position_ids, batch.input_ids,
+                                                   step.facts.rope_coords),
                 **step.layout.model_kwargs(step.plan))
 
 

@@ -67,7 +67,13 @@ def model_facts(model, tp_size: int, cp_size: int, fix: str | None = None) -> Mo
                        sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
                        fp8=getattr(config, "fp8", None), value_model=value, tp_size=1 if value else model_tp,
                        tp_group=group, out_width=width, dtype=getattr(config, "params_dtype", None),
-                       rope_coords=3 if getattr(gpt, "position_embedding_type", None) == "mrope" else None)
+                       rope_coords=_rope_coords(getattr(gpt, "position_embedding_type", None)))
+
+
+def _rope_coords(embedding: str | None) -> int | str | None:
+    """Position coordinates per token a model takes: 3 (multimodal RoPE), None (1-D), "any" (a model that does not
+    say: not a Megatron-Core GPT model)."""
+    return "any" if embedding is None else 3 if embedding == "mrope" else None
 
 
 def check_cp(model, cp_size: int, cp_rank: int, cp_group) -> None:

@@ -86,7 +86,8 @@ class Scoring:
         masks += [_bool(step.args[k], k, t) for k in self.masks if isinstance(step.args.get(k), Tensor)]
         loss_mask = step.batch.options.get("loss_mask")
         if loss_mask is not None:
-            masks.append(_bool(step.layout.pack_arg(loss_mask, step.plan, step.batch.input_ids, name="loss_mask"), "loss_mask", t))
+            packed = step.layout.pack_arg(loss_mask, step.plan, step.batch.input_ids, name="loss_mask")
+            masks.append(_bool(packed, "loss_mask", t))
         if not masks:
             if step.batch.options.get("scored_tokens") is not None:
                 raise TypeError(f"scored_tokens= sizes the scored tokens, but this call marks none: give the "

@@ -114,7 +114,7 @@ class VerlBshd(Bshd):
         """``[b, width / cp]`` bool, True at this rank's padding slots (kept from an MoE model's routers)."""
         return ~self.attention_mask(info)
 
-    def positions(self, info, ids, position_ids, input_ids):
+    def positions(self, info, ids, position_ids, input_ids, coords="any"):
         if position_ids is not None:
             raise ValueError("verl's nested BSHD forward computes its positions (0, 1, ... of every row); pass none")
         b, width = info.source.batch_size, self.width(info)

@@ -144,6 +144,6 @@ def _verl_call(step, *, thd: bool, vision: bool, packed_ids: bool) -> dict:
         return dict(input_ids=ids, position_ids=None, attention_mask=plan.attention_mask.to(batch.attention_mask.dtype))
     positions = None
     if batch.position_ids is not None:
-        positions = layout.positions(plan, ids, batch.position_ids, batch.input_ids)
+        positions = layout.positions(plan, ids, batch.position_ids, batch.input_ids, step.facts.rope_coords)
     return dict(input_ids=ids if packed_ids else batch.input_ids, position_ids=positions, attention_mask=None,
                 **layout.model_kwargs(plan))
