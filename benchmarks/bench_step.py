@@ -25,7 +25,10 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
   max_tokens=<its real tokens>)``, planned in each timed step; each sequence's loss tokens passed from the host,
   ``loss_tokens=``, as the RL benchmark passes them): padded to its bucket where that pays (cuDNN's
   attention on bucket plans, ``forward.padded_steps``), else the plain step; the row's ``padded_steps`` and
-  ``attention`` say which ran.
+  ``attention`` say which ran.  ``packfwd_micro_cudnn``: the same ``run_micro_batches`` call with ``buckets=False``
+  on the fused model with ``attention_backend="cudnn"``: the plain cuDNN step through the micro-batch runner, so
+  that ``packfwd_fused_cudnn`` -> ``packfwd_micro_cudnn`` -> ``packfwd_default`` splits the default row's cost into
+  the runner's and the padding's.
 * ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
   ``dynamic=True``; fullgraph, else with graph breaks), or where dynamo cannot trace the layer its MLP and norms
   (``--compile-scope``); every failure recorded.  Megatron-Core's row-parallel linears warn on every call (a graph
@@ -91,7 +94,7 @@ from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
 VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
             "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn", "packfwd_fused_graph",
-            "packfwd_fused_cudnn_graph", "packfwd_default")
+            "packfwd_fused_cudnn_graph", "packfwd_default", "packfwd_micro_cudnn")
 # the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.norm.FUSED_NORMS)
 NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
@@ -318,8 +321,9 @@ def graphed_step(model, batch, warmup: int = 2):
     return graph_replay(body, model, captured, plan, warmup)
 
 
-def default_step(model, batch):
-    """``run_micro_batches`` with its defaults on the batch as one micro-batch (module docstring)."""
+def default_step(model, batch, **run_args):
+    """``run_micro_batches`` with its defaults (and ``run_args``) on the batch as one micro-batch (module
+    docstring)."""
     from packfwd.micro import plan_micro_batches, run_micro_batches
 
     forward = make_forward("thd", logits_processor=next_token_log_probs)
@@ -329,7 +333,8 @@ def default_step(model, batch):
     def step():
         plan = plan_micro_batches(batch["lengths"], max_tokens=sum(batch["lengths"]))
         res = run_micro_batches(forward, model, plan, batch["ids"], batch["mask"], dp_rank=0, labels=batch["labels"],
-                                loss_fn=lambda o: -o["log_probs"], loss_mask=loss_mask, loss_tokens=counts)
+                                loss_fn=lambda o: -o["log_probs"], loss_mask=loss_mask, loss_tokens=counts,
+                                **run_args)
         return res.loss, res.outputs["log_probs"]
 
     step.forward = forward
@@ -525,7 +530,9 @@ def device_timeline(events, *, stacks: bool = False, top: int = 12) -> dict:
     kernels merged) and the gaps between them (``idle_ms``; counted by length), the idle time split by the host
     thread working at each gap's end (the caller's thread: forward; autograd's: backward), and the ``top`` longest
     gaps with the innermost host op running when the kernel after the gap started (and, with ``stacks``, its
-    packfwd / Megatron-Core / torch Python frames): what the device waited for."""
+    packfwd / Megatron-Core / torch Python frames, or its nearest caller's, and the top-level ops its thread began
+    during the gap): what the device waited for; and the CUDA runtime's allocations, frees, pinned allocations,
+    synchronising calls and copies in the step (``runtime_calls``: count, host ms)."""
     cpu_t, cuda_t = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     span = [e for e in events if e.name == STEP_RANGE and e.device_type == cpu_t]
     if not span:
@@ -571,21 +578,40 @@ def device_timeline(events, *, stacks: bool = False, top: int = 12) -> dict:
         key = "no host op" if op is None else (
             "forward (caller's thread)" if op.thread == main_thread else "backward (autograd thread)")
         by_thread[key] += (g1 - g0) / 1e3
+    def frames(op):  # the Python frames of op or of its nearest ancestor that has them (nested aten ops have none)
+        while op is not None and not op.stack:
+            op = op.cpu_parent
+        return [f for f in (op.stack if op is not None else []) or []
+                if any(w in f for w in ("packfwd", "megatron", "bench_step", "torch/autograd", "torch/nn"))][:8]
+
     for g0, g1, name in longest:
         op = innermost(g1)
         row = {"at_ms": (g0 - t0) / 1e3, "us": g1 - g0, "next_kernel": name[:120],
                "host_op": None if op is None else op.name[:120],
                "host_thread": None if op is None else ("caller" if op.thread == main_thread else "autograd")}
         if stacks and op is not None:
-            frames = [f for f in (op.stack or []) if any(w in f for w in ("packfwd", "megatron", "bench_step",
-                                                                             "torch/autograd", "torch/nn"))]
-            row["stack"] = frames[:8]
+            row["stack"] = frames(op)
+            # what the host did while the device waited: the top-level ops of that thread begun inside the gap
+            during = [h for s, _, h in host[bisect.bisect_left(starts, g0):bisect.bisect_left(starts, g1)]
+                      if h.thread == op.thread and (h.cpu_parent is None or h.cpu_parent.name == STEP_RANGE)]
+            row["host_ops_during"] = [{"op": h.name[:80], "us": h.time_range.end - h.time_range.start,
+                                       "frames": frames(h)[:3]} for h in during[:6]]
         rows.append(row)
+    # the CUDA runtime's own calls in the step: an allocation (cudaMalloc / cudaFree: the caching allocator missed),
+    # a pinned host allocation, a synchronising call; each stalls the host, and a free or sync the device too
+    runtime = {}
+    for e in events:
+        if (e.device_type == cpu_t and e.name.startswith("cuda") and e.time_range.start >= t0
+                and any(w in e.name for w in ("Malloc", "Free", "HostAlloc", "Synchronize", "Memcpy"))):
+            acc = runtime.setdefault(e.name, [0, 0.0])
+            acc[0] += 1
+            acc[1] += (e.time_range.end - e.time_range.start) / 1e3
     end = max(e for _, e, _ in k)
     return {"host_step_ms": (span[0].time_range.end - t0) / 1e3, "device_span_ms": (end - t0) / 1e3,
             "lead_in_ms": (k[0][0] - t0) / 1e3, "busy_ms": busy / 1e3, "idle_ms": sum(b - a for a, b, _ in gaps) / 1e3,
             "gaps": len(gaps), "idle_ms_by_gap_length": sizes, "idle_ms_by_host_thread": by_thread,
-            "longest_gaps": rows, "kernels": len(k), "with_stacks": stacks}
+            "longest_gaps": rows, "kernels": len(k), "with_stacks": stacks,
+            "runtime_calls": {n: {"calls": c, "host_ms": ms} for n, (c, ms) in sorted(runtime.items())}}
 
 
 @contextlib.contextmanager
@@ -700,7 +726,7 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
         if name in NORM_VARIANTS:
             norm.FUSED_NORMS.update(dict.fromkeys(norm.FUSED_NORMS, NORM_VARIANTS[name]))
         try:
-            fused = name.startswith(("packfwd_fused", "packfwd_default"))
+            fused = name.startswith(("packfwd_fused", "packfwd_default", "packfwd_micro"))
             module = packfwd_model(hf, cfg.device, cfg.dtype, fused=fused,
                                    attention_backend="cudnn" if "_cudnn" in name else None)
         finally:
@@ -713,6 +739,8 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
             step = graphed_step(module, batch)
         elif name == "packfwd_default":
             step = default_step(module, batch)
+        elif name == "packfwd_micro_cudnn":
+            step = default_step(module, batch, buckets=False)
         else:
             step = packfwd_step(module, batch)
         row["fused_switch"] = fused_switch()
@@ -725,7 +753,7 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
         row["profile"] = profile_step(step, module, cfg.device)
     if cfg.host_profile:
         row["host_profile"] = host_profile(step, module, cfg.device)
-    if name == "packfwd_default":
+    if name in ("packfwd_default", "packfwd_micro_cudnn"):
         row["attention"] = step.forward.attention_backend(module)
         padded = getattr(step.forward, "padded_steps", None)
         row["padded_steps"] = None if padded is None else {
