@@ -404,6 +404,29 @@ def test_a_temperature_of_another_shape_is_named():
                                          temperature=torch.ones(*ids.shape, 1))
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_bad_temperature_is_named_by_its_row_and_column(layout):
+    """A bad CPU temperature was named by its place among the packed tokens, which the caller never sees.  Now the
+    forward names its row and column in the batch (its row, for a per-sequence value)."""
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    forward = _layout_forward(layout, "logits")
+    row = 2
+    col = int(mask[row].nonzero()[-1])  # the row's last real token
+    per_token = torch.ones(ids.shape)
+    per_token[row, col] = float("nan")
+    with pytest.raises(ValueError, match=rf"temperature is nan at row {row}, column {col} of the batch"):
+        forward(model, ids, mask, labels=labels, temperature=per_token)
+    per_sequence = torch.tensor([1.0, 1.0, -0.5, 1.0])
+    with pytest.raises(ValueError, match=r"temperature is -0.5 at row 2 \(a per-sequence value\)"):
+        forward(model, ids, mask, labels=labels, temperature=per_sequence)
+    per_token[row, col] = 1.0
+    per_token[~mask] = 0.0  # padding holds anything
+    with torch.no_grad():
+        forward(model, ids, mask, labels=labels, temperature=per_token)
+
+
 @pytest.mark.parametrize("head", ["logits", "fused"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_temperature_at_padding_may_hold_anything(head, layout):
