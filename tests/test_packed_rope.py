@@ -102,3 +102,54 @@ def test_model_thd_forward_equals_megatrons_own_thd_rope():
 def test_state_dict_is_unchanged():
     model = build_model(ARGS, init=False)
     assert not any("rope" in name or "rotary" in name for name in model.state_dict())
+
+
+def test_one_table_per_batch_and_a_new_one_when_the_batch_changes(monkeypatch):
+    """The layers of one forward share their model's PackedRope: the angle tables are computed once per batch, not
+    once per layer, and anew for another batch, for the same plan tensor copied into in place (``copy_plan_``, as
+    the padded step and CUDA graphs do), and for other caller positions; each time equal to a fresh PackedRope."""
+    from packfwd.models.mixers import rope as rope_module
+
+    calls = []
+    real = rope_module.local_positions
+    monkeypatch.setattr(rope_module, "local_positions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    rope = PackedRope(rotary())
+    q, k = torch.randn(10, 4, 16, generator=g), torch.randn(10, 2, 16, generator=g)
+
+    def fresh(cu, positions=None):
+        return PackedRope(rotary())(q, k, cu, positions=positions)
+
+    cu = torch.tensor([0, 4, 10])
+    want = fresh(cu)
+    calls.clear()
+    for _ in range(3):  # three layers of one forward
+        got = rope(q, k, cu)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(calls) == 1
+    cu.copy_(torch.tensor([0, 7, 10]))  # the same plan tensor, another batch copied in
+    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, cu), fresh(cu)))
+    assert not torch.equal(rope(q, k, cu)[0], want[0])
+    other = torch.tensor([0, 4, 10])  # a new plan tensor of the first batch's values
+    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, other), want))
+    positions = torch.arange(10)
+    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, other, positions=positions), fresh(None, positions)))
+    assert all(torch.equal(a, b) for a, b in zip(rope(q.double(), k.double(), other),
+                                                 PackedRope(rotary())(q.double(), k.double(), other)))
+
+
+def test_the_tables_are_not_kept_under_a_torch_func_transform_or_in_a_copy():
+    """Under vmap the tables are computed in the transform and not kept (a later eager call must not read them); a
+    copied model keeps none."""
+    import copy
+
+    rope = PackedRope(rotary())
+    cu = torch.tensor([0, 4, 10])
+    q, k = torch.randn(2, 10, 4, 16), torch.randn(2, 10, 2, 16)
+    got = torch.func.vmap(lambda a, b: rope(a, b, cu))(q, k)
+    assert rope._last is None
+    for i in range(2):
+        assert all(torch.equal(x[i], y) for x, y in zip(got, PackedRope(rotary())(q[i], k[i], cu)))
+    rope(q[0], k[0], cu)
+    assert rope._last is not None
+    assert copy.copy(rope)._last is None and rope.__getstate__()["_last"] is None

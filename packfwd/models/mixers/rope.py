@@ -23,6 +23,8 @@ BSHD batches keep Megatron-Core's RoPE unchanged (it has no host sync).  This mo
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from torch import Tensor
@@ -107,20 +109,48 @@ class PackedRope:
         self.rotary = rotary
         self.interleaved = bool(rotary.rotary_interleaved)
         self.fused = bool(fused)
+        self._last = None  # the tables of the last batch (see _tables): every layer of a forward shares them
 
     def __call__(self, q: Tensor, k: Tensor, cu_seqlens_padded: Tensor | None, cp_size: int = 1, cp_rank: int = 0,
                  positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if positions is None:
-            positions = local_positions(cu_seqlens_padded, q.shape[0], cp_size, cp_rank)
+        cos, sin = self._tables(q, cu_seqlens_padded, cp_size, cp_rank, positions)
         if self.fused:  # one angle per pair of channels: no table laid out (no cat) where the kernels take it
-            freqs = rotary_freqs(self.rotary, positions)  # [t, d_rot / 2]
-            cos, sin = freqs.cos().to(q.dtype), freqs.sin().to(q.dtype)
             if rope_ops.supported(q, k, cos, sin):
                 return rope_ops.rope(q, k, cos, sin, self.interleaved, paired=True, kernel=True)
             cos, sin = rope_ops.full_table(cos, self.interleaved), rope_ops.full_table(sin, self.interleaved)
-            return self.rotate(q, k, cos, sin)
-        angles = rotary_angles(self.rotary, positions)  # [t, d_rot]
-        return self.rotate(q, k, angles.cos().to(q.dtype), angles.sin().to(q.dtype))
+        return self.rotate(q, k, cos, sin)
+
+    def __getstate__(self) -> dict:  # a saved or copied model keeps no tables (nor the weak reference to a batch)
+        return {**self.__dict__, "_last": None}
+
+    def _tables(self, q: Tensor, cu_seqlens_padded: Tensor | None, cp_size: int, cp_rank: int,
+                positions: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``cos, sin`` in ``q``'s dtype, ``[t, d_rot / 2]`` (fused: one angle per pair) or ``[t, d_rot]``.
+
+        Every layer of a forward rotates the same tokens with the one PackedRope its model shares, so the tables
+        of the last batch are kept and taken again while their source (``positions``, else ``cu_seqlens_padded``)
+        is the same tensor, unchanged since (its version counter: a plan copied into in place, ``copy_plan_``,
+        makes them anew), for the same tokens, dtype, device and CP place: one computation per forward instead
+        of one per layer (about 20 small ops each).  Computed afresh, and not kept, under ``torch.compile``, a
+        ``torch.func`` transform or a CUDA graph capture (each graph computes its own)."""
+        source = positions if positions is not None else cu_seqlens_padded
+        key = (q.shape[0], q.dtype, q.device, cp_size, cp_rank, positions is None)
+        keep = (isinstance(source, Tensor) and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active()
+                and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+        last = self._last
+        if keep and last is not None and last[0] == key and last[1]() is source and last[2] == source._version:
+            return last[3], last[4]
+        if positions is None:
+            positions = local_positions(cu_seqlens_padded, q.shape[0], cp_size, cp_rank)
+        if self.fused:
+            angles = rotary_freqs(self.rotary, positions)  # [t, d_rot / 2]
+        else:
+            angles = rotary_angles(self.rotary, positions)  # [t, d_rot]
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        if keep:
+            self._last = (key, weakref.ref(source), source._version, cos, sin)
+        return cos, sin
 
     def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``q [t, h, d]`` and ``k [t, h_kv, d]`` rotated by ``cos``/``sin [t, d_rot]`` (in q's dtype): the kernels
