@@ -130,14 +130,15 @@ class PackedRope:
         Every layer of a forward rotates the same tokens with the one PackedRope its model shares, so the tables
         of the last batch are kept and taken again while their source (``positions``, else ``cu_seqlens_padded``)
         is the same tensor, unchanged since (its version counter: a plan copied into in place, ``copy_plan_``,
-        makes them anew), for the same tokens, dtype, device and CP place: one computation per forward instead
+        makes them anew), for the same tokens, dtype, device, CUDA stream and CP place: one computation per forward instead
         of one per layer (about 20 small ops each).  Computed afresh, and not kept, under ``torch.compile``, a
         ``torch.func`` transform or a CUDA graph capture (each graph computes its own)."""
         source = positions if positions is not None else cu_seqlens_padded
-        key = (q.shape[0], q.dtype, q.device, cp_size, cp_rank, positions is None)
         keep = (isinstance(source, Tensor) and not torch.compiler.is_compiling()
                 and not torch._C._are_functorch_transforms_active()
                 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
+        stream = torch.cuda.current_stream(q.device).cuda_stream if keep and q.is_cuda else None  # read where made
+        key = (q.shape[0], q.dtype, q.device, stream, cp_size, cp_rank, positions is None)
         last = self._last
         if keep and last is not None and last[0] == key and last[1]() is source and last[2] == source._version:
             return last[3], last[4]
