@@ -413,7 +413,7 @@ def test_a_bad_temperature_is_named_by_its_row_and_column(layout):
     labels = next_token_labels(ids, mask)
     forward = _layout_forward(layout, "logits")
     row = 2
-    col = int(mask[row].nonzero()[-1])  # the row's last real token
+    col = int(mask[row].nonzero()[0])  # the row's first real token (scored: its label is the next token)
     per_token = torch.ones(ids.shape)
     per_token[row, col] = float("nan")
     with pytest.raises(ValueError, match=rf"temperature is nan at row {row}, column {col} of the batch"):
@@ -421,8 +421,10 @@ def test_a_bad_temperature_is_named_by_its_row_and_column(layout):
     per_sequence = torch.tensor([1.0, 1.0, -0.5, 1.0])
     with pytest.raises(ValueError, match=r"temperature is -0.5 at row 2 \(a per-sequence value\)"):
         forward(model, ids, mask, labels=labels, temperature=per_sequence)
+    # what the logits' own check accepts is accepted here too: padding, the last real token (its label ignored)
     per_token[row, col] = 1.0
-    per_token[~mask] = 0.0  # padding holds anything
+    per_token[~mask] = 0.0
+    per_token[row, int(mask[row].nonzero()[-1])] = 0.0
     with torch.no_grad():
         forward(model, ids, mask, labels=labels, temperature=per_token)
 

@@ -104,38 +104,71 @@ def test_state_dict_is_unchanged():
     assert not any("rope" in name or "rotary" in name for name in model.state_dict())
 
 
-def test_one_table_per_batch_and_a_new_one_when_the_batch_changes(monkeypatch):
-    """The layers of one forward share their model's PackedRope: the angle tables are computed once per batch, not
-    once per layer, and anew for another batch, for the same plan tensor copied into in place (``copy_plan_``, as
-    the padded step and CUDA graphs do), and for other caller positions; each time equal to a fresh PackedRope."""
+def test_one_table_per_forward_never_kept_after_it(monkeypatch):
+    """The layers of one forward share their model's PackedRope: inside ``one_forward`` the angle tables are made
+    once per batch, not once per layer, and anew for another source tensor (or another dtype); outside it, at
+    every call; at its end they are dropped (no table outlives its forward: a plan changed in place later, by
+    any means, cannot be read stale).  Each time equal to a fresh PackedRope's."""
     from packfwd.models.mixers import rope as rope_module
 
-    calls = []
-    real = rope_module.local_positions
-    monkeypatch.setattr(rope_module, "local_positions", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, counting = [], [True]
+    real = rope_module.rotary_freqs
+
+    def counted(*a, **k):
+        if counting[0]:
+            calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(rope_module, "rotary_freqs", counted)
     g = torch.Generator().manual_seed(0)
     rope = PackedRope(rotary())
     q, k = torch.randn(10, 4, 16, generator=g), torch.randn(10, 2, 16, generator=g)
 
-    def fresh(cu, positions=None):
-        return PackedRope(rotary())(q, k, cu, positions=positions)
+    def same(got, cu, positions=None, dtype=torch.float32):  # against a fresh PackedRope (its tables not counted)
+        counting[0] = False
+        want = PackedRope(rotary())(q.to(dtype), k.to(dtype), cu, positions=positions)
+        counting[0] = True
+        return all(torch.equal(a, b) for a, b in zip(got, want))
 
     cu = torch.tensor([0, 4, 10])
-    want = fresh(cu)
+    with rope.one_forward():
+        calls.clear()
+        for _ in range(3):  # three layers
+            assert same(rope(q, k, cu), cu)
+        assert len(calls) == 1
+        other = torch.tensor([0, 7, 10])
+        assert same(rope(q, k, other), other) and len(calls) == 2
+        assert same(rope(q.double(), k.double(), other), other, dtype=torch.float64) and len(calls) == 3
+        positions = torch.arange(10)
+        assert same(rope(q, k, other, positions=positions), None, positions)
+        assert rope._last is not None
+    assert rope._last is None
     calls.clear()
-    for _ in range(3):  # three layers of one forward
-        got = rope(q, k, cu)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert len(calls) == 1
-    cu.copy_(torch.tensor([0, 7, 10]))  # the same plan tensor, another batch copied in
-    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, cu), fresh(cu)))
-    assert not torch.equal(rope(q, k, cu)[0], want[0])
-    other = torch.tensor([0, 4, 10])  # a new plan tensor of the first batch's values
-    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, other), want))
-    positions = torch.arange(10)
-    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, other, positions=positions), fresh(None, positions)))
-    assert all(torch.equal(a, b) for a, b in zip(rope(q.double(), k.double(), other),
-                                                 PackedRope(rotary())(q.double(), k.double(), other)))
+    cu.data.copy_(torch.tensor([0, 7, 10]))  # changed without a version bump, between forwards
+    for _ in range(2):
+        assert same(rope(q, k, cu), cu)
+    assert len(calls) == 2 and rope._last is None  # outside a forward: made at every call, never kept
+
+
+def test_a_model_forward_makes_its_tables_once(monkeypatch):
+    """A 2-layer model's THD forward computes its RoPE angles once (not per layer), and equals the forward of a
+    model that keeps no tables."""
+    from packfwd.models.mixers import rope as rope_module
+
+    calls = []
+    real = rope_module.rotary_freqs
+    monkeypatch.setattr(rope_module, "rotary_freqs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    model = build_model(ARGS, device="cpu")
+    ids, mask = ragged_batch("mixed")
+    forward = make_forward("thd")
+    with torch.no_grad():
+        got = forward(model, ids, mask)
+        assert len(calls) == 1
+        model._rope_scope = None  # no scope: every layer makes its own
+        want = forward(model, ids, mask)
+        assert len(calls) == 1 + ARGS.num_layers
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_the_tables_are_not_kept_under_a_torch_func_transform_or_in_a_copy():
@@ -146,10 +179,11 @@ def test_the_tables_are_not_kept_under_a_torch_func_transform_or_in_a_copy():
     rope = PackedRope(rotary())
     cu = torch.tensor([0, 4, 10])
     q, k = torch.randn(2, 10, 4, 16), torch.randn(2, 10, 2, 16)
-    got = torch.func.vmap(lambda a, b: rope(a, b, cu))(q, k)
-    assert rope._last is None
-    for i in range(2):
-        assert all(torch.equal(x[i], y) for x, y in zip(got, PackedRope(rotary())(q[i], k[i], cu)))
-    rope(q[0], k[0], cu)
-    assert rope._last is not None
-    assert copy.copy(rope)._last is None and rope.__getstate__()["_last"] is None
+    with rope.one_forward():
+        got = torch.func.vmap(lambda a, b: rope(a, b, cu))(q, k)
+        assert rope._last is None
+        for i in range(2):
+            assert all(torch.equal(x[i], y) for x, y in zip(got, PackedRope(rotary())(q[i], k[i], cu)))
+        rope(q[0], k[0], cu)
+        assert rope._last is not None
+        assert copy.copy(rope)._last is None and rope.__getstate__()["_last"] is None

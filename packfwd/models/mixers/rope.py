@@ -23,7 +23,7 @@ BSHD batches keep Megatron-Core's RoPE unchanged (it has no host sync).  This mo
 
 from __future__ import annotations
 
-import weakref
+import contextlib
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -109,7 +109,8 @@ class PackedRope:
         self.rotary = rotary
         self.interleaved = bool(rotary.rotary_interleaved)
         self.fused = bool(fused)
-        self._last = None  # the tables of the last batch (see _tables): every layer of a forward shares them
+        self._depth = 0  # inside one_forward(): the tables of its batch are made once (see _tables)
+        self._last = None
 
     def __call__(self, q: Tensor, k: Tensor, cu_seqlens_padded: Tensor | None, cp_size: int = 1, cp_rank: int = 0,
                  positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -120,28 +121,40 @@ class PackedRope:
             cos, sin = rope_ops.full_table(cos, self.interleaved), rope_ops.full_table(sin, self.interleaved)
         return self.rotate(q, k, cos, sin)
 
-    def __getstate__(self) -> dict:  # a saved or copied model keeps no tables (nor the weak reference to a batch)
-        return {**self.__dict__, "_last": None}
+    def __getstate__(self) -> dict:  # a saved or copied model keeps no tables
+        return {**self.__dict__, "_depth": 0, "_last": None}
+
+    @contextlib.contextmanager
+    def one_forward(self):
+        """The layers of one model forward (:class:`~packfwd.models.runtime.model.PackedGPTModel` enters it): inside,
+        a batch's angle tables are made by the first layer and taken by the others; they are dropped when the
+        outermost forward ends, so no table outlives the forward that made it."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth <= 0:
+                self._depth, self._last = 0, None
 
     def _tables(self, q: Tensor, cu_seqlens_padded: Tensor | None, cp_size: int, cp_rank: int,
                 positions: Tensor | None) -> tuple[Tensor, Tensor]:
         """``cos, sin`` in ``q``'s dtype, ``[t, d_rot / 2]`` (fused: one angle per pair) or ``[t, d_rot]``.
 
-        Every layer of a forward rotates the same tokens with the one PackedRope its model shares, so the tables
-        of the last batch are kept and taken again while their source (``positions``, else ``cu_seqlens_padded``)
-        is the same tensor, unchanged since (its version counter: a plan copied into in place, ``copy_plan_``,
-        makes them anew), for the same tokens, dtype, device, CUDA stream and CP place: one computation per forward instead
-        of one per layer (about 20 small ops each).  Computed afresh, and not kept, under ``torch.compile``, a
-        ``torch.func`` transform or a CUDA graph capture (each graph computes its own)."""
+        Inside :meth:`one_forward` every layer rotates the same tokens, so the tables the first layer makes are
+        taken again while the source is the same tensor (``positions``, else ``cu_seqlens_padded``) for the same
+        tokens, dtype, device, CUDA stream and CP place: one computation per forward instead of one per layer (about
+        20 small ops each).  Outside it (a layer called on its own, activation recompute in the backward), under
+        ``torch.compile`` and under a ``torch.func`` transform they are made afresh at every call."""
         source = positions if positions is not None else cu_seqlens_padded
-        keep = (isinstance(source, Tensor) and not torch.compiler.is_compiling()
-                and not torch._C._are_functorch_transforms_active()
-                and not (q.is_cuda and torch.cuda.is_current_stream_capturing()))
-        stream = torch.cuda.current_stream(q.device).cuda_stream if keep and q.is_cuda else None  # read where made
-        key = (q.shape[0], q.dtype, q.device, stream, cp_size, cp_rank, positions is None)
-        last = self._last
-        if keep and last is not None and last[0] == key and last[1]() is source and last[2] == source._version:
-            return last[3], last[4]
+        keep = (self._depth > 0 and isinstance(source, Tensor) and not torch.compiler.is_compiling()
+                and not torch._C._are_functorch_transforms_active())
+        if keep:
+            stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
+            key = (q.shape[0], q.dtype, q.device, stream, cp_size, cp_rank, positions is None)
+            last = self._last
+            if last is not None and last[0] == key and last[1] is source:
+                return last[2], last[3]
         if positions is None:
             positions = local_positions(cu_seqlens_padded, q.shape[0], cp_size, cp_rank)
         if self.fused:
@@ -150,7 +163,7 @@ class PackedRope:
             angles = rotary_angles(self.rotary, positions)  # [t, d_rot]
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
         if keep:
-            self._last = (key, weakref.ref(source), source._version, cos, sin)
+            self._last = (key, source, cos, sin)
         return cos, sin
 
     def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

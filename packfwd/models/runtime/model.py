@@ -110,6 +110,8 @@ class PackedGPTModel(GPTModel):
                 mtp_block_spec=mtp_spec, **rotary_kwargs,
             )
         self.rotary_pos_emb = rotary
+        # the THD RoPE every layer shares: one forward makes its angle tables once (PackedRope.one_forward)
+        self._rope_scope = getattr(rope, "one_forward", None)
         self.family, self.moe, self.mla, self.fused = args.family, args.moe, args.mla, args.fused  # for model_args
         self.linear_attention = args.linear_attention  # for model_args
         self.mixer_rotates = attention.rotates_itself  # BSHD angles computed here even where Megatron-Core's are None
@@ -191,7 +193,8 @@ class PackedGPTModel(GPTModel):
         if mtp_input_ids is not None:  # stacked under the main ids: how they reach the MTP block (mtp.py)
             main = input_ids if input_ids is not None else torch.zeros_like(mtp_input_ids[0])
             input_ids = torch.cat([main[None], mtp_input_ids])
-        with host_collectives() if self.forward_on_host else contextlib.nullcontext():
+        with (host_collectives() if self.forward_on_host else contextlib.nullcontext(),
+              self._rope_scope() if self._rope_scope is not None else contextlib.nullcontext()):
             out = super().forward(input_ids, position_ids, None, **kwargs)
             return out if mtp_input_ids is None else mtp.with_logits(self, out, detach_head=mtp_detach_head)
 
