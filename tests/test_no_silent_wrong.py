@@ -399,9 +399,11 @@ def test_a_temperature_of_another_shape_is_named():
     """A ``[b, s, 1]`` temperature was refused under another argument's name (``real_tokens``, made from it)."""
     _, model = _llama()
     ids, mask = ragged_batch("mixed")
-    with pytest.raises(ValueError, match=r"temperature has shape \(4, \d+, 1\); pass a number, a tensor \[b\]"):
-        _layout_forward("thd", "logits")(model, ids, mask, labels=next_token_labels(ids, mask),
-                                         temperature=torch.ones(*ids.shape, 1))
+    for shape in ((*ids.shape, 1), (ids.shape[0], 1)):  # [b, s, 1], and [b, 1] (not a per-token [b, s, ...])
+        with pytest.raises(ValueError, match=rf"temperature has shape \({shape[0]}, \d+(, 1)?\); pass a number, a "
+                                             r"tensor \[b\]"):
+            _layout_forward("thd", "logits")(model, ids, mask, labels=next_token_labels(ids, mask),
+                                             temperature=torch.ones(*shape))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -427,6 +429,42 @@ def test_a_bad_temperature_is_named_by_its_row_and_column(layout):
     per_token[row, int(mask[row].nonzero()[-1])] = 0.0
     with torch.no_grad():
         forward(model, ids, mask, labels=labels, temperature=per_token)
+
+
+def test_a_bad_temperature_is_refused_alike_on_every_path_and_named_by_the_batchs_row():
+    """The tokens a bad temperature may sit at were not the same on every path: a token whose label is ignored was
+    accepted by a plain call and refused with seqlens= (every row computed, the outputs masked), by its packed
+    index; run_micro_batches named the row inside its micro-batch.  Now every scoring path accepts it, a forward
+    that scores every token (scored_only=False) refuses it by row and column, and run_micro_batches names the
+    batch's row."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    forward = _layout_forward("thd", "logits")
+    lengths = mask.sum(1).tolist()
+    unscored = torch.ones(ids.shape)
+    row = 1
+    unscored[row, int(mask[row].nonzero()[-1])] = 0.0  # the row's last real token: its label is ignored
+    with torch.no_grad():
+        plain = forward(model, ids, mask, labels=labels, temperature=unscored)
+        masked = forward(model, ids, mask, labels=labels, temperature=unscored, seqlens=lengths)
+    for key in plain:
+        torch.testing.assert_close(masked[key], plain[key])
+    every = make_forward("thd", logits_processor=log_probs_and_entropy, scored_only=False)
+    col = int(mask[row].nonzero()[-1])
+    with pytest.raises(ValueError, match=rf"temperature is 0.0 at row {row}, column {col} of the batch.*"
+                                         "scored_only=False scores every other real token"):
+        every(model, ids, mask, labels=labels, temperature=unscored)
+    plan = plan_micro_batches(lengths, max_tokens=max(lengths) + 1)  # micro-batches of one or two sequences
+    assert any(3 in mb and mb.index(3) != 3 for mb in plan.micro_batches[0])
+    bad = torch.ones(ids.shape)
+    bad[3, int(mask[3].nonzero()[0])] = float("nan")
+    with pytest.raises(ValueError, match=rf"temperature is nan at row 3, column {int(mask[3].nonzero()[0])} of the"):
+        run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, temperature=bad)
+    with torch.no_grad():
+        run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, temperature=unscored)
 
 
 @pytest.mark.parametrize("head", ["logits", "fused"])

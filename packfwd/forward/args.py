@@ -8,11 +8,12 @@ from torch import Tensor
 
 from ..engine.checks import takes
 
-__all__ = ["check_call_args"]
+__all__ = ["check_call_args", "check_temperature_in_batch"]
 
 
 def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, vision: bool,
-                    attention_mask: Tensor | None = None, loss_mask: Tensor | None = None) -> None:
+                    attention_mask: Tensor | None = None, loss_mask: Tensor | None = None,
+                    scored_only: bool = True) -> None:
     """The forward's keyword arguments.  With a tensor ``temperature`` and a processor that takes ``real_tokens``
     (``packfwd.logits``' do), adds ``real_tokens`` (ones like the temperature) to ``processor_args``, the forward's
     own keyword dict: packed with the other arguments it is False exactly at the layout's padding slots, where the
@@ -27,30 +28,38 @@ def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, 
     if multi_modal_inputs and not vision:
         raise ValueError("multi_modal_inputs given to a text forward; build it with make_forward(..., vision=True)")
     temperature = processor_args.get("temperature")
-    if isinstance(temperature, Tensor) and temperature.dim() > 2:
+    wrong_2d = (isinstance(temperature, Tensor) and temperature.dim() == 2 and isinstance(attention_mask, Tensor)
+                and not attention_mask.is_nested and attention_mask.dim() == 2
+                and tuple(temperature.shape) != tuple(attention_mask.shape))  # e.g. [b, 1]
+    if isinstance(temperature, Tensor) and (temperature.dim() > 2 or wrong_2d):
         raise ValueError(f"temperature has shape {tuple(temperature.shape)}; pass a number, a tensor [b] (per "
                          "sequence) or [b, s] like input_ids (per token)")
-    if isinstance(temperature, Tensor) and temperature.dim() > 0 and isinstance(attention_mask, Tensor):
-        _check_temperature_in_batch(temperature, attention_mask, processor_args, loss_mask)
+    check_temperature_in_batch(processor_args, attention_mask, loss_mask, scored_only)
     if (isinstance(temperature, Tensor) and temperature.dim() > 0 and "real_tokens" not in processor_args
             and takes(logits_processor, "real_tokens")):
         processor_args["real_tokens"] = torch.ones_like(temperature, dtype=torch.bool)
 
 
-def _check_temperature_in_batch(temperature: Tensor, attention_mask: Tensor, processor_args: dict,
-                                loss_mask) -> None:
-    """A bad temperature (<= 0, NaN or inf) named by its row and column: eagerly, for CPU tensors of the batch's
-    shape, at the tokens the logits' own check reads whatever the forward's options (real tokens whose label is
-    not ignored, inside ``token_mask`` and ``loss_mask``), so it refuses nothing that check accepts.  A mask of
-    another shape or device leaves the check to the logits (their index is in the packed order)."""
+def check_temperature_in_batch(processor_args: dict, attention_mask, loss_mask, scored_only: bool) -> None:
+    """A bad ``temperature`` (<= 0, NaN or inf) named by its row and column of the caller's batch: eagerly, for CPU
+    tensors of the batch's shape, at exactly the tokens the logits' own check reads: the real tokens, inside
+    ``token_mask`` and, where the forward scores only the scored tokens (``scored_only``, make_forward's default),
+    inside ``loss_mask`` with a label that is not ignored (``labels >= 0``).  A mask of another shape or device
+    leaves the check to the logits (their index is in the packed order).  ``run_micro_batches`` calls it on the
+    whole batch, so the row is the batch's, not the micro-batch's."""
+    temperature = processor_args.get("temperature")
+    if not isinstance(temperature, Tensor) or temperature.dim() == 0 or not isinstance(attention_mask, Tensor):
+        return
     b = attention_mask.shape[0] if attention_mask.dim() == 2 else None
     if (temperature.device.type != "cpu" or attention_mask.device.type != "cpu" or attention_mask.is_nested
             or temperature.is_nested or b is None or temperature.shape[0] != b
             or (temperature.dim() == 2 and temperature.shape != attention_mask.shape)):
         return
     scored = attention_mask != 0  # [b, s]
-    for name, value in (("labels", processor_args.get("labels")), ("token_mask", processor_args.get("token_mask")),
-                        ("loss_mask", loss_mask)):
+    masks = [("token_mask", processor_args.get("token_mask"))]
+    if scored_only:
+        masks += [("labels", processor_args.get("labels")), ("loss_mask", loss_mask)]
+    for name, value in masks:
         if value is None:
             continue
         if (not isinstance(value, Tensor) or value.is_nested or value.device.type != "cpu"
@@ -64,6 +73,8 @@ def _check_temperature_in_batch(temperature: Tensor, attention_mask: Tensor, pro
             return
         where = [int(i) for i in bad.nonzero()[0]]
     place = f"row {where[0]}, column {where[1]}" if len(where) == 2 else f"row {where[0]} (a per-sequence value)"
+    exempt = "tokens whose label is ignored and tokens token_mask or loss_mask leave out" if scored_only else \
+        "tokens token_mask leaves out (scored_only=False scores every other real token)"
     raise ValueError(f"temperature is {t[tuple(where)].item()} at {place} of the batch: temperature must be positive "
-                     "and finite at every token it scales (use 1.0 for no scaling); padding tokens, tokens whose "
-                     "label is ignored and tokens token_mask or loss_mask leave out may hold anything")
+                     f"and finite at every token it scales (use 1.0 for no scaling); padding tokens and {exempt} may "
+                     "hold anything")

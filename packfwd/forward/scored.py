@@ -135,7 +135,10 @@ class Scoring:
         else:
             picked = select_rows(order(sel.mask), sel.slots)
             logits = _project(out, step, picked) if sel.hidden else picked.take(step.tokens(out))
-        args = {k: order(v) if _per_token(v, t) else v for k, v in step.args.items()}  # the rows' order
+        base = dict(step.args)
+        if picked is None and isinstance(base.get("real_tokens"), Tensor):  # every row computed, the unscored
+            base["real_tokens"] = base["real_tokens"] & sel.mask  # zeroed after: their temperatures are not read
+        args = {k: order(v) if _per_token(v, t) else v for k, v in base.items()}  # the rows' order
         if picked is not None:
             args = {k: picked.take(v) if _per_token(v, t) else v for k, v in args.items()}
         if rows and picked is None:  # verl's processors see the model's output layout

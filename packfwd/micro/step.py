@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..forward.factory import ForwardLayout
+from ..forward.args import check_temperature_in_batch
 from ..engine.facts import check_every_ep_rank_runs
 from . import pipeline
 from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
@@ -138,6 +139,10 @@ def run_micro_batches(
     check_layout(forward, plan)
     check_every_ep_rank_runs(model, any(not mb for rank in plan.micro_batches for mb in rank))
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
+    engine = getattr(forward, "engine", None)
+    if engine is not None:  # a bad temperature named by its row of this batch, not of a micro-batch
+        check_temperature_in_batch(processor_args, attention_mask, loss_mask if _scores(forward, loss_mask) else None,
+                                   scored_only=getattr(engine, "scoring", None) is not None)
     if loss_fn is not None and not torch.is_grad_enabled():
         raise RuntimeError(
             "run_micro_batches(loss_fn=...) with grad mode off (inside torch.no_grad() or torch.inference_mode()): "
