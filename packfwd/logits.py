@@ -881,7 +881,8 @@ def _check_temperature_values(temperature: Tensor, ok: Tensor, checked: Tensor |
     elif bad.any():
         where = int(bad.reshape(-1).nonzero()[0])
         value = temperature.reshape(-1)[where].item() if temperature.dim() else temperature.item()
-        place = (f"token {where} of the logits' rows (the packed order, not the batch's [b, s])" if temperature.dim()
+        place = (f"token {where} of the logits' rows (as packed, or the scored rows only; not the batch's [b, s])"
+                 if temperature.dim()
                  else "the scalar tensor")
         raise ValueError(f"temperature is {value} at {place}: {message}")
 

@@ -467,6 +467,33 @@ def test_a_bad_temperature_is_refused_alike_on_every_path_and_named_by_the_batch
         run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, temperature=unscored)
 
 
+def test_the_temperature_check_follows_packfwds_processors_only_and_reads_plans_and_per_sequence_masks():
+    """A processor of the caller's own may read a temperature by its own rule (0 as greedy): the forward does not
+    refuse it for packfwd.logits' rule.  A plan= call names the row and column from the plan's mask; a [b]
+    loss_mask counts for each token of its sequence."""
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    bad = torch.ones(ids.shape)
+    col = int(mask[1].nonzero()[0])
+    bad[1, col] = 0.0
+
+    def greedy_at_zero(logits, labels, temperature):  # its own rule: 0 means the argmax
+        t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+        return {"log_probs": torch.log_softmax(logits / t, -1).gather(-1, labels.clamp(min=0)[:, None])[:, 0]}
+
+    with torch.no_grad():
+        make_forward("thd", logits_processor=greedy_at_zero)(model, ids, mask, labels=labels, temperature=bad)
+        forward = _layout_forward("thd", "logits")
+        plan = forward.plan(ids, mask)
+        with pytest.raises(ValueError, match=rf"temperature is 0.0 at row 1, column {col} of the batch"):
+            forward(model, ids, plan=plan, labels=labels, temperature=bad)
+        per_sequence = torch.tensor([True, False, True, True])  # row 1 not scored: its temperatures not read
+        forward(model, ids, mask, labels=labels, temperature=bad, loss_mask=per_sequence)
+        with pytest.raises(ValueError, match=rf"temperature is 0.0 at row 1, column {col} of the batch"):
+            forward(model, ids, mask, labels=labels, temperature=bad, loss_mask=~per_sequence)
+
+
 @pytest.mark.parametrize("head", ["logits", "fused"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_temperature_at_padding_may_hold_anything(head, layout):

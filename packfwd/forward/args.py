@@ -34,7 +34,8 @@ def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, 
     if isinstance(temperature, Tensor) and (temperature.dim() > 2 or wrong_2d):
         raise ValueError(f"temperature has shape {tuple(temperature.shape)}; pass a number, a tensor [b] (per "
                          "sequence) or [b, s] like input_ids (per token)")
-    check_temperature_in_batch(processor_args, attention_mask, loss_mask, scored_only)
+    if takes(logits_processor, "real_tokens"):  # packfwd.logits' rule (a processor of one's own may have another)
+        check_temperature_in_batch(processor_args, attention_mask, loss_mask, scored_only)
     if (isinstance(temperature, Tensor) and temperature.dim() > 0 and "real_tokens" not in processor_args
             and takes(logits_processor, "real_tokens")):
         processor_args["real_tokens"] = torch.ones_like(temperature, dtype=torch.bool)
@@ -46,7 +47,8 @@ def check_temperature_in_batch(processor_args: dict, attention_mask, loss_mask, 
     ``token_mask`` and, where the forward scores only the scored tokens (``scored_only``, make_forward's default),
     inside ``loss_mask`` with a label that is not ignored (``labels >= 0``).  A mask of another shape or device
     leaves the check to the logits (their index is in the packed order).  ``run_micro_batches`` calls it on the
-    whole batch, so the row is the batch's, not the micro-batch's."""
+    whole batch, so the row is the batch's, not the micro-batch's.  Called for processors that take
+    ``real_tokens`` (``packfwd.logits``'): one of the caller's own may read a temperature by another rule."""
     temperature = processor_args.get("temperature")
     if not isinstance(temperature, Tensor) or temperature.dim() == 0 or not isinstance(attention_mask, Tensor):
         return
@@ -62,6 +64,8 @@ def check_temperature_in_batch(processor_args: dict, attention_mask, loss_mask, 
     for name, value in masks:
         if value is None:
             continue
+        if isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] == b:
+            value = value[:, None].expand(attention_mask.shape)  # per sequence: each of its tokens
         if (not isinstance(value, Tensor) or value.is_nested or value.device.type != "cpu"
                 or value.shape != attention_mask.shape):
             return

@@ -248,8 +248,8 @@ def make_forward(
     def forward(model, input_ids, attention_mask=None, position_ids=None, multi_modal_inputs=None, *,
                 seqlens=None, plan=None, moe_routing=None, mtp_loss_mask=None, routed_experts=None, replay_mask=None,
                 loss_mask=None, scored_tokens=None, recorded_routing=None, **processor_args):
-        check_call_args(processor_args, logits_processor, multi_modal_inputs, vision, attention_mask, loss_mask,
-                        scored_only)
+        mask = attention_mask if attention_mask is not None else getattr(getattr(plan, "source", None), "mask", None)
+        check_call_args(processor_args, logits_processor, multi_modal_inputs, vision, mask, loss_mask, scored_only)
         check_scoring(loss_mask, scored_tokens, logits_processor, scored_only, processor_args)
         if plan is not None and vision:
             raise TypeError(_NO_VISION_PLAN)

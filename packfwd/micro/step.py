@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..forward.factory import ForwardLayout
+from ..engine.checks import takes
 from ..forward.args import check_temperature_in_batch
 from ..engine.facts import check_every_ep_rank_runs
 from . import pipeline
@@ -140,7 +141,8 @@ def run_micro_batches(
     check_every_ep_rank_runs(model, any(not mb for rank in plan.micro_batches for mb in rank))
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
     engine = getattr(forward, "engine", None)
-    if engine is not None:  # a bad temperature named by its row of this batch, not of a micro-batch
+    if engine is not None and takes(engine.processor, "real_tokens"):  # a bad temperature named by its row of
+        # this batch, not of a micro-batch (packfwd.logits' rule: a processor of one's own may have another)
         check_temperature_in_batch(processor_args, attention_mask, loss_mask if _scores(forward, loss_mask) else None,
                                    scored_only=getattr(engine, "scoring", None) is not None)
     if loss_fn is not None and not torch.is_grad_enabled():
