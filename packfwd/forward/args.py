@@ -34,11 +34,11 @@ def check_call_args(processor_args: dict, logits_processor, multi_modal_inputs, 
     if isinstance(temperature, Tensor) and (temperature.dim() > 2 or wrong_2d):
         raise ValueError(f"temperature has shape {tuple(temperature.shape)}; pass a number, a tensor [b] (per "
                          "sequence) or [b, s] like input_ids (per token)")
-    if takes(logits_processor, "real_tokens"):  # packfwd.logits' rule (a processor of one's own may have another)
+    if isinstance(temperature, Tensor) and temperature.dim() > 0 and takes(logits_processor, "real_tokens"):
+        # packfwd.logits' rule (a processor of one's own may read a temperature by another)
         check_temperature_in_batch(processor_args, attention_mask, loss_mask, scored_only)
-    if (isinstance(temperature, Tensor) and temperature.dim() > 0 and "real_tokens" not in processor_args
-            and takes(logits_processor, "real_tokens")):
-        processor_args["real_tokens"] = torch.ones_like(temperature, dtype=torch.bool)
+        if "real_tokens" not in processor_args:
+            processor_args["real_tokens"] = torch.ones_like(temperature, dtype=torch.bool)
 
 
 def check_temperature_in_batch(processor_args: dict, attention_mask, loss_mask, scored_only: bool) -> None:

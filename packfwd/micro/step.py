@@ -141,8 +141,10 @@ def run_micro_batches(
     check_every_ep_rank_runs(model, any(not mb for rank in plan.micro_batches for mb in rank))
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
     engine = getattr(forward, "engine", None)
-    if engine is not None and takes(engine.processor, "real_tokens"):  # a bad temperature named by its row of
-        # this batch, not of a micro-batch (packfwd.logits' rule: a processor of one's own may have another)
+    temperature = processor_args.get("temperature")
+    if (engine is not None and isinstance(temperature, Tensor) and temperature.dim() > 0
+            and takes(engine.processor, "real_tokens")):  # a bad temperature named by its row of this batch, not of a
+        # micro-batch (packfwd.logits' rule: a processor of one's own may read a temperature by another)
         check_temperature_in_batch(processor_args, attention_mask, loss_mask if _scores(forward, loss_mask) else None,
                                    scored_only=getattr(engine, "scoring", None) is not None)
     if loss_fn is not None and not torch.is_grad_enabled():
