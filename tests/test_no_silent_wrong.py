@@ -550,3 +550,81 @@ def test_the_logits_functions_refuse_a_bad_temperature(fn, bad):
         for key in want:
             assert torch.isfinite(got[key]).all()
             torch.testing.assert_close(got[key][others], want[key][others])
+
+
+# ------------------------------------------------------------------------------------------ the loss tokens
+
+
+def _step_batch():
+    from packfwd.micro import plan_micro_batches
+
+    ids, mask = ragged_batch("mixed")
+    labels = next_token_labels(ids, mask)
+    return ids, mask, labels, plan_micro_batches(mask.sum(-1).tolist(), max_tokens=16)
+
+
+@pytest.mark.parametrize("normalize", ["token_mean", "sequence_mean"])
+def test_the_mean_counts_only_the_tokens_that_have_a_label(normalize):
+    """Hazard: without a loss_mask the mean divided by every real token, each sequence's last one too, whose label
+    is ignored (its log-prob is 0): a token mean 12 % too small on this batch.  Reference: the transformers model on
+    each sequence alone, its next-token log-probs averaged by a plain loop."""
+    from packfwd.micro import run_micro_batches
+
+    hf, model = _llama()
+    ids, mask, labels, plan = _step_batch()
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy)
+    res = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels,
+                            loss_fn=lambda o: -o["log_probs"], normalize=normalize)
+    per_seq = []
+    for logits, row in zip(per_sequence_logits(hf, ids, mask), range(ids.shape[0])):
+        tokens = ids[row][mask[row]]
+        lp = torch.log_softmax(logits[:-1].double(), -1).gather(-1, tokens[1:, None])[:, 0]
+        per_seq.append(-lp)
+    if normalize == "token_mean":
+        want = torch.cat(per_seq).sum() / sum(len(x) for x in per_seq)
+    else:
+        want = torch.stack([x.mean() for x in per_seq]).mean()
+    torch.testing.assert_close(res.loss.double(), want, rtol=1e-5, atol=1e-6)
+    # the same through an explicit loss mask of the labelled tokens, and with their counts as host ints
+    scored = mask & (labels >= 0)
+    again = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, loss_mask=scored,
+                              loss_tokens=scored.sum(-1).tolist(), loss_fn=lambda o: -o["log_probs"],
+                              normalize=normalize)
+    torch.testing.assert_close(again.loss.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def per_sequence_logits(hf, ids, mask):
+    with torch.no_grad():
+        return [hf(ids[i][mask[i]][None]).logits[0] for i in range(ids.shape[0])]
+
+
+def test_a_loss_mask_of_unlabelled_or_padding_tokens_is_refused_by_row_and_column():
+    """Hazard: a response mask not shifted to the next-token labels (verl's response_mask as it is) marks each
+    sequence's last token, whose label is ignored: its 0 loss counted in the mean, the first response token's
+    prediction was left out, and nothing said so.  A mask over padding counted padding in the mean."""
+    from packfwd.micro import run_micro_batches
+
+    _, model = _llama()
+    ids, mask, labels, plan = _step_batch()
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy)
+    run = functools.partial(run_micro_batches, forward, model, plan, ids, mask, dp_rank=0, labels=labels,
+                            loss_fn=lambda o: -o["log_probs"])
+    with pytest.raises(ValueError, match=r"marks 4 token\(s\) .* row 0, column 11 has its label ignored .*shifting it "
+                                         r"left by one"):
+        run(loss_mask=mask.clone())  # every real token: the last ones have no label
+    pad = int((~mask[1]).nonzero()[0, 0])
+    bad = mask & (labels >= 0)
+    bad[1, pad] = True
+    with pytest.raises(ValueError, match=rf"row 1, column {pad} is padding"):
+        run(loss_mask=bad)
+    good = mask & (labels >= 0)
+    with pytest.raises(ValueError, match=r"loss_tokens\[2\]=99 but the loss mask marks"):
+        run(loss_mask=good, loss_tokens=[*good.sum(-1).tolist()[:2], 99, good.sum(-1).tolist()[3]])
+    with pytest.raises(TypeError, match="one per sequence"):
+        run(loss_mask=good, loss_tokens=int(good.sum()))
+    with pytest.raises(ValueError, match="not the batch's total"):
+        run(loss_mask=good, loss_tokens=[int(good.sum())])
+    n = mask.sum(-1).tolist()  # without labels every real token is a loss token: the counts must be the lengths
+    with pytest.raises(ValueError, match=r"loss_tokens\[0\]=1 but sequence 0 has"):
+        run_micro_batches(make_forward("thd"), model, plan, ids, mask, dp_rank=0, loss_tokens=[1, *n[1:]],
+                          loss_fn=lambda o: o.float().logsumexp(-1))

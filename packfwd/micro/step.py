@@ -55,7 +55,7 @@ from .batches import StepResult, detach_outputs, micro_batch_inputs, step_result
 from .graphs import ModelTensors, StepGraphs, capturable, graphed_step, why_eager
 from .plan import MicroBatchPlan
 
-__all__ = ["StepResult", "agree_micro_batch_count", "padding_pays", "run_micro_batches", "sequence_weights"]
+__all__ = ["StepResult", "agree_micro_batch_count", "loss_token_counts", "padding_pays", "run_micro_batches", "sequence_weights"]
 
 NORMALIZE = ("token_mean", "sequence_mean", "sum")
 
@@ -153,13 +153,13 @@ def run_micro_batches(
             "no gradient would accumulate; call it outside no_grad / inference_mode, or drop loss_fn for a "
             "forward-only pass"
         )
-    weights = counts = None
+    weights = counts = weigh = None
     if loss_fn is not None or _scores(forward, loss_mask):
-        counts = _loss_counts(plan, loss_mask, loss_tokens)
+        counts, weigh = loss_token_counts(plan, attention_mask, loss_mask, loss_tokens, processor_args.get("labels"))
     if loss_fn is not None:
         weights = sequence_weights(counts, normalize)
     mbs = micro_batch_inputs(plan, input_ids, attention_mask, dp_rank=dp_rank, position_ids=position_ids,
-                             loss_mask=loss_mask, loss_args=loss_args, weights=weights,
+                             loss_mask=weigh, loss_args=loss_args, weights=weights,
                              multi_modal_inputs=multi_modal_inputs, **processor_args)
     batch_masks = (processor_args.get("mtp_loss_mask"), attention_mask)  # what an MTP loss is normalised over
     if pp_group is not None:
@@ -408,12 +408,64 @@ def _scores(forward, loss_mask) -> bool:
     return loss_mask is not None and getattr(engine, "scoring", None) is not None and engine.processor is not None
 
 
-def _loss_counts(plan, loss_mask, loss_tokens) -> list[int]:
+def loss_token_counts(plan, attention_mask: Tensor, loss_mask: Tensor | None, loss_tokens=None,
+                      labels: Tensor | None = None) -> tuple[list[int], Tensor | None]:
+    """Each sequence's loss-token count ``n_i`` and the mask the per-token losses are weighed with (None: the
+    attention mask).
+
+    The loss tokens are ``loss_mask``'s; without one, the real tokens that have a label (``labels >= 0``) when the
+    step is given ``labels`` (a sequence's last token has none: its log-prob is 0, not a score, and must not count
+    in a mean), else every real token.  A ``loss_mask`` may mark only such tokens: one that marks padding or a token
+    whose label is ignored (typically a response mask not shifted to packfwd's next-token labels) is refused, and so
+    are ``loss_tokens`` that disagree with the mask.  The counts cost one device read per step (none on the CPU, none
+    with ``loss_tokens``, none without a loss mask and labels); with ``loss_tokens`` a CUDA batch is checked by an
+    asynchronous device assert, a CPU batch at once, naming the row."""
+    b = attention_mask.shape[0]
+    given = None
     if loss_tokens is not None:
-        counts = [int(c) for c in loss_tokens]
-        if len(counts) != len(plan.seqlens):
-            raise ValueError(f"loss_tokens has {len(counts)} entries; pass one per sequence ({len(plan.seqlens)})")
-        return counts
-    if loss_mask is None:
-        return list(plan.seqlens)
-    return loss_mask.ne(0).sum(-1).tolist()  # the one host sync of a step (none for a CPU mask)
+        if isinstance(loss_tokens, Tensor) or not isinstance(loss_tokens, Sequence):
+            raise TypeError(f"loss_tokens must be host ints, one per sequence of the batch (a list of {b}), got "
+                            f"{type(loss_tokens).__name__}; a tensor would need a device read: pass .tolist()")
+        given = [int(c) for c in loss_tokens]
+        if len(given) != b:
+            raise ValueError(f"loss_tokens has {len(given)} entries; pass one per sequence ({b}), each sequence's "
+                             "loss tokens (not the batch's total)")
+    labelled = (isinstance(labels, Tensor) and not labels.is_nested
+                and tuple(labels.shape) == tuple(attention_mask.shape))
+    if loss_mask is None and not labelled:
+        if given is not None and given != list(plan.seqlens):
+            i = next(i for i, (g, n) in enumerate(zip(given, plan.seqlens)) if g != n)
+            raise ValueError(f"loss_tokens[{i}]={given[i]} but sequence {i} has {plan.seqlens[i]} real tokens, every "
+                             "one a loss token without a loss_mask or labels; pass the loss_mask the counts are of")
+        return list(plan.seqlens), None
+    allowed = attention_mask.ne(0)
+    if labelled:
+        allowed = allowed & labels.to(allowed.device).ge(0)
+    marked = allowed if loss_mask is None else loss_mask.ne(0)
+    bad = None if loss_mask is None else marked & ~allowed
+    weigh = allowed if loss_mask is None else loss_mask
+    if marked.device.type != "cpu" and given is not None:  # no device read: the device asserts it
+        ok = marked.sum(-1) == torch.tensor(given, pin_memory=True).to(marked.device, non_blocking=True)
+        if bad is not None:
+            ok = ok & ~bad.any(-1)
+        torch._assert_async(ok.all(), "run_micro_batches: loss_mask marks padding or a token whose label is "
+                            "ignored, or loss_tokens disagree with it (a CPU batch names the row and column)")
+        return given, weigh
+    wrong = bad.sum(-1) if bad is not None else torch.zeros_like(marked[:, 0], dtype=torch.long)
+    counts, wrong = torch.stack([marked.sum(-1), wrong]).tolist()  # the one host sync of a step (none on the CPU)
+    if any(wrong):
+        i = next(i for i, w in enumerate(wrong) if w)
+        j = int(bad[i].nonzero()[0, 0])
+        why = ("is padding in the attention mask" if not bool(attention_mask[i, j]) else
+               f"has its label ignored (labels[{i}, {j}] = {int(labels[i, j])})")
+        raise ValueError(
+            f"loss_mask marks {sum(wrong)} token(s) that cannot be loss tokens: row {i}, column {j} {why}. The loss "
+            "is 0 there, yet the token would count in the normalisation. packfwd's labels are the next token's "
+            "(label t is token t + 1, packfwd.next_token_labels): align a mask of the response tokens themselves by "
+            "shifting it left by one (loss_mask[:, :-1] = response_mask[:, 1:]), or pass loss_mask & (labels >= 0)"
+        )
+    if given is not None and given != counts:
+        i = next(i for i, (g, n) in enumerate(zip(given, counts)) if g != n)
+        raise ValueError(f"loss_tokens[{i}]={given[i]} but the loss mask marks {counts[i]} loss tokens in sequence "
+                         f"{i}; pass each sequence's count of the mask's tokens (or leave loss_tokens out)")
+    return counts, weigh
