@@ -115,6 +115,26 @@ def test_value_head_matches_hf_token_classifier(name):
             torch.testing.assert_close(values[i][mask[i]], ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cls", ["LlamaForSequenceClassification", "Qwen2ForSequenceClassification"])
+def test_a_sequence_classifier_reward_model_gives_its_reward_at_each_last_token(cls):
+    """A reward model (``...ForSequenceClassification``, one label, a score head without bias) loads as a value
+    model whatever its config's ``token_classification_bias`` says: its value at a sequence's last token is the
+    transformers model's reward for that sequence alone."""
+    import transformers
+
+    config = (LlamaConfig if cls.startswith("Llama") else Qwen2Config)(**TINY, num_key_value_heads=2, num_labels=1,
+                                                                        pad_token_id=0)
+    hf = randomise(getattr(transformers, cls)(config)).eval()
+    model = from_hf(hf)
+    ids, mask = ragged_batch("mixed")
+    with torch.no_grad():
+        values = make_forward("thd")(model, ids, mask)
+        for i in range(ids.shape[0]):
+            reward = hf(ids[i][mask[i]][None]).logits[0, 0]
+            last = int(mask[i].nonzero()[-1, 0])
+            torch.testing.assert_close(values[i, last], reward, atol=2e-5, rtol=1e-4)
+
+
 def test_log_probs_and_entropy_match_float64():
     hf = hf_model("qwen2-gqa-bias")
     model = from_hf(hf)

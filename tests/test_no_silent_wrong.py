@@ -628,3 +628,21 @@ def test_a_loss_mask_of_unlabelled_or_padding_tokens_is_refused_by_row_and_colum
     with pytest.raises(ValueError, match=r"loss_tokens\[0\]=1 but sequence 0 has"):
         run_micro_batches(make_forward("thd"), model, plan, ids, mask, dp_rank=0, loss_tokens=[1, *n[1:]],
                           loss_fn=lambda o: o.float().logsumexp(-1))
+
+
+@pytest.mark.parametrize("data_format", FORMATS)
+def test_labels_per_sequence_or_missing_are_refused(data_format):
+    """Hazard: labels of shape [b] were taken as one label per sequence and scored at every token (a [b] tensor is
+    a per-sequence value for other arguments); labels left out failed inside the processor, after the model ran,
+    with a bare "missing 1 required positional argument"."""
+    _, model = _llama()
+    ids, mask = ragged_batch("mixed")
+    forward = make_forward(data_format, logits_processor=log_probs_and_entropy)
+    with pytest.raises(ValueError, match=r"labels has shape \(4,\): labels are per token, never per sequence"):
+        forward(model, ids, mask, labels=torch.tensor([5, 6, 7, 8]))
+    with pytest.raises(ValueError, match=r"labels has shape \(4, 11\); pass \[b, s\] .*next_token_labels"):
+        forward(model, ids, mask, labels=next_token_labels(ids, mask)[:, :-1])
+    with pytest.raises(TypeError, match=r"'log_probs_and_entropy' needs labels=: .*next_token_labels"):
+        forward(model, ids, mask)
+    bound = functools.partial(log_probs, labels=next_token_labels(ids, mask).flatten())  # bound: not asked for
+    assert "labels" not in __import__("packfwd.engine.checks", fromlist=["_required"])._required(bound)

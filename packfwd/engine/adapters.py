@@ -185,11 +185,20 @@ def _coords_first(packed, position_ids):
     return packed.movedim(-1, 0) if position_ids.is_nested and position_ids.dim() == 3 else packed
 
 
+PER_TOKEN_ONLY = ("labels",)  # processor arguments that have no per-sequence form: [b] is a mistake, not a broadcast
+
+
 def _pack_arg(value, input_ids, pack, source, name="a processor argument"):
     """A processor argument (``name``) in the packed layout (rules in the module docstring)."""
     if not isinstance(value, Tensor) or value.dim() == 0:
         return value
     b = source.batch_size
+    if name in PER_TOKEN_ONLY and value.dim() == 1 and not value.is_nested:
+        raise ValueError(
+            f"{name} has shape {tuple(value.shape)}: {name} are per token, never per sequence; pass [b, s] like "
+            "input_ids (or jagged like it): the next token of each position and -100 where there is none, "
+            "packfwd.next_token_labels(input_ids, attention_mask)"
+        )
     if input_ids is not None and input_ids.is_nested:
         if value.is_nested:
             return pack(value)
@@ -203,6 +212,9 @@ def _pack_arg(value, input_ids, pack, source, name="a processor argument"):
             return pack(value)
         if value.dim() == 1 and value.shape[0] == b:
             return pack(value[:, None].expand(b, s))
+    if name in PER_TOKEN_ONLY:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}; pass [b, s] like input_ids (or jagged like it): "
+                         "packfwd.next_token_labels(input_ids, attention_mask)")
     raise ValueError(
         f"{name} has shape {tuple(value.shape)}; give per-token values like input_ids ([b, s, ...], or "
         f"jagged), per-sequence values as [b={b}], or a scalar"

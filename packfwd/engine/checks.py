@@ -15,7 +15,7 @@ from .._validate import check_positions as _check_positions
 from .._validate import unwrap
 from .facts import ModelFacts
 
-__all__ = ["bind_processor", "check_ids", "check_positions", "check_results", "checked_call", "takes"]
+__all__ = ["bind_processor", "check_ids", "check_processor_args", "check_positions", "check_results", "checked_call", "takes"]
 
 
 def bind_processor(processor, facts: ModelFacts):
@@ -67,6 +67,44 @@ def takes(processor, name: str) -> bool:
         return name in inspect.signature(processor).parameters
     except (TypeError, ValueError):  # not callable, or a builtin without a signature
         return False
+
+
+# what the engine or a head passes a processor itself: never the caller's to give
+SUPPLIED = frozenset({"tp_group", "real_tokens", "token_count", "sequence_parallel", "token_mask"})
+
+
+def check_processor_args(processor, given) -> None:
+    """A TypeError naming each argument ``processor`` requires (no default) that the call does not give
+    (``given``: the processor arguments' names), instead of the processor's own bare complaint after the model
+    ran; ``labels`` with the way to make them."""
+    missing = [n for n in _required(processor) if n not in given]
+    if missing:
+        fn = processor
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        name = getattr(fn, "__name__", type(fn).__name__)
+        how = (" (labels: the next token of each position, -100 where there is none: "
+               "labels=packfwd.next_token_labels(input_ids, attention_mask))" if "labels" in missing else "")
+        raise TypeError(f"logits_processor {name!r} needs {', '.join(f'{n}=' for n in missing)}: pass "
+                        f"{'it' if len(missing) == 1 else 'them'} to the forward call{how}")
+
+
+@functools.lru_cache(maxsize=64)  # read once per processor, not per call (a processor is hashable by identity)
+def _required(processor) -> tuple[str, ...]:
+    bound, skip = set(), 0
+    while isinstance(processor, functools.partial):
+        bound |= set(processor.keywords)
+        skip += len(processor.args)
+        processor = processor.func
+    try:
+        params = list(inspect.signature(processor).parameters.values())
+    except (TypeError, ValueError):  # not callable, or a builtin without a signature
+        return ()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    first = {p.name for p in positional[: 1 + skip]}  # the logits, and what a partial bound by position
+    return tuple(p.name for p in params
+                 if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                 and p.name not in first and p.name not in bound and p.name not in SUPPLIED)
 
 
 def checked_call(check_group, layout, prepare):

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from .checks import bind_processor, check_ids, check_results, checked_call
+from .checks import bind_processor, check_ids, check_processor_args, check_results, checked_call
 from .facts import ModelFacts, check_cp, check_every_ep_rank_runs, empty_output, is_moe, model_facts
 
 __all__ = ["Batch", "Engine", "Extension", "Result", "Step", "router_padding", "seq_major", "text_call"]
@@ -204,6 +204,8 @@ class Engine:
         if self.check_cp:
             check_cp(model, self.cp_size, self.cp_rank, self.cp_group)
         processor = bind_processor(self.processor, facts) if self.bind_tp else self.processor
+        if processor is not None:
+            check_processor_args(processor, batch.inputs)
         if self.head is not None:
             self.head.check_model(model, facts)
         if batch.input_ids is not None:  # a later pipeline stage may be given none: its mask alone plans

@@ -143,7 +143,9 @@ def _take_positions(position_ids: Tensor, rows: Tensor) -> Tensor:
 def _weighted_sum(per_token: Tensor, mask: Tensor, w: Tensor) -> Tensor:
     if not isinstance(per_token, Tensor) or tuple(per_token.shape) != tuple(mask.shape):
         got = tuple(per_token.shape) if isinstance(per_token, Tensor) else type(per_token).__name__
-        raise ValueError(f"loss_fn returned {got}; return per-token losses shaped like the rows {tuple(mask.shape)}")
+        raise ValueError(f"loss_fn returned {got}; return per-token losses shaped like the rows {tuple(mask.shape)} "
+                         "(a loss_args tensor is cut to the micro-batch's rows only when its first dimension is the "
+                         "global batch's b; any other reaches loss_fn whole)")
     w = w.to(device=per_token.device, dtype=per_token.dtype)
     return (per_token * mask.to(per_token.dtype) * w[:, None]).sum()
 

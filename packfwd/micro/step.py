@@ -18,8 +18,10 @@ So the losses of all micro-batches of all ranks add up to the loss of the whole 
 their gradients: sum the gradients over DP (an all-reduce SUM; a DDP that averages needs them scaled by
 ``dp_size``).  Under expert parallelism the expert-parallel ranks are data-parallel ranks holding *different*
 experts (``local_experts.0`` is another expert on each): sum only the parameters Megatron-Core marks
-``allreduce=True`` over DP, and the experts' (``allreduce=False``) over their expert-data-parallel group.  The counts ``n_i`` come from ``loss_tokens`` (host ints) when given; otherwise from the loss mask,
-read back once per step (one device sync; none on the CPU), or from ``plan.seqlens`` without a loss mask.
+``allreduce=True`` over DP, and the experts' (``allreduce=False``) over their expert-data-parallel group.  The loss tokens are ``loss_mask``'s; without one the real tokens with a label (``labels >= 0``) when
+``labels`` are given, else every real token (:func:`loss_token_counts`: a loss mask marking padding or an ignored label
+is refused).  The counts ``n_i`` come from ``loss_tokens`` (host ints, one per sequence) when given; otherwise from
+that mask, read back once per step (one device sync; none on the CPU), or from ``plan.seqlens`` without either.
 
 **The plan and the forward's layout agree.**  The plan's budget is the footprint of the layout it was made for; a
 ``make_forward`` forward carries its own (``forward.layout``), and the step refuses a plan made for another:

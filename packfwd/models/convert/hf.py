@@ -90,7 +90,8 @@ def from_hf(
 ):
     """packfwd's Megatron-Core model (or pipeline stage) with the weights of a transformers causal LM of one of
     packfwd's families (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...: :data:`packfwd.models.families.FAMILIES`),
-    or its ``...ForTokenClassification`` with one label, as a value model.
+    or its ``...ForTokenClassification`` with one label, as a value model (a ``...ForSequenceClassification`` reward
+    model too: its score head at every token, the reward the value at the sequence's last token).
 
     Works in a fresh Python process: when ``torch.distributed`` is not initialised it creates a single-process
     gloo world and Megatron-Core's model-parallel state (sizes 1) itself; under a real launcher it uses the
@@ -138,8 +139,8 @@ def from_hf(
     if has_score and not value_head:
         raise ValueError("the HF model has a score (value) head; pass value_head=True or None")
     args = args_from_hf_config(hf_model.config, value_head=value_head)
-    if value_head and not has_score:
-        args = _replace(args, value_head_bias=False)
+    if value_head:  # the head's bias as the model has it (a ...ForSequenceClassification's score has none)
+        args = _replace(args, value_head_bias=has_score and getattr(hf_model.score, "bias", None) is not None)
     args = _replace(args, fused=fused)
     hf_state = hf_model.state_dict()
     if mtp_state_dict is not None:
