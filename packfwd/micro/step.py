@@ -45,10 +45,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..forward.factory import ForwardLayout
+from ..layout.source import to_device
 from ..engine.checks import takes
 from ..forward.args import check_temperature_in_batch
 from ..engine.facts import check_every_ep_rank_runs
@@ -447,7 +449,7 @@ def loss_token_counts(plan, attention_mask: Tensor, loss_mask: Tensor | None, lo
     bad = None if loss_mask is None else marked & ~allowed
     weigh = allowed if loss_mask is None else loss_mask
     if marked.device.type != "cpu" and given is not None:  # no device read: the device asserts it
-        ok = marked.sum(-1) == torch.tensor(given, pin_memory=True).to(marked.device, non_blocking=True)
+        ok = marked.sum(-1) == to_device(np.asarray(given, dtype=np.int64), marked.device)
         if bad is not None:
             ok = ok & ~bad.any(-1)
         torch._assert_async(ok.all(), "run_micro_batches: loss_mask marks padding or a token whose label is "
