@@ -330,8 +330,9 @@ def test_script_without_main_guard_fails_fast_naming_the_guard(tmp_path, size):
     assert report.startswith("parent: RankError: ")  # the deaths were seen, not waited out to the timeout
     assert "while starting" in report and str(script) in report
     assert 'under `if __name__ == "__main__":`' in report
-    # each rank's own error says the same
-    assert proc.stderr.count("run_local was called while a spawned rank re-imported the calling script") == 2
+    # a rank's own error says the same (the parent stops the other ranks once it sees the first death: under load
+    # a second rank may be stopped before it writes its own)
+    assert 1 <= proc.stderr.count("run_local was called while a spawned rank re-imported the calling script") <= 2
 
 
 def _closure_maker():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 from packfwd import make_forward, next_token_labels, plan_thd
 from packfwd.logits import log_probs, log_probs_and_entropy, vocab_parallel
@@ -624,6 +624,21 @@ def test_a_loss_mask_of_unlabelled_or_padding_tokens_is_refused_by_row_and_colum
         run(loss_mask=good, loss_tokens=int(good.sum()))
     with pytest.raises(ValueError, match="not the batch's total"):
         run(loss_mask=good, loss_tokens=[int(good.sum())])
+    counts = good.sum(-1)
+    want = run(loss_mask=good, loss_tokens=counts.tolist()).loss
+    for host in (counts, counts.numpy()):  # a CPU tensor or a numpy array are host ints too
+        assert torch.equal(run(loss_mask=good, loss_tokens=host).loss, want)
+    with pytest.raises(TypeError, match="a meta tensor"):  # (a CUDA tensor alike: reading it would sync)
+        run(loss_mask=good, loss_tokens=counts.to("meta"))
+    with pytest.raises(ValueError, match=r"loss_tokens\[0\]=2.5; .* an int >= 0"):
+        run(loss_mask=good, loss_tokens=[2.5, *counts.tolist()[1:]])
+    with torch.no_grad():  # forward only: the mask only picks the tokens scored, more than needed is harmless
+        out = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels, loss_mask=mask)
+    assert out.outputs["log_probs"].shape == ids.shape
+    value = from_hf(randomise(LlamaForTokenClassification(LlamaConfig(**TINY, num_labels=1))))
+    with pytest.raises(ValueError, match=r"row 1, column 0 is padding .* pass loss_mask & attention_mask$"):
+        run_micro_batches(make_forward("thd"), value, plan, ids, mask, dp_rank=0,
+                          loss_fn=lambda v: v.float() ** 2, loss_mask=torch.ones_like(mask))
     n = mask.sum(-1).tolist()  # without labels every real token is a loss token: the counts must be the lengths
     with pytest.raises(ValueError, match=r"loss_tokens\[0\]=1 but sequence 0 has"):
         run_micro_batches(make_forward("thd"), model, plan, ids, mask, dp_rank=0, loss_tokens=[1, *n[1:]],
@@ -644,5 +659,27 @@ def test_labels_per_sequence_or_missing_are_refused(data_format):
         forward(model, ids, mask, labels=next_token_labels(ids, mask)[:, :-1])
     with pytest.raises(TypeError, match=r"'log_probs_and_entropy' needs labels=: .*next_token_labels"):
         forward(model, ids, mask)
+    from packfwd.engine.checks import _required
+
     bound = functools.partial(log_probs, labels=next_token_labels(ids, mask).flatten())  # bound: not asked for
-    assert "labels" not in __import__("packfwd.engine.checks", fromlist=["_required"])._required(bound)
+    assert "labels" not in _required(bound)
+
+    @functools.wraps(log_probs)
+    def wrapper(logits, **kw):  # a wrapper that fills labels itself is not asked for them (its own signature)
+        return {"lp": log_probs(logits, torch.zeros(logits.shape[0], dtype=torch.long), **kw)}
+
+    assert _required(wrapper) == ()
+
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Proc:  # eq=True: unhashable, and a processor all the same
+        scale: float = 1.0
+
+        def __call__(self, logits, labels):
+            return log_probs_and_entropy(logits, labels)
+
+    out = make_forward(data_format, logits_processor=Proc())(model, ids, mask, labels=next_token_labels(ids, mask))
+    assert out["log_probs"].shape == ids.shape
+    with pytest.raises(TypeError, match="'Proc' needs labels="):
+        make_forward(data_format, logits_processor=Proc())(model, ids, mask)

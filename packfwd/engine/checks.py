@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
+import weakref
 from typing import Mapping
 
 import torch
@@ -89,22 +91,37 @@ def check_processor_args(processor, given) -> None:
                         f"{'it' if len(missing) == 1 else 'them'} to the forward call{how}")
 
 
-@functools.lru_cache(maxsize=64)  # read once per processor, not per call (a processor is hashable by identity)
 def _required(processor) -> tuple[str, ...]:
     bound, skip = set(), 0
     while isinstance(processor, functools.partial):
         bound |= set(processor.keywords)
         skip += len(processor.args)
         processor = processor.func
+    params = _parameters(processor)
+    positional = [name for name, kind, _ in params if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    first = set(positional[: 1 + skip])  # the logits, and what a partial bound by position
+    return tuple(name for name, kind, required in params
+                 if required and kind in ("POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY")
+                 and name not in first and name not in bound and name not in SUPPLIED)
+
+
+_PARAMETERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a function's, read once (not kept alive)
+
+
+def _parameters(fn) -> tuple:
+    """``(name, kind, required)`` of ``fn``'s own parameters (a ``functools.wraps`` wrapper's, not the wrapped
+    function's: the wrapper may fill some itself); () for what has no signature."""
+    cacheable = isinstance(fn, types.FunctionType)
+    if cacheable and fn in _PARAMETERS:
+        return _PARAMETERS[fn]
     try:
-        params = list(inspect.signature(processor).parameters.values())
+        sig = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):  # not callable, or a builtin without a signature
         return ()
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    first = {p.name for p in positional[: 1 + skip]}  # the logits, and what a partial bound by position
-    return tuple(p.name for p in params
-                 if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                 and p.name not in first and p.name not in bound and p.name not in SUPPLIED)
+    got = tuple((p.name, p.kind.name, p.default is p.empty) for p in sig.parameters.values())
+    if cacheable:
+        _PARAMETERS[fn] = got
+    return got
 
 
 def checked_call(check_group, layout, prepare):

@@ -204,7 +204,7 @@ class Engine:
         if self.check_cp:
             check_cp(model, self.cp_size, self.cp_rank, self.cp_group)
         processor = bind_processor(self.processor, facts) if self.bind_tp else self.processor
-        if processor is not None:
+        if processor is not None and facts.post_process:  # an earlier pipeline stage never calls it
             check_processor_args(processor, batch.inputs)
         if self.head is not None:
             self.head.check_model(model, facts)

@@ -159,7 +159,8 @@ def run_micro_batches(
         )
     weights = counts = weigh = None
     if loss_fn is not None or _scores(forward, loss_mask):
-        counts, weigh = loss_token_counts(plan, attention_mask, loss_mask, loss_tokens, processor_args.get("labels"))
+        counts, weigh = loss_token_counts(plan, attention_mask, loss_mask, loss_tokens, processor_args.get("labels"),
+                                          loss=loss_fn is not None)
     if loss_fn is not None:
         weights = sequence_weights(counts, normalize)
     mbs = micro_batch_inputs(plan, input_ids, attention_mask, dp_rank=dp_rank, position_ids=position_ids,
@@ -413,7 +414,7 @@ def _scores(forward, loss_mask) -> bool:
 
 
 def loss_token_counts(plan, attention_mask: Tensor, loss_mask: Tensor | None, loss_tokens=None,
-                      labels: Tensor | None = None) -> tuple[list[int], Tensor | None]:
+                      labels: Tensor | None = None, *, loss: bool = True) -> tuple[list[int], Tensor | None]:
     """Each sequence's loss-token count ``n_i`` and the mask the per-token losses are weighed with (None: the
     attention mask).
 
@@ -423,14 +424,26 @@ def loss_token_counts(plan, attention_mask: Tensor, loss_mask: Tensor | None, lo
     whose label is ignored (typically a response mask not shifted to packfwd's next-token labels) is refused, and so
     are ``loss_tokens`` that disagree with the mask.  The counts cost one device read per step (none on the CPU, none
     with ``loss_tokens``, none without a loss mask and labels); with ``loss_tokens`` a CUDA batch is checked by an
-    asynchronous device assert, a CPU batch at once, naming the row."""
+    asynchronous device assert, a CPU batch at once, naming the row (a failed device assert leaves the process's CUDA
+    context unusable: restart it).  ``loss=False`` (no ``loss_fn``: the counts only size a scoring forward's head,
+    where more is harmless): the mask's tokens are counted, not checked."""
     b = attention_mask.shape[0]
     given = None
     if loss_tokens is not None:
-        if isinstance(loss_tokens, Tensor) or not isinstance(loss_tokens, Sequence):
-            raise TypeError(f"loss_tokens must be host ints, one per sequence of the batch (a list of {b}), got "
-                            f"{type(loss_tokens).__name__}; a tensor would need a device read: pass .tolist()")
-        given = [int(c) for c in loss_tokens]
+        host = (isinstance(loss_tokens, Tensor) and loss_tokens.device.type == "cpu" and loss_tokens.dim() == 1) or (
+            isinstance(loss_tokens, np.ndarray) and loss_tokens.ndim == 1) or (
+            isinstance(loss_tokens, Sequence) and not isinstance(loss_tokens, (str, bytes)))
+        if not host:
+            what = (f"a {loss_tokens.device.type} tensor (reading it would sync with the device)"
+                    if isinstance(loss_tokens, Tensor) and loss_tokens.dim() == 1 else
+                    f"{type(loss_tokens).__name__} {getattr(loss_tokens, 'shape', '')}".rstrip())
+            raise TypeError(f"loss_tokens must be host ints, one per sequence of the batch (a list, a 1-D numpy "
+                            f"array or CPU tensor of {b}), got {what}")
+        values = loss_tokens.tolist() if isinstance(loss_tokens, (Tensor, np.ndarray)) else list(loss_tokens)
+        given = [int(c) for c in values]
+        if any(g != c or g < 0 for g, c in zip(given, values)):
+            i = next(i for i, (g, c) in enumerate(zip(given, values)) if g != c or g < 0)
+            raise ValueError(f"loss_tokens[{i}]={values[i]!r}; each sequence's loss tokens are a count, an int >= 0")
         if len(given) != b:
             raise ValueError(f"loss_tokens has {len(given)} entries; pass one per sequence ({b}), each sequence's "
                              "loss tokens (not the batch's total)")
@@ -446,7 +459,7 @@ def loss_token_counts(plan, attention_mask: Tensor, loss_mask: Tensor | None, lo
     if labelled:
         allowed = allowed & labels.to(allowed.device).ge(0)
     marked = allowed if loss_mask is None else loss_mask.ne(0)
-    bad = None if loss_mask is None else marked & ~allowed
+    bad = None if loss_mask is None or not loss else marked & ~allowed
     weigh = allowed if loss_mask is None else loss_mask
     if marked.device.type != "cpu" and given is not None:  # no device read: the device asserts it
         ok = marked.sum(-1) == to_device(np.asarray(given, dtype=np.int64), marked.device)
@@ -460,13 +473,17 @@ def loss_token_counts(plan, attention_mask: Tensor, loss_mask: Tensor | None, lo
     if any(wrong):
         i = next(i for i, w in enumerate(wrong) if w)
         j = int(bad[i].nonzero()[0, 0])
-        why = ("is padding in the attention mask" if not bool(attention_mask[i, j]) else
-               f"has its label ignored (labels[{i}, {j}] = {int(labels[i, j])})")
+        if not bool(attention_mask[i, j]):
+            raise ValueError(
+                f"loss_mask marks {sum(wrong)} token(s) that cannot be loss tokens: row {i}, column {j} is padding in "
+                "the attention mask, and would count in the normalisation; pass loss_mask & attention_mask"
+            )
         raise ValueError(
-            f"loss_mask marks {sum(wrong)} token(s) that cannot be loss tokens: row {i}, column {j} {why}. The loss "
-            "is 0 there, yet the token would count in the normalisation. packfwd's labels are the next token's "
-            "(label t is token t + 1, packfwd.next_token_labels): align a mask of the response tokens themselves by "
-            "shifting it left by one (loss_mask[:, :-1] = response_mask[:, 1:]), or pass loss_mask & (labels >= 0)"
+            f"loss_mask marks {sum(wrong)} token(s) that cannot be loss tokens: row {i}, column {j} has its label "
+            f"ignored (labels[{i}, {j}] = {int(labels[i, j])}): its log-prob is 0, not a score, yet the token would "
+            "count in the normalisation. packfwd's labels are the next token's (label t is token t + 1, "
+            "packfwd.next_token_labels): align a mask of the response tokens themselves by shifting it left by one "
+            "(loss_mask[:, :-1] = response_mask[:, 1:]), or pass loss_mask & (labels >= 0)"
         )
     if given is not None and given != counts:
         i = next(i for i, (g, n) in enumerate(zip(given, counts)) if g != n)
