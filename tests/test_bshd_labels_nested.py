@@ -95,3 +95,32 @@ def test_nested_unpad_is_its_values():
     assert torch.equal(packed, torch.cat(seqs))
     assert info.cu_seqlens.tolist() == [0, 3, 4, 8] and info.max_seqlen == 4
     assert all(torch.equal(a, b) for a, b in zip(pad(packed, info).unbind(), seqs))
+
+
+def _jagged(values, offsets):
+    return torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor(offsets))
+
+
+def test_a_nested_tensor_of_other_rows_is_refused_by_a_nested_plan():
+    """Hazard: a nested x was packed with another nested tensor's plan by its values alone: one token more was
+    dropped, other row lengths moved tokens into the wrong sequences, silently."""
+    a = _jagged(torch.arange(10), [0, 3, 10])
+    _, info = to_thd(a, seq_align=4)
+    with pytest.raises(ValueError, match="2 rows and 11 tokens but the plan was made for 2 rows and 10 tokens"):
+        to_thd(_jagged(torch.arange(11), [0, 3, 11]), info)
+    with pytest.raises(ValueError, match="offsets differ"):  # the same token count, other boundaries
+        to_thd(_jagged(torch.arange(10), [0, 4, 10]), info)
+    same = _jagged(torch.arange(10) * 10, [0, 3, 10])  # equal offsets in another tensor: accepted
+    assert torch.equal(to_thd(same, info)[0], to_thd(a, info)[0] * 10)
+
+
+def test_a_narrowed_nested_tensor_is_refused_and_its_contiguous_copy_packs_its_tokens():
+    """Hazard: torch.nested.narrow's view (gaps between rows, lengths() set) was packed from values(), gaps and
+    all (every token of the padded source), or crashed deep inside the planning."""
+    ids = torch.arange(1, 31).reshape(5, 6)
+    starts, lengths = torch.tensor([0, 1, 2, 0, 3]), torch.tensor([6, 2, 4, 1, 3])
+    view = torch.nested.narrow(ids, 1, starts, lengths, layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"narrowed view .* pass x.contiguous\(\)"):
+        to_thd(view)
+    want = torch.cat([ids[i, s:s + n] for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist()))])
+    assert torch.equal(to_thd(view.contiguous())[0], want)

@@ -218,6 +218,7 @@ def _plan_nested(x: Tensor, seqlens: object, layout: LayoutFn) -> tuple[TokenSou
         raise TypeError("nested x must use layout=torch.jagged (torch.nested.nested_tensor(..., layout=torch.jagged))")
     if x._ragged_idx != 1:
         raise ValueError("nested x must be ragged in dim 1 ([b, j, *]); transpose it so dim 1 is the ragged one")
+    _check_compact(x)
     offsets = x.offsets().to(torch.long)
     lengths = offsets.diff()
     total = x.values().shape[0]
@@ -259,6 +260,7 @@ def canvas_rows_of(x: Tensor, source: TokenSource) -> Tensor:
     if source.nested_offsets is not None:
         if not is_nested(x):
             raise TypeError("this plan was made from a nested tensor; pass a nested x with the same offsets")
+        _check_same_rows(x, source)
         return x.values()
     if is_nested(x):
         raise TypeError("x is a nested tensor but this plan was made from a padded attention_mask; pass x padded "
@@ -267,6 +269,35 @@ def canvas_rows_of(x: Tensor, source: TokenSource) -> Tensor:
         raise ValueError(f"x has shape {tuple(x.shape)} but the plan was made for [b={source.batch_size}, "
                          f"s={source.seq_len}, ...]; pass x shaped like the attention_mask the plan was made from")
     return x.reshape(source.canvas_rows, *x.shape[2:])
+
+
+def _check_compact(x: Tensor) -> None:
+    if getattr(x, "_lengths", None) is not None:  # torch.nested.narrow's view: values() holds the gaps too
+        raise ValueError("nested x is a narrowed view with gaps between its rows (x.lengths() is set), whose "
+                         "values() are not its tokens; pass x.contiguous()")
+
+
+_ROWS_MESSAGE = ("a nested x's rows are not the plan's: its offsets differ from those of the nested tensor the plan "
+                 "was made from; pass x jagged like it (the same lengths, row by row)")
+
+
+def _check_same_rows(x: Tensor, source: TokenSource) -> None:
+    """A nested ``x`` has the plan's rows: its token count and row count on the host, its offsets (unless they are
+    the plan's own tensor) compared at once on the CPU, by an asynchronous device assert elsewhere."""
+    _check_compact(x)
+    if x.size(0) != source.batch_size or x.values().shape[0] != source.total:
+        raise ValueError(f"nested x has {x.size(0)} rows and {x.values().shape[0]} tokens but the plan was made for "
+                         f"{source.batch_size} rows and {source.total} tokens; pass x jagged like the tensor the plan "
+                         "was made from")
+    offsets = x.offsets()
+    if offsets is source.nested_offsets or offsets.data_ptr() == source.nested_offsets.data_ptr():
+        return
+    same = offsets.to(device=source.nested_offsets.device, dtype=torch.long) == source.nested_offsets
+    if offsets.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(same.all()):
+            raise ValueError(_ROWS_MESSAGE)
+    else:
+        torch._assert_async(same.all(), _ROWS_MESSAGE)
 
 
 def from_canvas(canvas: Tensor, source: TokenSource) -> Tensor:
