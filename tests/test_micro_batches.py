@@ -159,7 +159,7 @@ def test_a_sequence_that_cannot_fit_names_itself_and_the_budget_it_needs():
     (dict(seqlens=[3, -1]), ValueError, r"seqlens\[1\] = -1"),
     (dict(cost="bytes"), ValueError, "pass 'tokens', 'flops'"),
     (dict(cost=("flops", -1, 1)), ValueError, "non-negative"),
-    (dict(cost=lambda p: p[:1]), ValueError, "finite non-negative costs"),
+    (dict(cost=lambda p: p[:1]), ValueError, "one per sequence"),
     (dict(dp_size=0), ValueError, "dp_size must be >= 1"),
     (dict(max_tokens=2.5), TypeError, "max_tokens must be a Python int"),
     (dict(max_tokens=0), ValueError, "max_tokens must be >= 1, got 0; pass the padded tokens"),

@@ -126,6 +126,26 @@ def test_loss_fn_with_grad_mode_off_is_refused(mode):
     assert got.outputs.shape == (len(LENGTHS), max(LENGTHS), V)
 
 
+def test_a_ranks_or_micro_batchs_rows_of_an_argument_are_named_against_the_global_batch():
+    """Hazard: a tensor argument cut to one rank's rows reached each micro-batch whole, and the forward's error
+    asked for the micro-batch's shape ([b=2]), the wrong advice for the step."""
+    ids, mask = toy_batch()
+    plan = plan_micro_batches(LENGTHS, max_tokens=12, dp_size=2)
+    forward, model = pf.make_forward("thd", logits_processor=pf.logits.log_probs), Recorder()
+    labels = pf.next_token_labels(ids, mask)
+    with pytest.raises(ValueError, match=r"temperature has shape \(4,\); .* b=8 like input_ids"):
+        run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels,
+                          temperature=torch.ones(8)[plan.rows(0)])
+    assert model.tokens == []
+
+
+def test_a_bad_cost_is_named_by_its_rule():
+    with pytest.raises(ValueError, match=r"cost returned -3.0 for sequence 0 \(padded length 3\); .* non-negative"):
+        plan_micro_batches(LENGTHS, max_tokens=12, cost=lambda p: -p)
+    with pytest.raises(ValueError, match=r"cost returned shape \(\); .* one per sequence"):
+        plan_micro_batches(LENGTHS, max_tokens=12, cost=lambda p: p.sum())
+
+
 # ------------------------------------------------------------------------------------------------ MTP
 
 

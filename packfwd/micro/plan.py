@@ -349,10 +349,12 @@ def _costs(cost, padded: np.ndarray) -> np.ndarray:
         return a * p + b * p * p
     if callable(cost):
         values = np.asarray(cost(padded.copy()), dtype=np.float64)
-        if values.shape != padded.shape or not np.all(np.isfinite(values)) or (values.size and values.min() < 0):
-            raise ValueError(
-                f"cost returned shape {values.shape} (or negative / non-finite values); a cost function must map the "
-                f"padded lengths [n={len(padded)}] to [n] finite non-negative costs"
-            )
+        if values.shape != padded.shape:
+            raise ValueError(f"cost returned shape {values.shape}; a cost function maps the padded lengths "
+                             f"[n={len(padded)}] to [n] costs, one per sequence")
+        if not np.all(np.isfinite(values)) or (values.size and values.min() < 0):
+            i = int(np.flatnonzero(~np.isfinite(values) | (values < 0))[0])
+            raise ValueError(f"cost returned {values[i]} for sequence {i} (padded length {int(padded[i])}); costs "
+                             "must be finite and non-negative")
         return values
     raise ValueError(f"cost={cost!r}; pass 'tokens', 'flops', ('flops', a, b) or a callable of the padded lengths")

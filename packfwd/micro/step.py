@@ -144,6 +144,7 @@ def run_micro_batches(
     check_layout(forward, plan)
     check_every_ep_rank_runs(model, any(not mb for rank in plan.micro_batches for mb in rank))
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
+    _check_batch_args(processor_args, len(plan.seqlens))
     engine = getattr(forward, "engine", None)
     temperature = processor_args.get("temperature")
     if (engine is not None and isinstance(temperature, Tensor) and temperature.dim() > 0
@@ -348,6 +349,18 @@ def _check_step(plan, input_ids, dp_rank, normalize, loss_fn, loss_mask) -> None
         raise TypeError("loss_fn must be callable: loss_fn(outputs, **loss_args) -> per-token losses [b, s]")
     if loss_mask is not None and tuple(loss_mask.shape) != tuple(input_ids.shape[:2]):
         raise ValueError(f"loss_mask has shape {tuple(loss_mask.shape)}; pass [b, s] = {list(input_ids.shape[:2])}")
+
+
+def _check_batch_args(processor_args: Mapping, b: int) -> None:
+    """Every tensor argument of the forward is the global batch's (the step cuts each micro-batch's rows): a rank's
+    or a micro-batch's rows are refused here, where the message can speak of the global batch."""
+    for name, value in processor_args.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and not value.is_nested and value.shape[0] != b:
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}; run_micro_batches takes every tensor argument for the whole "
+                f"global batch, first dimension b={b} like input_ids (all ranks' rows: it cuts each micro-batch's "
+                "rows itself), not one rank's or one micro-batch's"
+            )
 
 
 def check_layout(forward: Callable, plan: MicroBatchPlan) -> None:
