@@ -10,16 +10,24 @@ from .._validate import check_mask, check_tensor
 from .source import to_device
 
 
-def next_token_labels(input_ids: Tensor, attention_mask: Tensor, ignore_index: int = -100) -> Tensor:
+def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None, ignore_index: int = -100) -> Tensor:
     """``[b, s]`` labels: at each real token, the next real token of the same row; ``ignore_index`` at a row's
     last real token and at padding.  Once packed (with any CP split) every token's label is the next token of its
-    own sequence, never the first token of the next one.  No host sync (holes and left padding included).
+    own sequence, never the first token of the next one.  No host sync (holes and left padding included).  A
+    jagged nested ``input_ids`` (``attention_mask=None``) gets labels jagged like it, on the same offsets.
 
     >>> import torch
     >>> ids = torch.tensor([[0, 5, 6, 7], [8, 0, 9, 0]])
     >>> next_token_labels(ids, ids != 0).tolist()
     [[-100, 6, 7, -100], [9, -100, -100, -100]]
+    >>> jagged = torch.nested.nested_tensor_from_jagged(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 3, 5]))
+    >>> next_token_labels(jagged, None).values().tolist()
+    [6, 7, -100, 9, -100]
     """
+    if isinstance(input_ids, Tensor) and input_ids.is_nested:
+        if attention_mask is not None:
+            raise ValueError("a nested input_ids holds its own lengths: pass attention_mask=None")
+        return shift_in_sequence(input_ids, None, 1, ignore_index)
     check_tensor("input_ids", input_ids)
     mask = check_mask(attention_mask, input_ids).bool()
     if input_ids.dim() != 2:
