@@ -74,6 +74,20 @@ def test_value_model_matches_verl(data_format):
 
 
 @pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_value_model_true_on_a_language_model_is_refused(data_format):
+    """Hazard (verl's too): value_model=True on a model whose output is a vocabulary's logits returned their first
+    column as "values" (the padded forward), or the logits unchanged (the engine's)."""
+    b, model = batch(), models().policy
+    _, our_model = views(model, data_format)
+    with pytest.raises(ValueError, match=r"value_model=True but the model's output has \d+ columns"):
+        pv.model_forward_gen(False)(our_model, b.ids, b.mask, b.positions, {}, value_model=True,
+                                    data_format=data_format)
+    with pytest.raises(ValueError, match=r"value_model=True but the model's output has \d+ columns"):
+        pv.gptmodel_forward_model_engine(our_model, nested(b.ids, b.mask), {}, value_model=True,
+                                         data_format=data_format)
+
+
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
 def test_pipeline_stages_match_verl(data_format):
     """pp=2, both stages in this process: the first returns its hidden states as is, the second takes them."""
     b, stages = batch(), models().stages

@@ -94,3 +94,14 @@ def _takes(model, name: str) -> bool:
         return name in inspect.signature(unwrap(model).forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def check_value_width(logits: Tensor) -> None:
+    """``value_model=True`` on a model without packfwd's value head takes the one column of a width-1 output layer
+    (a critic built as verl builds it); a wider output (a language model's logits) has no value to take."""
+    if logits.shape[-1] != 1:
+        raise ValueError(
+            f"value_model=True but the model's output has {logits.shape[-1]} columns per token, not one: it is not a "
+            "value model (a critic's output layer has width 1); build the critic with a value head "
+            "(packfwd.models.from_hf of a ...ForTokenClassification with num_labels=1) or pass value_model=False"
+        )

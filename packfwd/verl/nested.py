@@ -35,7 +35,7 @@ from packfwd.forward.scored import Scoring
 from packfwd.layout import shift_in_sequence
 from packfwd.layout.rules import round_up, verl_alignment
 
-from ._common import PARALLEL_FIX, fp8_padding, multimodal_kwargs, read_parallel
+from ._common import PARALLEL_FIX, check_value_width, fp8_padding, multimodal_kwargs, read_parallel
 from .layouts import VerlBshd, VerlThd, widen
 from .mtp import VerlMtp, check_mtp_model, engine_loss_mask
 
@@ -158,7 +158,10 @@ def gptmodel_forward_model_engine(
     if logits_processor is not None:
         return result.outputs
     logits = result.outputs["logits"]
-    return logits.squeeze(-1) if value_model and not facts.value_model else logits
+    if value_model and not facts.value_model:
+        check_value_width(logits)
+        return logits.squeeze(-1)
+    return logits
 
 
 def _processor_arg(name: str, value):

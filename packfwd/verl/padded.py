@@ -34,7 +34,7 @@ from packfwd.engine import Batch, Bshd, Engine, model_facts
 from packfwd.forward.scored import Scoring
 from packfwd.forward.vision import takes_packing, vision_kwargs
 
-from ._common import PARALLEL_FIX, fp8_padding, multimodal_kwargs, read_parallel
+from ._common import PARALLEL_FIX, check_value_width, fp8_padding, multimodal_kwargs, read_parallel
 from .layouts import VerlThd
 from .mtp import VerlMtp, check_mtp_model
 
@@ -124,7 +124,10 @@ def model_forward_gen(vision_model: bool = False, *, scored_only: bool = True) -
         if logits_processor is not None:
             return result.outputs
         logits = result.outputs["logits"]
-        return logits[..., 0] if value_model and not facts.value_model else logits
+        if value_model and not facts.value_model:
+            check_value_width(logits)
+            return logits[..., 0]
+        return logits
 
     return model_forward
 
