@@ -124,3 +124,21 @@ def test_a_narrowed_nested_tensor_is_refused_and_its_contiguous_copy_packs_its_t
         to_thd(view)
     want = torch.cat([ids[i, s:s + n] for i, (s, n) in enumerate(zip(starts.tolist(), lengths.tolist()))])
     assert torch.equal(to_thd(view.contiguous())[0], want)
+
+
+def test_a_nested_plan_applies_under_compile_to_equal_offsets_of_another_tensor():
+    """The rows check reads no pointer in a trace: a plan applies under torch.compile(fullgraph=True) to a nested
+    tensor of equal offsets held in another tensor (int32 here, the plan's are int64)."""
+    x = _jagged(torch.randn(10, 4), [0, 3, 10])
+    _, info = to_thd(x)
+    y = torch.nested.nested_tensor_from_jagged(x.values() * 2, torch.tensor([0, 3, 10], dtype=torch.int32))
+    got = torch.compile(lambda t: to_thd(t, info)[0], fullgraph=True, backend="eager")(y)
+    assert torch.equal(got, to_thd(x, info)[0] * 2)
+
+
+def test_next_token_labels_refuse_a_narrowed_nested_view():
+    view = torch.nested.narrow(torch.arange(12).reshape(2, 6), 1, torch.tensor([1, 0]), torch.tensor([3, 2]),
+                               layout=torch.jagged)
+    with pytest.raises(ValueError, match="narrowed view"):
+        next_token_labels(view, None)
+    assert next_token_labels(view.contiguous(), None).values().tolist() == [2, 3, -100, 7, -100]

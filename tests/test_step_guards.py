@@ -138,6 +138,14 @@ def test_a_ranks_or_micro_batchs_rows_of_an_argument_are_named_against_the_globa
                           temperature=torch.ones(8)[plan.rows(0)])
     assert model.tokens == []
 
+    def own(model, input_ids, attention_mask, position_ids=None, *, seqlens, vocab_bias):  # a forward of one's own
+        return pf.make_forward("thd")(model, input_ids, attention_mask, seqlens=seqlens) + vocab_bias
+
+    bias = torch.arange(V).float()
+    got = run_micro_batches(own, model, plan, ids, mask, dp_rank=0, vocab_bias=bias)  # reaches the forward whole
+    plain = run_micro_batches(pf.make_forward("thd"), model, plan, ids, mask, dp_rank=0)
+    assert torch.equal(got.outputs - plain.outputs, bias.expand_as(got.outputs))
+
 
 def test_a_bad_cost_is_named_by_its_rule():
     with pytest.raises(ValueError, match=r"cost returned -3.0 for sequence 0 \(padded length 3\); .* non-negative"):

@@ -87,6 +87,23 @@ def test_value_model_true_on_a_language_model_is_refused(data_format):
                                          data_format=data_format)
 
 
+def test_a_critic_without_packfwds_value_head_flag_runs_an_empty_batch():
+    """verl builds its critic with a width-1 output layer of its own (no value_head flag): an empty batch (the
+    model not run) gives zeros [b, s], as before the width check."""
+    b, critic = batch(), models().value
+    critic.output_layer.value_head = False
+    try:
+        empty = torch.zeros_like(b.mask)
+        values = pv.model_forward_gen(False)(critic, b.ids, empty, b.positions, {}, value_model=True,
+                                             data_format="thd")
+        assert values.shape == b.ids.shape and not values.any()
+        full = pv.model_forward_gen(False)(critic, b.ids, b.mask, b.positions, {}, value_model=True,
+                                           data_format="thd")
+        assert full.shape == b.ids.shape
+    finally:
+        critic.output_layer.value_head = True
+
+
 @pytest.mark.parametrize("data_format", ["thd", "bshd"])
 def test_pipeline_stages_match_verl(data_format):
     """pp=2, both stages in this process: the first returns its hidden states as is, the second takes them."""

@@ -135,6 +135,7 @@ class Result:
 
     outputs: dict | None = None
     hand_on: Any = None
+    empty: bool = False  # the batch had no real token: the model did not run (its outputs are zeros)
 
 
 def text_call(step: Step) -> dict:
@@ -196,7 +197,7 @@ class Engine:
         clash = sorted(set(outputs) & set(extra))
         if clash:
             raise ValueError(f"the logits processor returned {clash}, names the forward's own outputs take; rename them")
-        return Result(outputs={**outputs, **extra})
+        return Result(outputs={**outputs, **extra}, empty=step.empty)
 
     def prepare(self, model, batch: Batch) -> Step:
         """Steps 1-2 and the call's keywords: validation, the plan, every input packed.  Eager errors only."""

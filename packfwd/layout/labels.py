@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .._validate import check_mask, check_tensor
-from .source import to_device
+from .source import check_compact, to_device
 
 
 def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None, ignore_index: int = -100) -> Tensor:
@@ -167,6 +167,7 @@ def _shifted(x: Tensor, attention_mask: Tensor | None, shifts: list[int], fill_v
     if x.is_nested:
         if attention_mask is not None:
             raise ValueError("x is a nested (jagged) tensor: it carries its lengths; pass attention_mask=None")
+        check_compact(x)
         values, offsets = x.values(), x.offsets().to(x.device)
         token = torch.arange(values.shape[0], device=x.device)
         end = offsets[1:][torch.searchsorted(offsets[1:], token, right=True)]  # each token's sequence end

@@ -218,7 +218,7 @@ def _plan_nested(x: Tensor, seqlens: object, layout: LayoutFn) -> tuple[TokenSou
         raise TypeError("nested x must use layout=torch.jagged (torch.nested.nested_tensor(..., layout=torch.jagged))")
     if x._ragged_idx != 1:
         raise ValueError("nested x must be ragged in dim 1 ([b, j, *]); transpose it so dim 1 is the ragged one")
-    _check_compact(x)
+    check_compact(x)
     offsets = x.offsets().to(torch.long)
     lengths = offsets.diff()
     total = x.values().shape[0]
@@ -271,7 +271,8 @@ def canvas_rows_of(x: Tensor, source: TokenSource) -> Tensor:
     return x.reshape(source.canvas_rows, *x.shape[2:])
 
 
-def _check_compact(x: Tensor) -> None:
+def check_compact(x: Tensor) -> None:
+    """A nested ``x`` whose ``values()`` are its tokens: not a ``torch.nested.narrow`` view with gaps."""
     if getattr(x, "_lengths", None) is not None:  # torch.nested.narrow's view: values() holds the gaps too
         raise ValueError("nested x is a narrowed view with gaps between its rows (x.lengths() is set), whose "
                          "values() are not its tokens; pass x.contiguous()")
@@ -284,16 +285,17 @@ _ROWS_MESSAGE = ("a nested x's rows are not the plan's: its offsets differ from 
 def _check_same_rows(x: Tensor, source: TokenSource) -> None:
     """A nested ``x`` has the plan's rows: its token count and row count on the host, its offsets (unless they are
     the plan's own tensor) compared at once on the CPU, by an asynchronous device assert elsewhere."""
-    _check_compact(x)
+    check_compact(x)
     if x.size(0) != source.batch_size or x.values().shape[0] != source.total:
         raise ValueError(f"nested x has {x.size(0)} rows and {x.values().shape[0]} tokens but the plan was made for "
                          f"{source.batch_size} rows and {source.total} tokens; pass x jagged like the tensor the plan "
                          "was made from")
-    offsets = x.offsets()
-    if offsets is source.nested_offsets or offsets.data_ptr() == source.nested_offsets.data_ptr():
+    offsets, planned = x.offsets(), source.nested_offsets
+    compiling = torch.compiler.is_compiling()  # no pointer read in a trace: the device assert alone
+    if offsets is planned or (not compiling and offsets.data_ptr() == planned.data_ptr()):
         return
-    same = offsets.to(device=source.nested_offsets.device, dtype=torch.long) == source.nested_offsets
-    if offsets.device.type == "cpu" and not torch.compiler.is_compiling():
+    same = offsets.to(device=planned.device, dtype=torch.long) == planned
+    if planned.device.type == "cpu" and not compiling:
         if not bool(same.all()):
             raise ValueError(_ROWS_MESSAGE)
     else:

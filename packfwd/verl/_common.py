@@ -96,10 +96,11 @@ def _takes(model, name: str) -> bool:
         return False
 
 
-def check_value_width(logits: Tensor) -> None:
+def check_value_width(logits: Tensor, empty: bool = False) -> None:
     """``value_model=True`` on a model without packfwd's value head takes the one column of a width-1 output layer
-    (a critic built as verl builds it); a wider output (a language model's logits) has no value to take."""
-    if logits.shape[-1] != 1:
+    (a critic built as verl builds it); a wider output (a language model's logits) has no value to take.  An empty
+    batch (the model not run: zeros as wide as the model's config says) passes."""
+    if logits.shape[-1] != 1 and not empty:
         raise ValueError(
             f"value_model=True but the model's output has {logits.shape[-1]} columns per token, not one: it is not a "
             "value model (a critic's output layer has width 1); build the critic with a value head "

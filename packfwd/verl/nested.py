@@ -159,7 +159,7 @@ def gptmodel_forward_model_engine(
         return result.outputs
     logits = result.outputs["logits"]
     if value_model and not facts.value_model:
-        check_value_width(logits)
+        check_value_width(logits, result.empty)
         return logits.squeeze(-1)
     return logits
 

@@ -125,7 +125,7 @@ def model_forward_gen(vision_model: bool = False, *, scored_only: bool = True) -
             return result.outputs
         logits = result.outputs["logits"]
         if value_model and not facts.value_model:
-            check_value_width(logits)
+            check_value_width(logits, result.empty)
             return logits[..., 0]
         return logits
 
