@@ -383,3 +383,34 @@ def test_each_kind_of_bad_input_fails_alike_everywhere():
     kind, message = seen["pipeline_loss_fn"]
     assert kind == "TypeError" and message.startswith("rank 0 of 2 in the process group rejected its inputs")
     assert "loss_fn must be None" in message
+
+
+def _stage_groups(rank, world_size, hf, init_first):
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+
+    if init_first:  # Megatron initialised without a pipeline, then a stage of a 2-stage one asked for
+        ensure_model_parallel()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            from_hf(hf, pp_rank=rank, pp_size=2)
+        ps.destroy_model_parallel()
+        return [str(w.message) for w in seen if "packfwd: a stage of pp_size=2" in str(w.message)]
+    from_hf(hf, pp_rank=rank, pp_size=2)
+    sizes = (ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+                     ps.get_pipeline_model_parallel_rank())
+    ps.destroy_model_parallel()
+    return sizes
+
+
+def test_a_stage_built_under_a_launcher_has_its_pipeline_group():
+    """Hazard: from_hf(pp_rank=r, pp_size=2) under a launcher left Megatron at PP=1, DP=2: its data-parallel group
+    held both stages, and a gradient all-reduce over it added stage 0's layers to stage 1's, silently."""
+    got = run_local(_stage_groups, 2, tiny_hf(), False, backend="gloo", timeout=120)
+    assert got == [(2, 1, 0), (2, 1, 1)]  # pipeline of 2, data parallel of 1, each rank its own stage
+    warned = run_local(_stage_groups, 2, tiny_hf(), True, backend="gloo", timeout=120)  # made earlier: said
+    assert all(len(w) == 1 and "data parallelism of 2" in w[0] and "ensure_model_parallel(pp_size=2" in w[0]
+               for w in warned)

@@ -319,3 +319,20 @@ def test_the_whole_model_converts_back_bitwise_and_refuses_an_aux_loss():
     ids, mask = ragged_batch()
     with pytest.raises(ValueError, match="sigmoid routing"):
         make_forward("thd", moe_aux_loss=True)(model, ids, mask)
+
+
+def test_a_float64_models_correction_bias_keeps_float64_values():
+    """Hazard: the router's expert_bias buffer was float32 in every model, so a float64 model rounded a float64
+    checkpoint's correction bias (0.1 + 1e-12 came back 0.10000000149), against the dtype rule models.md states."""
+    from packfwd.models import to_hf_state_dict
+    from packfwd.models.mlp.moe import routers
+
+    hf, model = qwen3_deepseek_hybrid()
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    wanted = torch.full((8,), 0.1, dtype=torch.float64) + 1e-12
+    (router, *_) = routers(model)
+    assert router.expert_bias.dtype == torch.float64 and router.local_tokens_per_expert.dtype == torch.float32
+    with torch.no_grad():
+        router.expert_bias.copy_(wanted)
+    back = to_hf_state_dict(model)[name]
+    assert back.dtype == torch.float64 and torch.equal(back, wanted)

@@ -126,7 +126,7 @@ def from_hf(
     from packfwd.layers import layer_partition
 
     from ..runtime.gpt import build_model
-    from ..runtime.parallel_state import ensure_model_parallel
+    from ..runtime.parallel_state import ensure_pipeline
 
     _check_whole_model(hf_model)
     has_score = hasattr(hf_model, "score")
@@ -149,7 +149,7 @@ def from_hf(
     first = next(hf_model.parameters())
     device = first.device if device is None else torch.device(device)
     params_dtype = first.dtype if params_dtype is None else params_dtype
-    ensure_model_parallel(tp_size=tp_size, ep_size=ep_size, etp_size=expert_tp_size)
+    ensure_pipeline(pp_size, vpp_size, warn=False, tp_size=tp_size, ep_size=ep_size, etp_size=expert_tp_size)
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     if tp_rank is not None and tp_rank != rank:
         raise ValueError(f"tp_rank={tp_rank} but this process is TP rank {rank}; pass tp_rank={rank} or None")

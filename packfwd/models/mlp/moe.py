@@ -14,7 +14,7 @@ TransformerEngine::
                            Moe.shared_expert_gate: its output times sigmoid(gate_weight . x), Qwen2-MoE)
 
 Routing (:func:`moe_config_fields`): softmax top-k (Qwen3-MoE, Mixtral), or DeepSeek-V3's sigmoid scores with a
-routing-only expert bias (``router.expert_bias``, float32, a buffer in the state dict), group-limited top-k and a
+routing-only expert bias (``router.expert_bias``, at least float32, a buffer in the state dict), group-limited top-k and a
 routed scaling factor, all Megatron-Core's own arithmetic.  What :class:`~packfwd.models.mlp.router.PackedRouter`
 changes in Megatron-Core's ``TopKRouter`` (the gate's device and dtype, layout pads routed nowhere, routing
 statistics) is said there.  Megatron-Core's own auxiliary losses stay off (``moe_router_load_balancing_type=

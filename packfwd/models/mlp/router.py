@@ -38,16 +38,27 @@ class PackedRouter(TopKRouter):
 
     def __init__(self, config, *args, **kwargs):
         """Megatron-Core's constructor; with ``config.moe_router_enable_expert_bias`` the ``expert_bias`` buffer
-        (float32, in the state dict) and its ``local_tokens_per_expert`` counts are made beside the weight:
+        (at least float32: float64 in a float64 model; in the state dict) and its ``local_tokens_per_expert`` counts are made beside the weight:
         Megatron-Core makes them on ``torch.cuda.current_device()``, which fails without CUDA."""
         bias = config.moe_router_enable_expert_bias
         super().__init__(_without_expert_bias(config) if bias else config, *args, **kwargs)
         if bias:
             self.config, self.enable_expert_bias = config, True
             del self.expert_bias, self.local_tokens_per_expert  # Megatron's None attributes
-            for name in ("local_tokens_per_expert", "expert_bias"):
-                zeros = torch.zeros(self.num_experts, dtype=torch.float32, device=self.weight.device)
+            # the bias in at least float32 (a float64 model keeps a float64 checkpoint's values), the counts float32
+            wide = torch.promote_types(torch.float32, getattr(config, "params_dtype", torch.float32))
+            for name, dtype in (("local_tokens_per_expert", torch.float32), ("expert_bias", wide)):
+                zeros = torch.zeros(self.num_experts, dtype=dtype, device=self.weight.device)
                 self.register_buffer(name, zeros, persistent=name == "expert_bias")
+
+    def _maintain_float32_expert_bias(self) -> None:
+        """Megatron-Core casts the bias back to float32 before each forward, save and load (a half-precision
+        wrapper may have cast it down); here to at least float32: a float64 model's bias stays float64."""
+        bias = getattr(self, "expert_bias", None)
+        if bias is not None:
+            wide = torch.promote_types(torch.float32, getattr(self.config, "params_dtype", torch.float32))
+            if bias.dtype != wide:
+                bias.data = bias.data.to(wide)
 
     def reset_parameters(self) -> None:
         """Megatron-Core's initialisation (float32, then cast to ``params_dtype``), but with

@@ -95,7 +95,7 @@ def build_model(
     from .cpu import ensure_cuda_rng_tracker, ensure_host_rng_tracker, is_host
     from ..mlp.dispatch import pad_expert_parallel
     from .model import PackedGPTModel
-    from .parallel_state import ensure_model_parallel, stage_process_groups
+    from .parallel_state import ensure_pipeline, stage_process_groups
 
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
@@ -107,7 +107,7 @@ def build_model(
     if not 0 <= pp_rank < pp_size or not 0 <= vpp_rank < vpp_size:
         raise ValueError(f"pp_rank={pp_rank}, vpp_rank={vpp_rank} must lie in [0, pp_size={pp_size}) and "
                          f"[0, vpp_size={vpp_size})")
-    ensure_model_parallel(tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, etp_size=expert_tp_size)
+    ensure_pipeline(pp_size, vpp_size, tp_size=tp_size, cp_size=cp_size, ep_size=ep_size, etp_size=expert_tp_size)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     _check_divisible(args, tp)
     etp = parallel_state.get_expert_tensor_parallel_world_size()

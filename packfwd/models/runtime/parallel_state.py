@@ -15,11 +15,13 @@ it stands in a :class:`StagePlacement` that reports the requested rank and size.
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass
 
 import torch  # noqa: F401  (the doctests read torch.distributed)
 
-__all__ = ["StagePlacement", "ensure_model_parallel", "stage_process_groups"]
+__all__ = ["StagePlacement", "ensure_model_parallel", "ensure_pipeline", "stage_process_groups"]
 
 
 def ensure_model_parallel(
@@ -105,6 +107,33 @@ class StagePlacement:
 
     def size(self) -> int:
         return self.size_
+
+
+def ensure_pipeline(pp_size: int, vpp_size: int = 1, *, warn: bool = True, **sizes) -> None:
+    """:func:`ensure_model_parallel` for building a stage of a ``pp_size``-stage pipeline: under a launcher (more
+    than one process) whose Megatron state is not yet made, its groups are made with the pipeline's sizes too, so that
+    the data-parallel group holds one stage's replicas, not every stage (whose gradients a DP all-reduce would add
+    up).  Megatron's state made earlier without that pipeline, with data parallelism, is what the caller chose (every
+    process may hold every stage), said once in a warning: a process holding one stage must make the state with
+    ``ensure_model_parallel(pp_size=...)`` first.  In one process any stage may be built (a :class:`StagePlacement`
+    stands in for the pipeline group).  ``warn=False``: no warning (a caller that builds the stage next, which
+    warns)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    launched = dist.is_initialized() and dist.get_world_size() > 1
+    if launched and pp_size > 1 and not parallel_state.model_parallel_is_initialized():
+        sizes = {**sizes, "pp_size": pp_size, "vpp_size": vpp_size}
+    ensure_model_parallel(**sizes)
+    real = parallel_state.get_pipeline_model_parallel_world_size()
+    if warn and launched and pp_size > 1 and real != pp_size and parallel_state.get_data_parallel_world_size() > 1:
+        warnings.warn(
+            f"packfwd: a stage of pp_size={pp_size} in a world of {dist.get_world_size()} processes whose "
+            f"megatron.core.parallel_state has a pipeline of {real} and data parallelism of "
+            f"{parallel_state.get_data_parallel_world_size()}: a process that holds one stage has other stages in "
+            "its data-parallel group, and a gradient all-reduce over it adds them up. Make the state with the "
+            f"pipeline first: packfwd.models.runtime.ensure_model_parallel(pp_size={pp_size}, vpp_size={vpp_size}, "
+            "...) (every process holding every stage: fine as it is)", stacklevel=3)
 
 
 def stage_process_groups(pp_rank: int, pp_size: int):
