@@ -354,6 +354,16 @@ def caught_failures(rank: int, world_size: int, hf):
     seen["pipeline_loss_fn"] = attempt(
         lambda: pipeline_forward_backward(stages, step, mbs[:2], pp_group=group, loss_fn=bad_loss))
     ps.destroy_model_parallel()
+
+    ensure_model_parallel()  # no pipeline in Megatron's state: each rank builds the other rank's stage
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = [from_hf(hf, pp_rank=1 - rank, pp_size=2)]
+    seen["pipeline_swapped_stages"] = attempt(
+        lambda: pipeline_forward_backward(swapped, step, mbs[:2], pp_group=torch.distributed.group.WORLD))
+    ps.destroy_model_parallel()
     return seen
 
 
@@ -383,6 +393,9 @@ def test_each_kind_of_bad_input_fails_alike_everywhere():
     kind, message = seen["pipeline_loss_fn"]
     assert kind == "TypeError" and message.startswith("rank 0 of 2 in the process group rejected its inputs")
     assert "loss_fn must be None" in message
+    kind, message = seen["pipeline_swapped_stages"]  # the embedding and output layer where the chain has them
+    assert kind == "ValueError" and "stage 0 of pipeline rank 0 is global stage 0 of 2" in message
+    assert "lacks the embedding, holds the output layer" in message
 
 
 def _stage_groups(rank, world_size, hf, init_first):

@@ -83,11 +83,12 @@ def pipeline_forward_backward(
     import torch.distributed as dist
 
     error = None
+    pp, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     try:
         _check_arguments(stages, forward_step, microbatches, loss_fn)
+        _check_placement(stages, pp, rank)
     except (TypeError, ValueError) as exc:
         error = exc
-    pp, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     counts = (len(stages), len(microbatches)) if error is None else (0, 0)
     check_across_ranks(pp_group, error=error, values=counts, what="numbers of stages and microbatches")
     chain = _Chain(pp, rank, len(stages), pp_group)
@@ -220,6 +221,25 @@ def _recv(src: int, group: Any, device: torch.device) -> list[Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def _check_placement(stages, pp: int, rank: int) -> None:
+    """Each stage where the chain puts it: stage ``v`` of this rank is global stage ``v * pp + rank``; a stage that
+    says whether it holds the embedding or the output layer (``pre_process`` / ``post_process``, as Megatron-Core's
+    models do) must hold them exactly at the first and the last global stage."""
+    n = pp * len(stages)
+    for v, stage in enumerate(stages):
+        gpt = unwrap(stage)
+        pre, post = getattr(gpt, "pre_process", None), getattr(gpt, "post_process", None)
+        at = v * pp + rank
+        if (pre is not None and bool(pre) != (at == 0)) or (post is not None and bool(post) != (at == n - 1)):
+            holds = ", ".join(f"{'holds' if flag else 'lacks'} the {what}"
+                              for flag, what in ((pre, "embedding"), (post, "output layer")) if flag is not None)
+            raise ValueError(
+                f"stage {v} of pipeline rank {rank} is global stage {at} of {n} ({pp} ranks x {len(stages)} stages "
+                f"each), but it {holds}: pass this rank's stages in order, each built for its place "
+                f"(pp_rank={rank}, pp_size={pp}, vpp_rank=v, vpp_size={len(stages)}), with pp_group the pipeline's"
+            )
 
 
 def _check_arguments(stages, forward_step, microbatches, loss_fn) -> None:
