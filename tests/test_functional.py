@@ -96,3 +96,16 @@ def test_compiled_apply_equals_eager(cp):
     compiled = torch.compile(roundtrip, fullgraph=True, backend="inductor")
     for a, b in zip(compiled(x), roundtrip(x)):
         assert torch.equal(a, b)
+
+
+def test_planning_inside_grad_reads_the_lengths_and_under_vmap_is_refused():
+    """Planning inside torch.func.grad failed on the lengths' read ("Cannot access data pointer of Tensor that
+    doesn't have storage"); the lengths are integers, read through grad's wrapper now, equal to a plan made outside.
+    Under vmap a plan would be batched: refused, naming the fix."""
+    x = torch.randn(2, 3, 4)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    inside = grad(lambda x: (to_thd(x, mask, seq_align=4)[0] ** 2).sum())(x)
+    outside = grad(lambda x: (to_thd(x, plan_thd(mask, seq_align=4))[0] ** 2).sum())(x)
+    assert torch.equal(inside, outside) and torch.equal(inside, 2 * x * mask[..., None])
+    with pytest.raises(ValueError, match="make the plan outside vmap"):
+        vmap(lambda m: plan_thd(m).local_tokens)(torch.stack([mask, mask]))

@@ -320,9 +320,23 @@ def scatter_inverse(inverse: Tensor, rows: int, canvas_rows: int) -> Tensor:
 # ------------------------------------------------------------------------------------------ host <-> device
 
 
+PLAN_UNDER_VMAP_MESSAGE = ("packfwd plans a layout from one batch's lengths, which torch.func.vmap would batch: make "
+                           "the plan outside vmap (plan = packfwd.plan_thd(attention_mask), ...) and apply it inside")
+
+
 def to_host(values: Tensor) -> np.ndarray:
-    """A 1-D device tensor as a host int64 array: the planning step's single sync (free for CPU tensors)."""
-    return values.cpu().numpy().astype(np.int64, copy=False)
+    """A 1-D device tensor as a host int64 array: the planning step's single sync (free for CPU tensors).  Inside
+    ``torch.func.grad`` / ``vjp`` / ``jvp`` the lengths (integers: nothing to differentiate) are read through the
+    transforms' wrappers; under ``vmap`` planning is refused (:data:`PLAN_UNDER_VMAP_MESSAGE`)."""
+    functorch = torch._C._functorch
+    if not functorch.is_functorch_wrapped_tensor(values):
+        return values.cpu().numpy().astype(np.int64, copy=False)
+    while functorch.is_functorch_wrapped_tensor(values):
+        if functorch.is_batchedtensor(values):
+            raise ValueError(PLAN_UNDER_VMAP_MESSAGE)
+        values = functorch.get_unwrapped(values)
+    with torch._C._DisableFuncTorch():  # the read itself outside the transforms (they would wrap its result)
+        return values.cpu().numpy().astype(np.int64, copy=False)
 
 
 def to_device(host: np.ndarray, device: torch.device) -> Tensor:
