@@ -64,7 +64,14 @@ def _lengths(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"{part}{where} is negative; {form}")
         if not re.fullmatch(r"\d+", part):
             raise argparse.ArgumentTypeError(f"{part!r}{where} is not an integer; {form}")
+        if int(part) > MAX_LENGTH:
+            raise argparse.ArgumentTypeError(f"{part}{where} is over {MAX_LENGTH:,} tokens, more than a layout to "
+                                             "look at; the library plans any length (packfwd.plan_thd)")
     return [int(part) for part in parts]
+
+
+MAX_LENGTH = 1 << 20  # a sequence the CLI draws: a million tokens
+CLI_TOKENS = 4096  # a rank's tokens the CLI names one by one
 
 
 def _count(flag: str, minimum: int | None, example: int):
@@ -145,7 +152,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 def _plan(args: argparse.Namespace) -> str:
     kwargs = dict(tp_size=args.tp, cp_size=args.cp, seq_align=args.seq_align)
-    layout = describe_thd(args.lengths, **kwargs, token_limit=None)  # checks the sizes first; every token
+    # checks the sizes first; every token of a rank up to CLI_TOKENS of them, each sequence's ranges past it
+    layout = describe_thd(args.lengths, **kwargs, token_limit=CLI_TOKENS)
     head = f"THD layout of lengths {args.lengths}, tp={args.tp}, cp={args.cp}"
     if args.seq_align is not None:
         head += f", seq_align={args.seq_align}"
