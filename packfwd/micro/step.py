@@ -144,9 +144,9 @@ def run_micro_batches(
     check_layout(forward, plan)
     check_every_ep_rank_runs(model, any(not mb for rank in plan.micro_batches for mb in rank))
     _check_multi_modal(multi_modal_inputs, len(plan.seqlens))
-    if getattr(forward, "engine", None) is not None:  # a forward of one's own may take other tensors whole
-        _check_batch_args(processor_args, len(plan.seqlens))
     engine = getattr(forward, "engine", None)
+    if engine is not None:  # a forward of one's own may take other tensors whole
+        _check_batch_args(processor_args, len(plan.seqlens))
     temperature = processor_args.get("temperature")
     if (engine is not None and isinstance(temperature, Tensor) and temperature.dim() > 0
             and takes(engine.processor, "real_tokens")):  # a bad temperature named by its row of this batch, not of a

@@ -45,9 +45,7 @@ class PackedRouter(TopKRouter):
         if bias:
             self.config, self.enable_expert_bias = config, True
             del self.expert_bias, self.local_tokens_per_expert  # Megatron's None attributes
-            # the bias in at least float32 (a float64 model keeps a float64 checkpoint's values), the counts float32
-            wide = torch.promote_types(torch.float32, getattr(config, "params_dtype", torch.float32))
-            for name, dtype in (("local_tokens_per_expert", torch.float32), ("expert_bias", wide)):
+            for name, dtype in (("local_tokens_per_expert", torch.float32), ("expert_bias", _bias_dtype(config))):
                 zeros = torch.zeros(self.num_experts, dtype=dtype, device=self.weight.device)
                 self.register_buffer(name, zeros, persistent=name == "expert_bias")
 
@@ -55,10 +53,8 @@ class PackedRouter(TopKRouter):
         """Megatron-Core casts the bias back to float32 before each forward, save and load (a half-precision
         wrapper may have cast it down); here to at least float32: a float64 model's bias stays float64."""
         bias = getattr(self, "expert_bias", None)
-        if bias is not None:
-            wide = torch.promote_types(torch.float32, getattr(self.config, "params_dtype", torch.float32))
-            if bias.dtype != wide:
-                bias.data = bias.data.to(wide)
+        if bias is not None and bias.dtype != _bias_dtype(self.config):
+            bias.data = bias.data.to(_bias_dtype(self.config))
 
     def reset_parameters(self) -> None:
         """Megatron-Core's initialisation (float32, then cast to ``params_dtype``), but with
@@ -153,6 +149,11 @@ def gate_dtype(config) -> torch.dtype | None:
     if config.moe_router_dtype is None:
         return None
     return torch.promote_types(config.params_dtype, torch.float32)
+
+
+def _bias_dtype(config) -> torch.dtype:
+    """The expert bias's dtype: at least float32 (a float64 model keeps a float64 checkpoint's values)."""
+    return torch.promote_types(torch.float32, getattr(config, "params_dtype", torch.float32))
 
 
 def _without_expert_bias(config):
