@@ -248,3 +248,57 @@ def test_cudnn_backend_is_named_only_and_keeps_flash_semantics(monkeypatch):
     want = loop_attention(q.float(), k.float(), v.float(), lens_q, lens_k, True, 8**-0.5)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     assert calls[-1] == dict(bottom_right=True, max_q=64, max_k=192, lse=True, dtype=torch.int32)
+
+
+def test_cudnn_ops_run_under_packfwds_own_autograd_function():
+    """``varlen._CudnnRagged`` (what the ``cudnn`` backend runs where the frontend's op schemas fit): the forward
+    op gets the offsets, the rounded max lengths, the scale and the diagonal; the backward op gets the output's
+    gradient and the forward's log-sum-exp laid out per sequence (``[n, h, max_q, 1]``) with the same arguments;
+    the gradients it returns reach q, k and v, also under ``torch.func.grad``; the log-sum-exp takes none.  The
+    ops are stand-ins registered for the test with cuDNN's schemas (the CUDA test compares the real ops' bits with
+    the frontend's wrapper: tests/gpu/test_attention_choice_cuda.py)."""
+    calls = []
+    lib = torch.library.Library("cudnn", "FRAGMENT")
+    try:
+        lib.define("sdpa_fwd(Tensor q, Tensor k, Tensor v, float attn_scale, *, bool is_causal=False, "
+                   "bool causal_bottom_right=False, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
+                   "SymInt max_seqlen_q=0, SymInt max_seqlen_kv=0, bool return_lse=False) -> (Tensor, Tensor)")
+        lib.define("sdpa_bwd(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor stats, float attn_scale, *, "
+                   "bool is_causal=False, bool causal_bottom_right=False, Tensor? cu_seqlens_q=None, "
+                   "Tensor? cu_seqlens_kv=None, SymInt max_seqlen_q=0, SymInt max_seqlen_kv=0, "
+                   "bool is_deterministic=False) -> (Tensor, Tensor, Tensor)")
+        lib.define("_packed_lse_to_padded(Tensor lse, Tensor cu_seqlens, SymInt max_seqlen) -> Tensor")
+
+        def fwd(q, k, v, scale, **kw):
+            calls.append(("fwd", scale, kw))
+            return q * 2, torch.full((q.shape[0], q.shape[1], 1), 7.0)
+
+        def bwd(grad_o, q, k, v, o, stats, scale, **kw):
+            calls.append(("bwd", scale, stats.shape, kw))
+            return grad_o * 3, torch.ones_like(k), torch.ones_like(v) * 5
+
+        def repad(lse, cu, max_seqlen):
+            assert torch.equal(lse, torch.full(lse.shape, 7.0))
+            return torch.zeros(cu.numel() - 1, lse.shape[1], max_seqlen, 1)
+
+        for name, fn in (("sdpa_fwd", fwd), ("sdpa_bwd", bwd), ("_packed_lse_to_padded", repad)):
+            lib.impl(name, fn, "CPU")
+        assert varlen._cudnn_ops_fit()
+        c = cu([2, 3])
+        q, k, v = (torch.randn(5, h, 8, requires_grad=True) for h in (4, 2, 2))
+        args = dict(scale=0.5, is_causal=True, causal_bottom_right=True, cu_seqlens_q=c, cu_seqlens_kv=c,
+                    max_seqlen_q=64, max_seqlen_kv=128, return_lse=True)
+        out, lse = varlen._cudnn_ragged(q, k, v, **args)
+        assert torch.equal(out, q * 2) and not lse.requires_grad
+        out.sum().backward()
+        assert torch.equal(q.grad, torch.full_like(q, 3.0)) and torch.equal(v.grad, torch.full_like(v, 5.0))
+        (_, scale, kw), (_, bscale, stats, bkw) = calls
+        assert scale == bscale == 0.5 and stats == (2, 4, 64, 1)
+        for given in (kw, bkw):
+            assert given["cu_seqlens_q"] is c and given["max_seqlen_q"] == 64 and given["max_seqlen_kv"] == 128
+            assert given["is_causal"] and given["causal_bottom_right"]
+        grad = torch.func.grad(lambda x: varlen._cudnn_ragged(x, k.detach(), v.detach(), **args)[0].sum())
+        assert torch.equal(grad(q.detach()), torch.full_like(q, 3.0))
+    finally:
+        lib._destroy()
+    assert not varlen._cudnn_ops_fit()

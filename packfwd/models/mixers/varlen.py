@@ -136,16 +136,20 @@ class _CudnnRagged(torch.autograd.Function):
     log-sum-exp, laid out per sequence as the backward op takes it, is what the backward consumes."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right):
         # grad mode is off here: the op's registered autograd passes straight through to its kernel
-        o, lse = torch.ops.cudnn.sdpa_fwd(
+        return torch.ops.cudnn.sdpa_fwd(
             q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right, cu_seqlens_q=cu_q,
             cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # the torch.func-ready form
+        q, k, v, cu_q, cu_k, *args = inputs
+        o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, scale, causal, bottom_right)
+        ctx.args = tuple(args)  # max_q, max_k, scale, causal, bottom_right
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
-        return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, _grad_lse):
