@@ -161,6 +161,19 @@ def test_other_pictures_take_the_users_objects():
     assert sorted((int(p.get_x()), int(p.get_y())) for p in b.patches)[:4] == [(0, 0), (1, 0), (2, 1), (3, 1)]
 
 
+@pytest.mark.parametrize("layout", [[], torch.zeros(0, 5, dtype=torch.bool)], ids=["no lengths", "b=0 mask"])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_an_empty_batch_draws_like_the_other_pictures(layout, cp):
+    """draw_zigzag (so draw_cp_layout) raised numpy's "zero-size array to reduction operation maximum" on a batch
+    of no sequences (a DP rank left without any), where draw_thd, draw_mask and the plans' HTML draw it."""
+    fig = Figure(figsize=(9, 3))
+    ax = draw_zigzag(fig.subplots(), layout, cp_size=cp)
+    assert not ax.patches and not ax.images
+    axes = draw_cp_layout(Figure(figsize=(9, 4)), layout, cp_size=cp)
+    rendered(axes["zigzag"].get_figure())
+    rendered(fig)
+
+
 # ----------------------------------------------------------------------- what the pictures show is right
 
 
