@@ -39,7 +39,7 @@ from packfwd.viz import (attention_work, describe_thd, draw_cp_layout, draw_expe
                          plot_padding_sweep)
 from packfwd.viz.inputs import thd_facts
 from packfwd.viz.style import rank_colours, sequence_colours
-from packfwd.viz.text import sequence_name, token_codes, token_names
+from packfwd.viz.text import describe_padding, sequence_name, token_codes, token_names
 
 
 def rendered(fig: Figure) -> Figure:
@@ -134,6 +134,19 @@ def test_describe_thd_takes_masks_and_plans():
     assert describe_thd(mask, tp_size=2, cp_size=2) == want
     assert describe_thd(packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=1)) == want
     assert describe_thd([packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=r) for r in (1, 0)]) == want
+
+
+def test_describe_padding_of_a_plan_is_the_plans_layout():
+    """describe_padding took a plan's lengths alone and counted them with tp=1, cp=1: a plan of 44 THD tokens (tp=2,
+    cp=2, align 4) printed "packfwd (align 1) 34 tokens, 0 pad".  A plan brings its sizes, as in every picture."""
+    mask = lengths_mask(LENGTHS)
+    info = packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=1)
+    assert describe_padding(info) == describe_padding(LENGTHS, tp_size=2, cp_size=2)
+    assert f"packfwd (align 4)    {info.total_tokens} tokens" in describe_padding(info)
+    chosen = packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=0, seq_align=8)
+    assert f"chosen  (align 8)    {chosen.total_tokens} tokens" in describe_padding(chosen)
+    with pytest.raises(ValueError, match="planned with cp_size=2 but cp_size=1 was passed"):
+        describe_padding(info, cp_size=1)
 
 
 def test_describe_thd_of_a_large_batch_is_ranges_and_short():
