@@ -149,6 +149,18 @@ def test_describe_padding_of_a_plan_is_the_plans_layout():
         describe_padding(info, cp_size=1)
 
 
+def test_describe_thd_of_a_plan_prints_its_max_seqlen():
+    """describe_thd printed the longest padded sequence as max_seqlen, not the plan's: 20 for a bucket plan whose
+    max_seqlen (what Megatron-Core is given) is the bucket's 32, and for plan_thd(max_seqlen=64)."""
+    mask = lengths_mask(LENGTHS)
+    bucket = plan_thd_bucket(mask, Bucket(64, 32), tp_size=2, cp_size=2, cp_rank=0)
+    fixed = packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=0, max_seqlen=64)
+    for plan in (bucket, fixed, [fixed, packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=1, max_seqlen=64)]):
+        want = (plan[0] if isinstance(plan, list) else plan).max_seqlen
+        assert f"max_seqlen {want}," in describe_thd(plan)
+    assert "max_seqlen 20," in describe_thd(mask, tp_size=2, cp_size=2)  # lengths: the longest padded
+
+
 def test_describe_thd_of_a_large_batch_is_ranges_and_short():
     lengths = rl_lengths(64, longest=1024)
     text = describe_thd(lengths_mask(lengths), tp_size=2, cp_size=4)

@@ -144,7 +144,8 @@ def describe_thd(layout, *, tp_size: int | None = None, cp_size: int | None = No
     """
     facts = thd_facts(layout, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
     real, total = facts.real_tokens, facts.total_tokens
-    longest = int(facts.padded.max()) if facts.n else 0
+    longest = facts.max_seqlen
+
     def offsets(values: list[int]) -> str:  # all of them unless long (and the token names are limited)
         return str(values) if token_limit is None or len(str(values)) <= 100 else short_ints(values, 4)
 
