@@ -423,6 +423,15 @@ def test_every_plan_object_of_256_sequences_prints_within_a_screen():
         assert page.startswith("<div") and len(page) < 100_000, (name, len(page))
 
 
+def test_a_micro_batch_plans_html_says_which_ranks_it_draws():
+    """The HTML of a plan of 32 DP ranks drew ranks 0-15 and said nothing of the other 16 (BshdInfo's says which
+    rows it draws)."""
+    plan = plan_micro_batches(rl_lengths(256), max_tokens=4096, dp_size=32)
+    page = plan._repr_html_()
+    assert "dp 15<" in page and "dp 16<" not in page and "dp ranks 0-15 of 32 drawn" in page
+    assert "drawn" not in plan_micro_batches(rl_lengths(64), max_tokens=4096, dp_size=16)._repr_html_()
+
+
 def test_printed_facts_are_right():
     lengths = [5, 17, 3, 9]
     mask = lengths_mask(lengths)
