@@ -44,6 +44,7 @@ Pure Python: importing this module imports neither torch nor Megatron-Core.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import NamedTuple, Optional
 
@@ -109,14 +110,22 @@ def _uneven_counts(
     num_layers: int, pp: int, vpp: int, first: Optional[int], last: Optional[int]
 ) -> list[int]:
     """pp >= 2 with first and/or last stage sizes given; the rest spread over the middle ranks."""
+    num_middle = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    # the vpp values every stage's share divides by; none to offer while the middle ranks' share is not whole
+    # (that error comes below), and only vpp=1 with pp=2 and both ends set (Megatron-Core's limit, below)
+    if num_middle == 0:
+        choices = [1] if middle_layers == 0 else None
+    elif middle_layers >= num_middle and middle_layers % num_middle == 0:
+        choices = _divisors(math.gcd(*(size for size in (first, last, middle_layers // num_middle) if size)))
+    else:
+        choices = None
     for name, given in (("first_stage_layers", first), ("last_stage_layers", last)):
         if given is not None and given % vpp:
             raise ValueError(
-                f"{name}={given} must be divisible by vpp={vpp}; pick a multiple of {vpp} or "
-                f"vpp from {_divisors(given)}"
+                f"{name}={given} must be divisible by vpp={vpp}; pick a multiple of {vpp}"
+                + (f" or vpp from {choices}" if choices else "")
             )
-    num_middle = pp - (first is not None) - (last is not None)
-    middle_layers = num_layers - (first or 0) - (last or 0)
     if num_middle == 0:
         if middle_layers != 0:
             raise ValueError(
@@ -142,7 +151,7 @@ def _uneven_counts(
     if per_middle % vpp:
         raise ValueError(
             f"each middle pipeline stage gets {per_middle} layers, not divisible by vpp={vpp}; "
-            f"pick vpp from {_divisors(per_middle)} or change first_stage_layers/last_stage_layers"
+            f"pick vpp from {choices} or change first_stage_layers/last_stage_layers"
         )
     counts = [per_middle] * pp
     if first is not None:

@@ -172,7 +172,9 @@ SIZE_ERRORS = [
     ("layers --layers 8 --pp 4 --first 2 --last 5",
      ["--layers - --first - --last = 1 layers", "(--pp 4)", "change --layers, --first or --last"]),
     ("layers --layers 14 --pp 4 --vpp 2 --first 2 --last 2",
-     ["each middle pipeline stage gets 5 layers, not divisible by --vpp 2", "pick --vpp from [1, 5]"]),
+     ["each middle pipeline stage gets 5 layers, not divisible by --vpp 2", "pick --vpp from [1] or change"]),
+    ("layers --layers 20 --pp 4 --vpp 4 --first 2 --last 2",  # vpp 2 fits every stage's 2 or 8 layers
+     ["--first 2 must be divisible by --vpp 4", "or --vpp from [1, 2]"]),
     ("layers --layers 32 --pp 4 --owner 40", ["--owner 40 is out of range; this model has layers 0..31"]),
     ("layers --layers 32 --pp 4 --owner 32", ["--owner 32 is out of range; this model has layers 0..31"]),
     ("layers --layers 8 --pp 2 --owner -1", ["--owner -1 is out of range; this model has layers 0..7"]),

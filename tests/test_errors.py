@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from packfwd import (from_bshd, from_thd, next_token_labels, plan_bshd, plan_thd, plan_unpad, sp_pad, to_bshd,
-                     to_thd, unpad)
+from packfwd import (default_seq_align, from_bshd, from_thd, next_token_labels, plan_bshd, plan_thd, plan_unpad,
+                     sp_pad, to_bshd, to_thd, unpad)
 
 X = torch.randn(2, 5, 3)
 MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
@@ -32,8 +32,16 @@ MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
         (lambda: to_thd(X, MASK, seqlens=[3, 5, 1]), ValueError, "seqlens has 3 entries"),
         (lambda: to_thd(X, plan_thd(MASK), tp_size=2), TypeError, "pass one or the other"),
         (lambda: to_thd(X, None), TypeError, "attention_mask is required"),
+        # a plan with planning arguments beside it: they were ignored silently (to_thd refuses them)
+        (lambda: to_bshd(X, plan_bshd(MASK), tp_size=4), TypeError, r"BshdInfo plan and .*tp_size=4.*one or the other"),
+        (lambda: to_bshd(X, plan_bshd(MASK), seqlens=[3, 5]), TypeError, r"seqlens=\[3, 5\].*one or the other"),
+        (lambda: unpad(X, plan_unpad(MASK), seqlens=[3, 4]), TypeError, "UnpadInfo plan and seqlens"),
         (lambda: unpad(X, MASK.to(torch.float16)), TypeError, "attention_mask has dtype"),
         (lambda: sp_pad(X, 0), ValueError, "tp_size must be >= 1"),
+        # the alignment of no CP size: default_seq_align(0) and (-4) returned 1, (True) 1, (2.0) 4.0
+        (lambda: default_seq_align(0), ValueError, "cp_size must be >= 1"),
+        (lambda: default_seq_align(-4), ValueError, "cp_size must be >= 1"),
+        (lambda: default_seq_align(2.0), TypeError, "cp_size must be a Python int"),
         (lambda: to_bshd(X, MASK, tp_size=-1), ValueError, "tp_size must be >= 1"),
         (lambda: next_token_labels(X[..., 0].long(), MASK[:1]), ValueError, "attention_mask has shape"),
     ],

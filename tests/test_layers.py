@@ -13,6 +13,8 @@ valid pieces (mostly accepted ones).
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 import warnings
 from pathlib import Path
 
@@ -229,6 +231,29 @@ def test_errors_name_the_argument(args, kwargs, name):
     assert megatron_partition(num_layers, pp, vpp, first, last) is None  # Megatron refuses it too
     with pytest.raises(ValueError, match=name):
         layer_partition(*args, **kwargs)
+
+
+def test_the_vpp_an_error_suggests_is_accepted():
+    """The uneven split's vpp errors suggested the divisors of one stage's share: layer_partition(14, 4, 2,
+    first_stage_layers=2, last_stage_layers=2) said "pick vpp from [1, 5]", and vpp=5 is refused for the first
+    stage's 2 layers (so is vpp=3 of "first_stage_layers=3 ... vpp from [1, 3]" where the middle stages get 2 each).
+    Every vpp an error suggests now places the model, here and in Megatron-Core."""
+    suggested = 0
+    for num_layers, pp, vpp in itertools.product(range(1, 25), range(2, 6), range(2, 5)):
+        for first, last in itertools.product([None, *range(1, 9)], repeat=2):
+            try:
+                layer_partition(num_layers, pp, vpp, first_stage_layers=first, last_stage_layers=last)
+                continue
+            except ValueError as error:
+                message = str(error)
+            found = re.search(r"vpp from (\[[\d, ]+\])", message)
+            for choice in ast.literal_eval(found[1]) if found else []:
+                expected = megatron_partition(num_layers, pp, choice, first, last)
+                assert expected is not None, (num_layers, pp, vpp, first, last, message)
+                assert layer_partition(num_layers, pp, choice, first_stage_layers=first,
+                                       last_stage_layers=last) == expected
+                suggested += 1
+    assert suggested > 100
 
 
 @pytest.mark.parametrize("bad", [2.0, "4", True, None])

@@ -22,6 +22,7 @@ import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from packfwd import layer_partition
 from packfwd.viz.plot import draw_layer_partition, draw_mask, draw_thd, plot_padding_sweep
 
 from .oracles import ref_padded_lengths, ref_thd_rank
@@ -139,6 +140,14 @@ def test_draw_layer_partition_by_hand(num_layers, pp, vpp, first, last, expected
 def test_draw_layer_partition_passes_on_errors():
     with pytest.raises(ValueError, match="not divisible by pp=4"):
         draw_layer_partition(Figure().subplots(), 30, 4)
+
+
+@pytest.mark.parametrize("sizes", [dict(pp=2), dict(vpp=2), dict(first_stage_layers=2), dict(last_stage_layers=6)])
+def test_draw_layer_partition_refuses_sizes_beside_a_partition(sizes):
+    """Sizes passed beside a partition were ignored silently: draw_layer_partition(ax, layer_partition(8, 4),
+    pp=2) drew 4 ranks under a title of the partition's, not the pp=2 asked for."""
+    with pytest.raises(TypeError, match=rf"partition.*{next(iter(sizes))}=.*pass the partition alone"):
+        draw_layer_partition(Figure().subplots(), layer_partition(8, 4), **sizes)
 
 
 def test_plot_padding_sweep_bar_heights():

@@ -39,7 +39,7 @@ from packfwd.viz import (attention_work, describe_thd, draw_cp_layout, draw_expe
                          plot_padding_sweep)
 from packfwd.viz.inputs import thd_facts
 from packfwd.viz.style import rank_colours, sequence_colours
-from packfwd.viz.text import sequence_name, token_codes, token_names
+from packfwd.viz.text import describe_padding, sequence_name, token_codes, token_names
 
 
 def rendered(fig: Figure) -> Figure:
@@ -136,6 +136,31 @@ def test_describe_thd_takes_masks_and_plans():
     assert describe_thd([packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=r) for r in (1, 0)]) == want
 
 
+def test_describe_padding_of_a_plan_is_the_plans_layout():
+    """describe_padding took a plan's lengths alone and counted them with tp=1, cp=1: a plan of 44 THD tokens (tp=2,
+    cp=2, align 4) printed "packfwd (align 1) 34 tokens, 0 pad".  A plan brings its sizes, as in every picture."""
+    mask = lengths_mask(LENGTHS)
+    info = packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=1)
+    assert describe_padding(info) == describe_padding(LENGTHS, tp_size=2, cp_size=2)
+    assert f"packfwd (align 4)    {info.total_tokens} tokens" in describe_padding(info)
+    chosen = packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=0, seq_align=8)
+    assert f"chosen  (align 8)    {chosen.total_tokens} tokens" in describe_padding(chosen)
+    with pytest.raises(ValueError, match="planned with cp_size=2 but cp_size=1 was passed"):
+        describe_padding(info, cp_size=1)
+
+
+def test_describe_thd_of_a_plan_prints_its_max_seqlen():
+    """describe_thd printed the longest padded sequence as max_seqlen, not the plan's: 20 for a bucket plan whose
+    max_seqlen (what Megatron-Core is given) is the bucket's 32, and for plan_thd(max_seqlen=64)."""
+    mask = lengths_mask(LENGTHS)
+    bucket = plan_thd_bucket(mask, Bucket(64, 32), tp_size=2, cp_size=2, cp_rank=0)
+    fixed = packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=0, max_seqlen=64)
+    for plan in (bucket, fixed, [fixed, packfwd.plan_thd(mask, tp_size=2, cp_size=2, cp_rank=1, max_seqlen=64)]):
+        want = (plan[0] if isinstance(plan, list) else plan).max_seqlen
+        assert f"max_seqlen {want}," in describe_thd(plan)
+    assert "max_seqlen 20," in describe_thd(mask, tp_size=2, cp_size=2)  # lengths: the longest padded
+
+
 def test_describe_thd_of_a_large_batch_is_ranges_and_short():
     lengths = rl_lengths(64, longest=1024)
     text = describe_thd(lengths_mask(lengths), tp_size=2, cp_size=4)
@@ -159,6 +184,19 @@ def test_other_pictures_take_the_users_objects():
     draw_layer_partition(b, packfwd.layer_partition(8, 2, 2))  # a partition already made
     rendered(fig)
     assert sorted((int(p.get_x()), int(p.get_y())) for p in b.patches)[:4] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("layout", [[], torch.zeros(0, 5, dtype=torch.bool)], ids=["no lengths", "b=0 mask"])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_an_empty_batch_draws_like_the_other_pictures(layout, cp):
+    """draw_zigzag (so draw_cp_layout) raised numpy's "zero-size array to reduction operation maximum" on a batch
+    of no sequences (a DP rank left without any), where draw_thd, draw_mask and the plans' HTML draw it."""
+    fig = Figure(figsize=(9, 3))
+    ax = draw_zigzag(fig.subplots(), layout, cp_size=cp)
+    assert not ax.patches and not ax.images
+    axes = draw_cp_layout(Figure(figsize=(9, 4)), layout, cp_size=cp)
+    rendered(axes["zigzag"].get_figure())
+    rendered(fig)
 
 
 # ----------------------------------------------------------------------- what the pictures show is right
@@ -383,6 +421,15 @@ def test_every_plan_object_of_256_sequences_prints_within_a_screen():
         assert "tensor(" not in text, name
         page = obj._repr_html_()
         assert page.startswith("<div") and len(page) < 100_000, (name, len(page))
+
+
+def test_a_micro_batch_plans_html_says_which_ranks_it_draws():
+    """The HTML of a plan of 32 DP ranks drew ranks 0-15 and said nothing of the other 16 (BshdInfo's says which
+    rows it draws)."""
+    plan = plan_micro_batches(rl_lengths(256), max_tokens=4096, dp_size=32)
+    page = plan._repr_html_()
+    assert "dp 15<" in page and "dp 16<" not in page and "dp ranks 0-15 of 32 drawn" in page
+    assert "drawn" not in plan_micro_batches(rl_lengths(64), max_tokens=4096, dp_size=16)._repr_html_()
 
 
 def test_printed_facts_are_right():

@@ -142,6 +142,10 @@ def to_bshd(
     [[0, 0, 5, 6], [7, 0, 8, 0]]
     """
     if isinstance(attention_mask, BshdInfo):
+        given = [f"tp_size={tp_size!r}"] * (tp_size != 1) + [f"seqlens={seqlens!r}"] * (seqlens is not None)
+        if given:
+            raise TypeError(f"to_bshd got a BshdInfo plan and planning arguments {given}; pass one or the other (the "
+                            f"plan has tp_size={attention_mask.tp_size})")
         info = attention_mask
     else:
         info = plan_bshd(attention_mask, tp_size=tp_size, seqlens=seqlens, x=x)

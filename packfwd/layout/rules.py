@@ -55,6 +55,7 @@ def default_seq_align(cp_size: int) -> int:
     >>> default_seq_align(1), default_seq_align(4)
     (1, 8)
     """
+    cp_size = check_positive_int("cp_size", cp_size)
     return 2 * cp_size if cp_size > 1 else 1
 
 

@@ -109,6 +109,8 @@ def unpad(x: Tensor, attention_mask: Tensor | UnpadInfo, *, seqlens=None) -> tup
     >>> pad(packed * 10, info).tolist()
     [[10, 20, 0], [0, 30, 40]]
     """
+    if isinstance(attention_mask, UnpadInfo) and seqlens is not None:
+        raise TypeError("unpad got an UnpadInfo plan and seqlens; pass one or the other (the plan has the lengths)")
     info = attention_mask if isinstance(attention_mask, UnpadInfo) else plan_unpad(attention_mask, seqlens=seqlens, x=x)
     return gather_rows([canvas_rows_of(x, info.source)], info.index, info.inverse, dense=True), info
 

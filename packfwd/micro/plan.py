@@ -83,8 +83,9 @@ class MicroBatchPlan:
         bars = [[seg for t in self.tokens[r] for seg in ((t, display.PALETTE[0]), (self.max_tokens - t, display.PAD),
                                                          gap)] for r in range(shown)]
         picture = display.svg_rows(bars, [f"dp {r}" for r in range(shown)])
+        more = f"; dp ranks 0-{shown - 1} of {self.dp_size} drawn" if shown < self.dp_size else ""
         return display.html_table("MicroBatchPlan", rows, picture, "each rank's micro-batches: tokens per CP rank "
-                                  "(blue) of max_tokens; grey: room left")
+                                  f"(blue) of max_tokens; grey: room left{more}")
 
     def rows(self, dp_rank: int) -> list[int]:
         """The global indices rank ``dp_rank`` runs, ascending (the rows its outputs come back in)."""

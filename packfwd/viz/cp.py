@@ -53,7 +53,7 @@ def draw_zigzag(ax, layout, tp_size: int | None = None, cp_size: int | None = No
     chunks = 2 * cp if cp > 1 else 1
     colours = rank_colours(cp)
     longest = int(facts.padded.max()) if n else 0
-    if n * chunks <= _CHUNK_LIMIT:
+    if n and n * chunks <= _CHUNK_LIMIT:  # no sequences: nothing to draw, the axes and title still are
         _zigzag_patches(ax, facts, chunks, colours)
     elif n:
         _zigzag_image(ax, facts, colours, longest)

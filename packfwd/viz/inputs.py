@@ -42,6 +42,14 @@ class ThdFacts:
     cp_size: int
     seq_align: int
     what: str  # where it came from, for titles: "lengths", "mask [4, 17]", "ThdInfo", ...
+    plan_max_seqlen: int | None = None  # a plan's own max_seqlen (a bucket's, or plan_thd(max_seqlen=)), else None
+
+    @property
+    def max_seqlen(self) -> int:
+        """What Megatron-Core is given as ``max_seqlen``: the plan's, else the longest padded sequence."""
+        if self.plan_max_seqlen is not None:
+            return self.plan_max_seqlen
+        return int(self.padded.max()) if self.n else 0
 
     @property
     def n(self) -> int:
@@ -203,7 +211,7 @@ def _plan_facts(plan, tp_size, cp_size, seq_align, arg) -> ThdFacts:
                              f"the plan alone (it brings its own tp_size, cp_size and seq_align), or the mask with "
                              f"{key}={given}")
     lengths, padded = _plan_lengths(plan)
-    return ThdFacts(lengths, lengths if padded is None else padded, what=name, **own)
+    return ThdFacts(lengths, lengths if padded is None else padded, what=name, plan_max_seqlen=plan.max_seqlen, **own)
 
 
 def mask_of(what: object, arg: str = "mask") -> tuple[Tensor, str]:

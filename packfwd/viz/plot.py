@@ -198,6 +198,13 @@ def draw_layer_partition(
         if not partition or not all(isinstance(c, range) for chunks in partition for c in chunks):
             raise TypeError("num_layers is a list but not a partition; pass layer_partition(num_layers, pp, vpp) "
                             "(a list per pipeline rank of a range per virtual stage) or the layer count with pp")
+        sizes = (("pp", pp, None), ("vpp", vpp, 1), ("first_stage_layers", first_stage_layers, None),
+                 ("last_stage_layers", last_stage_layers, None))
+        given = [f"{name}={value}" for name, value, default in sizes if value != default]
+        if given:
+            raise TypeError(f"num_layers is a partition, which has its own sizes, but {', '.join(given)} was passed "
+                            "beside it; pass the partition alone, or the layer count with them: "
+                            "draw_layer_partition(ax, 32, pp=4, vpp=2)")
         pp, vpp, num_layers = len(partition), len(partition[0]), sum(len(c) for chunks in partition for c in chunks)
     elif pp is None:
         raise TypeError("draw_layer_partition needs pp with a layer count: draw_layer_partition(ax, 32, pp=4), "

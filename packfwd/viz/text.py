@@ -144,7 +144,8 @@ def describe_thd(layout, *, tp_size: int | None = None, cp_size: int | None = No
     """
     facts = thd_facts(layout, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align)
     real, total = facts.real_tokens, facts.total_tokens
-    longest = int(facts.padded.max()) if facts.n else 0
+    longest = facts.max_seqlen
+
     def offsets(values: list[int]) -> str:  # all of them unless long (and the token names are limited)
         return str(values) if token_limit is None or len(str(values)) <= 100 else short_ints(values, 4)
 
@@ -212,31 +213,32 @@ def padding_overhead(lengths, *, tp_size: int, cp_size: int) -> dict[str, int]:
 
 
 def describe_padding(
-    lengths, *, tp_size: int = 1, cp_size: int = 1, seq_align: int | None = None
+    lengths, *, tp_size: int | None = None, cp_size: int | None = None, seq_align: int | None = None
 ) -> str:
     """How many THD tokens the batch takes with ``seq_align`` (default: packfwd's smallest alignment) and
-    with verl's (:func:`verl_seq_align`), and how many of those are padding.  ``lengths``: sequence lengths, a
-    ``[b, s]`` mask or a plan (its lengths).
+    with verl's (:func:`verl_seq_align`), and how many of those are padding.  ``lengths``: sequence lengths or a
+    ``[b, s]`` mask (with ``tp_size``, ``cp_size``, ``seq_align``; defaults 1, 1 and packfwd's alignment), or a plan,
+    which brings its own sizes (:mod:`packfwd.viz.inputs`).
 
     >>> print(describe_padding([5, 17, 3], tp_size=2, cp_size=2))
     real tokens          25
     packfwd (align 4)    32 tokens,  7 pad (28.0%)
     verl    (align 8)    40 tokens, 15 pad (60.0%)
     """
-    lengths = _lengths_of(lengths)
-    mask = lengths_mask(lengths)
-    ours = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, cp_rank=0, seq_align=seq_align)  # totals: any rank's
-    verl = plan_thd(mask, tp_size=tp_size, cp_size=cp_size, cp_rank=0, seq_align=verl_seq_align(tp_size, cp_size))
-    real = sum(lengths)
-    rows = [("packfwd" if seq_align is None else "chosen", ours), ("verl", verl)]
-    width = len(str(max(ours.total_tokens, verl.total_tokens)))
-    pad_width = len(str(max(ours.total_tokens, verl.total_tokens) - real))
+    facts = thd_facts(lengths, tp_size=tp_size, cp_size=cp_size, seq_align=seq_align, arg="lengths")
+    tp, cp, real = facts.tp_size, facts.cp_size, facts.real_tokens
+    verl_align = verl_seq_align(tp, cp)
+    verl = int(padded_lengths(facts.lengths, seq_align=verl_align, tp_size=tp, cp_size=cp).sum()) if facts.n else 0
+    chosen = seq_align is not None or facts.seq_align != default_seq_align(cp)
+    rows = [("chosen" if chosen else "packfwd", facts.seq_align, facts.total_tokens), ("verl", verl_align, verl)]
+    width = len(str(max(facts.total_tokens, verl)))
+    pad_width = len(str(max(facts.total_tokens, verl) - real))
     lines = [f"real tokens          {real:>{width}}"]
-    for label, info in rows:
-        pad = info.total_tokens - real
+    for label, align, total in rows:
+        pad = total - real
         share = f" ({100 * pad / real:.1f}%)" if real else ""
-        head = f"{label:<7} (align {info.seq_align})"
-        lines.append(f"{head:<20} {info.total_tokens:>{width}} tokens, {pad:>{pad_width}} pad{share}")
+        head = f"{label:<7} (align {align})"
+        lines.append(f"{head:<20} {total:>{width}} tokens, {pad:>{pad_width}} pad{share}")
     return "\n".join(lines)
 
 
