@@ -385,6 +385,9 @@ def test_refusals_name_the_field_and_the_fix():
     for backend in ("torch_varlen", "flash_attn", "cudnn"):
         with pytest.raises(ValueError, match=f"backend='{backend}' cannot compute attention with window"):
             varlen._resolve_features(backend, torch.device("cuda"), torch.bfloat16, ("window", "sinks"))
+    # flex honours windows and sinks: named where it cannot run, the error says that, not that it drops them
+    with pytest.raises(ValueError, match="backend='flex' is not usable for tensors on cpu here.*move the inputs"):
+        varlen._resolve_features("flex", torch.device("cpu"), torch.float64, ("window", "sinks"))
     with pytest.raises(ValueError, match="window= with causal=False"):
         varlen.varlen_attention(q, q, q, cu, cu, 5, 5, False, window=2)
     with pytest.raises(ValueError, match="sinks must be a float tensor \\[h\\]"):
