@@ -394,7 +394,10 @@ def test_refusals_name_the_field_and_the_fix():
         varlen.varlen_attention(q, q, q, cu, cu, 5, 5, sinks=torch.zeros(3))
     for extra, match in ((dict(attention_bias=False), "attention_bias=False.*attention_bias=True"),
                          (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5.*use swiglu_alpha=1.702"),
-                         (dict(layer_types=["chunked_attention"] * 3), "layer_types=")):
+                         (dict(layer_types=["chunked_attention"] * 3), "layer_types="),
+                         # sliding layers without a window were built as full attention
+                         (dict(sliding_window=None), "sliding_window=None.*sliding_attention"),
+                         (dict(sliding_window=0), "sliding_window=0.*sliding_attention")):
         with pytest.raises(ValueError, match=match):
             args_from_hf_config(oss_config(**extra))
     args = args_from_hf_config(oss_config())
