@@ -232,7 +232,7 @@ def make_forward(
     spec = ForwardLayout(data_format, tp_size, cp_size, cp_rank,
                          rules.check_seq_align(seq_align, cp_size, tp_size) if data_format == "thd" else None)
     for name, flag in (("scored_only", scored_only), ("record_routing", record_routing),
-                       ("moe_aux_loss", moe_aux_loss), ("mtp", mtp)):
+                       ("moe_aux_loss", moe_aux_loss), ("mtp", mtp), ("vision", vision)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     fused = fused_head(head, logits_processor)
