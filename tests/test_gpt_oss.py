@@ -385,13 +385,19 @@ def test_refusals_name_the_field_and_the_fix():
     for backend in ("torch_varlen", "flash_attn", "cudnn"):
         with pytest.raises(ValueError, match=f"backend='{backend}' cannot compute attention with window"):
             varlen._resolve_features(backend, torch.device("cuda"), torch.bfloat16, ("window", "sinks"))
+    # flex honours windows and sinks: named where it cannot run, the error says that, not that it drops them
+    with pytest.raises(ValueError, match="backend='flex' is not usable for tensors on cpu here.*move the inputs"):
+        varlen._resolve_features("flex", torch.device("cpu"), torch.float64, ("window", "sinks"))
     with pytest.raises(ValueError, match="window= with causal=False"):
         varlen.varlen_attention(q, q, q, cu, cu, 5, 5, False, window=2)
     with pytest.raises(ValueError, match="sinks must be a float tensor \\[h\\]"):
         varlen.varlen_attention(q, q, q, cu, cu, 5, 5, sinks=torch.zeros(3))
     for extra, match in ((dict(attention_bias=False), "attention_bias=False.*attention_bias=True"),
                          (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5.*use swiglu_alpha=1.702"),
-                         (dict(layer_types=["chunked_attention"] * 3), "layer_types=")):
+                         (dict(layer_types=["chunked_attention"] * 3), "layer_types="),
+                         # sliding layers without a window were built as full attention
+                         (dict(sliding_window=None), "sliding_window=None.*sliding_attention"),
+                         (dict(sliding_window=0), "sliding_window=0.*sliding_attention")):
         with pytest.raises(ValueError, match=match):
             args_from_hf_config(oss_config(**extra))
     args = args_from_hf_config(oss_config())

@@ -278,3 +278,15 @@ def test_what_is_refused_names_the_field():
     with pytest.raises(ValueError, match="tokens_per_second"):
         mrope_position_ids(torch.tensor([[1, 2]]), image_token_id=IMAGE, video_token_id=VIDEO,
                            vision_start_token_id=START, tokens_per_second=2.0, split_video_frames=True)
+
+
+def test_the_text_from_hf_sends_the_vision_language_model_to_its_builder():
+    """``packfwd.models.from_hf`` on ``Qwen3_5ForConditionalGeneration`` (``model_type="qwen3_5"``, whose language
+    model is the ``qwen3_5_text`` family) names ``packfwd.vision.from_hf``, as it does for Qwen2-VL; it said
+    ``model_type='qwen3_5' is not supported`` while the README lists it."""
+    from packfwd.models import from_hf as text_from_hf
+
+    hf, *_ = setup()
+    with pytest.raises(ValueError, match=r"Qwen3_5ForConditionalGeneration is a vision-language model: build it with "
+                                         r"packfwd.vision.from_hf\(hf\)"):
+        text_from_hf(hf)

@@ -234,6 +234,17 @@ def test_bad_routed_experts_name_the_argument():
         make_forward("thd", record_routing=True)(dense, ids, mask)
 
 
+def test_the_routing_flags_must_be_bools():
+    """``record_routing``, ``moe_aux_loss``, ``mtp`` and ``vision`` are flags, checked when the forward is built,
+    naming themselves: ``moe_aux_loss=2`` built two aux-loss extensions and failed at the call ("routing_stats is
+    already open"), a string or None failed with "can't multiply sequence by non-int", and ``vision="false"`` turned
+    the vision call on."""
+    for name in ("record_routing", "moe_aux_loss", "mtp", "vision"):
+        for value in (2, "false", None):
+            with pytest.raises(TypeError, match=f"{name} must be a bool, got {type(value).__name__}"):
+                make_forward("thd", **{name: value})
+
+
 def _parallel_worker(rank: int, world: int, hf, layouts, recorded, update, replay_mask):
     """Per layout ``(name, tp, cp)`` (TP with sequence parallelism): this rank's recording of the model, its
     replay of ``recorded`` on the updated model (``update``: the updated state dict), and that replay with

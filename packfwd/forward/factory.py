@@ -231,13 +231,15 @@ def make_forward(
     layout = Thd(tp_size, cp_size, cp_rank, cp_group, seq_align) if data_format == "thd" else Bshd(tp_size)
     spec = ForwardLayout(data_format, tp_size, cp_size, cp_rank,
                          rules.check_seq_align(seq_align, cp_size, tp_size) if data_format == "thd" else None)
+    for name, flag in (("scored_only", scored_only), ("record_routing", record_routing),
+                       ("moe_aux_loss", moe_aux_loss), ("mtp", mtp), ("vision", vision)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     fused = fused_head(head, logits_processor)
     if fused is not None and mtp:  # the fused head's model call returns the final hidden states alone
         raise ValueError("head='fused' with mtp=True: the fused head asks the model for its final hidden states "
                          "(return_hidden=True), which skips the output layer that every MTP depth's logits come "
                          "from; use head='logits' with mtp=True")
-    if not isinstance(scored_only, bool):
-        raise TypeError(f"scored_only must be a bool, got {type(scored_only).__name__}")
     extensions = (RoutingReplay(record_routing),) + (MoeAuxLoss(),) * moe_aux_loss + (Mtp(),) * mtp
     engine = Engine(layout, processor=logits_processor, head=fused, extensions=extensions,
                     call=vision_call if vision else text_call, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank,

@@ -248,7 +248,8 @@ def _check_whole_model(hf_model) -> None:
             f"{type(hf_model).__name__} has no output head (lm_head or score): it is the bare decoder. Pass the "
             "whole model, e.g. from_hf(hf) for a LlamaForCausalLM rather than from_hf(hf.model)"
         )
-    if family_of_hf_config(hf_model.config).mrope:
+    # a vision-language model (a vision tower's config beside the text one: Qwen3.5's model_type is no family's)
+    if getattr(hf_model.config, "vision_config", None) is not None or family_of_hf_config(hf_model.config).mrope:
         raise ValueError(
             f"{type(hf_model).__name__} is a vision-language model: build it with packfwd.vision.from_hf(hf) (vision "
             "tower + language model), or its language model alone with packfwd.models.convert.hf_vl.language_model_from_hf(hf)"

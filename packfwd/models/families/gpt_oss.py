@@ -80,6 +80,10 @@ def read_attention(cfg) -> dict:
     unknown = sorted(set(types) - set(kinds))
     if unknown or len(types) != cfg.num_hidden_layers:
         raise ValueError(f"layer_types={types}: pass one of {sorted(kinds)} per layer ({cfg.num_hidden_layers})")
+    window = cfg.sliding_window
+    if "sliding_attention" in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window={window!r} while layer_types names sliding_attention layers: set "
+                         "sliding_window to their window in tokens (>= 1), or make those layers full_attention")
     windows = tuple(kinds[t] for t in types)
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     yarn = read_yarn(params) if params.get("rope_type", params.get("type")) == "yarn" else None

@@ -254,6 +254,10 @@ def _resolve_features(backend: str | None, device: torch.device, dtype: torch.dt
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {CHOICES}; pass one of them or None (automatic)")
     if backend not in honours:
+        if set(features) <= set(BACKEND_FEATURES[backend]):  # it would honour them, but cannot run here
+            raise ValueError(f"backend={backend!r} is not usable for tensors on {device} here (usable: "
+                             f"{available_backends(device)}); install it, move the inputs to CUDA, or pass "
+                             f"backend=None or one of {honours}")
         raise ValueError(f"backend={backend!r} cannot compute attention with {' and '.join(features)} (what each "
                          f"backend honours: {BACKEND_FEATURES}); pass backend=None or one of {honours}")
     return backend
