@@ -6,7 +6,10 @@ Replay: the router weights are then changed (an "update"), which moves some toke
 forward's logits equal transformers run per sequence with its router forced to the recorded experts (its weights
 computed as the family computes them for its own choice), in THD and BSHD, with garbage at padding.  The aux loss
 under replay equals a hand computation of transformers' formula on the replayed assignments.  Bad input is refused
-naming ``routed_experts``.  Families: Mixtral (softmax, top-k renormalised) and Qwen3-MoE without renormalisation.
+naming ``routed_experts``.  Families: Mixtral (softmax, top-k renormalised) and Qwen3-MoE without renormalisation;
+GPT-OSS (softmax over the top-k biased logits), Qwen3-Next and Qwen3.5-MoE (hybrid linear attention, a gated shared
+expert) in one test of their own: record, update, replay in THD, THD aligned and BSHD, log-probs and entropies
+against transformers forced per sequence.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import contextlib
 import pytest
 import torch
 
+from packfwd import next_token_labels
 from packfwd.forward import make_forward
+from packfwd.logits import log_probs_and_entropy
 from packfwd.models import from_hf
 
 from .test_moe import hf_model, ragged_batch
@@ -29,16 +34,23 @@ def hf_moe_blocks(hf):
     return [layer.mlp for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
 
 
+def hf_routers(hf):
+    """transformers' MoE routers in layer order: ``mlp.gate`` (Mixtral, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE) or
+    ``mlp.router`` (GPT-OSS); a dense layer has neither (Qwen3-Next's dense MLP has a ``gate_proj``)."""
+    found = (getattr(layer.mlp, "router", None) or getattr(layer.mlp, "gate", None) for layer in hf.model.layers)
+    return [r for r in found if hasattr(r, "top_k")]
+
+
 def hf_topk(hf, ids, mask):
     """transformers' own top-k per real token, sequence by sequence: ``[b, s, L, k]`` (-1 at padding)."""
-    blocks = hf_moe_blocks(hf)
+    routers = hf_routers(hf)
     k = hf.config.num_experts_per_tok
-    out = torch.full((*ids.shape, len(blocks), k), -1)
+    out = torch.full((*ids.shape, len(routers), k), -1)
     for i in range(ids.shape[0]):
         if not mask[i].any():
             continue
         picked = []
-        hooks = [b.gate.register_forward_hook(lambda m, a, o: picked.append(o[2])) for b in blocks]
+        hooks = [r.register_forward_hook(lambda m, a, o: picked.append(o[2])) for r in routers]
         try:
             with torch.no_grad():
                 hf(ids[i][mask[i]][None])
@@ -93,8 +105,8 @@ def updated(hf, scale=3.0, seed=1):
     """The same model after an "update" of its routers (large enough to move tokens to other experts)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for b in hf_moe_blocks(hf):
-            b.gate.weight.add_(scale * torch.randn(b.gate.weight.shape, generator=g, dtype=b.gate.weight.dtype))
+        for r in hf_routers(hf):
+            r.weight.add_(scale * torch.randn(r.weight.shape, generator=g, dtype=r.weight.dtype))
     return hf
 
 
@@ -146,6 +158,115 @@ def test_replay_after_an_update_equals_transformers_forced(name, data_format, la
     want = hf_forced(hf, ids, mask, recorded)
     torch.testing.assert_close(out["logits"][mask].double(), want[mask], atol=1e-5, rtol=1e-5)
     assert not out["logits"][~mask].any()
+
+
+FAMILIES = ["gpt_oss", "qwen3_next", "qwen3_5_moe"]  # router replay of the families beyond Mixtral and Qwen3-MoE
+
+
+def family_model(family, monkeypatch):
+    """The tiny float64 model of ``family`` that its own tests build: GPT-OSS's of ``tests/test_gpt_oss.py`` (3
+    MoE layers with router biases, sliding window 4, sinks, YaRN; its RMSNorm patched to compute in float64),
+    Qwen3-Next's and Qwen3.5-MoE's of ``tests/test_hybrid_families.py`` (Gated DeltaNet and gated attention, a
+    gated shared expert; Qwen3-Next's layer 1 dense; transformers' modules lifted to float64).  So transformers is
+    float64 throughout and the float32 left is packfwd's routing softmax (Megatron-Core's)."""
+    if family == "gpt_oss":
+        from .oracles import rmsnorm_in_input_dtype
+        from .test_gpt_oss import gpt_oss, oss_model
+
+        monkeypatch.setattr(gpt_oss.GptOssRMSNorm, "forward", rmsnorm_in_input_dtype)
+        return oss_model()
+    from .test_hybrid_families import hf_model as hybrid_model
+
+    return hybrid_model(family)
+
+
+@contextlib.contextmanager
+def family_forced_routers(hf, routed_row):
+    """transformers' routers forced to ``routed_row [n, L, k]`` (one sequence's real tokens), each expert weighted
+    as the family weights its own choice, in the model's dtype: GPT-OSS (``mlp.router``, biased logits) the softmax
+    over the k given experts' logits; Qwen3-Next and Qwen3.5-MoE (``mlp.gate``) the softmax over all experts at
+    the given ones, renormalised over the k (Qwen3-Next as ``norm_topk_prob`` says, Qwen3.5-MoE always)."""
+    routers = hf_routers(hf)
+    saved = [r.forward for r in routers]
+    for layer, r in enumerate(routers):
+        def forced(hidden, r=r, idx=routed_row[:, layer]):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, r.weight.shape[1]), r.weight,
+                                                getattr(r, "bias", None))
+            if hasattr(r, "bias"):  # GPT-OSS: softmax over the top-k logits
+                weights = torch.softmax(logits.gather(1, idx), dim=1)
+            else:
+                weights = torch.softmax(logits, dim=-1).gather(1, idx)
+                if getattr(r, "norm_topk_prob", True):  # Qwen3.5-MoE's router has no flag: it always renormalises
+                    weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights, idx
+        r.forward = forced
+    try:
+        yield
+    finally:
+        for r, f in zip(routers, saved):
+            r.forward = f
+
+
+def hf_forced_scores(hf, ids, mask, labels, routed):
+    """transformers run one sequence at a time with its routers forced to ``routed``
+    (:func:`family_forced_routers`): ``(log-prob of each label [b, s], 0 where ignored; entropy [b, s] at every
+    real token)``, float64."""
+    log_probs = torch.zeros(ids.shape, dtype=torch.float64)
+    entropy = torch.zeros(ids.shape, dtype=torch.float64)
+    for i in range(ids.shape[0]):
+        if not mask[i].any():
+            continue
+        with torch.no_grad(), family_forced_routers(hf, routed[i][mask[i]]):
+            logp = hf(ids[i][mask[i]][None]).logits[0].double().log_softmax(-1)
+        label = labels[i][mask[i]]
+        log_probs[i, mask[i]] = torch.where(label >= 0, logp.gather(1, label.clamp(min=0)[:, None])[:, 0], 0.0)
+        entropy[i, mask[i]] = -(logp.exp() * logp).sum(-1)
+    return log_probs, entropy
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_of_gpt_oss_qwen3_next_and_qwen3_5_moe_equals_transformers_forced(family, monkeypatch):
+    """GPT-OSS, Qwen3-Next and Qwen3.5-MoE on the ragged batch (left and right padding, a one-token row): the record
+    is transformers' own top-k (as sets; -1 at padding), and replaying it on the same model gives the recording
+    forward's outputs bit for bit.  After a router update that moves tokens, the replay (THD, THD aligned, BSHD)
+    returns the recorded experts and its log-probs (and entropies, the one-token row's included) equal
+    transformers run per sequence with its routers forced to them; the free forward's do not.
+
+    Tolerance 1e-5: the reference is float64 throughout, packfwd takes the routing softmax in float32
+    (Megatron-Core's), so each expert weight carries a float32 rounding (~6e-8 relative) that the following layers
+    carry to the log-probs (no other float32 is left: :func:`family_model`).  Measured: at most
+    8.3e-8 (GPT-OSS), 3.5e-7 (Qwen3-Next), 2.9e-7 (Qwen3.5-MoE) in log-probs, 2.6e-8 / 2.0e-7 / 1.7e-7 in entropy;
+    the update moves 37 of 63, 55 of 63 and 68 of 84 token-layer choices, and the free routing's log-probs are off
+    by 0.9, 2.3 and 2.8."""
+    hf = family_model(family, monkeypatch)
+    ids, mask = ragged_batch()
+    labels = next_token_labels(ids, mask)
+    scored = labels >= 0
+    record = make_forward("thd", record_routing=True, logits_processor=log_probs_and_entropy, scored_only=False)
+    model = from_hf(hf)
+    with torch.no_grad():
+        recorded = record(model, ids, mask, labels=labels)
+        again = record(model, ids, mask, labels=labels, routed_experts=recorded["routed_experts"])
+    assert all(torch.equal(again[key], value) for key, value in recorded.items())  # record then replay: same bits
+    routed = recorded["routed_experts"]
+    assert routed.shape == (*ids.shape, len(hf_routers(hf)), 2) and (routed[~mask] == -1).all()
+    assert torch.equal(as_sets(routed[mask]), as_sets(hf_topk(hf, ids, mask)[mask]))
+    hf = updated(hf)
+    model = from_hf(hf)
+    want_log_probs, want_entropy = hf_forced_scores(hf, ids, mask, labels, routed)
+    for data_format, layout in LAYOUTS:
+        forward = make_forward(data_format, record_routing=True, logits_processor=log_probs_and_entropy,
+                               scored_only=False, **layout)
+        with torch.no_grad():
+            out = forward(model, ids, mask, labels=labels, routed_experts=routed)
+            free = forward(model, ids, mask, labels=labels)
+        where = f"{family} {data_format} {layout}"
+        assert torch.equal(out["routed_experts"], routed), where  # the replayed experts are the recorded ones
+        torch.testing.assert_close(out["log_probs"][scored], want_log_probs[scored], atol=1e-5, rtol=0, msg=where)
+        torch.testing.assert_close(out["entropy"][mask], want_entropy[mask], atol=1e-5, rtol=0, msg=where)
+        assert not out["log_probs"][~scored].any() and not out["entropy"][~mask].any(), where
+        assert not torch.equal(as_sets(free["routed_experts"][mask]), as_sets(routed[mask])), where  # tokens moved
+        assert (free["log_probs"] - want_log_probs)[scored].abs().max() > 1e-2, where  # without replay: other values
 
 
 def test_replay_gives_the_router_its_gradient():
