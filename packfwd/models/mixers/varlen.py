@@ -129,11 +129,12 @@ def _cudnn_ops_fit() -> bool:
 
 
 class _CudnnRagged(torch.autograd.Function):
-    """cuDNN's ragged attention ops under packfwd's own autograd function: the frontend's wrapper registers its
-    backward through ``torch.library``, whose per-call argument handling (filling every default of a 16-argument
-    schema, a generated function around the op) was the largest Python cost of a layer's forward on an H100
-    (benchmarks/RESULTS.md, history 24).  The same ops, so the same kernels and bits: the forward's packed
-    log-sum-exp, laid out per sequence as the backward op takes it, is what the backward consumes."""
+    """cuDNN's ragged attention ops under packfwd's own autograd function.  The frontend's wrapper registers its
+    backward through ``torch.library``, which on every call fills each default of the op's 16-argument schema and
+    runs a generated function around it: 2.5-3.0 ms of a 16-layer 1B step's host time under cProfile on an H100
+    (benchmarks/results/h100-2026-12-06f/run1_step.json, history 23), in the forward the host must keep ahead of.
+    The same ops, so the same kernels and bits: the forward's packed log-sum-exp, laid out per sequence as the
+    backward op takes it, is what the backward consumes."""
 
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right):
