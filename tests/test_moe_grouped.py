@@ -13,6 +13,7 @@ weight gradient is zero whatever the grouped product leaves there.  The GPU kern
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,6 +182,18 @@ def test_choices_and_refusals():
     # biased experts and GPT-OSS's clamped GLU: grouped_glu_mlp (tests/test_gpt_oss.py)
     assert experts_pair(torch.float32, grouped=True, add_bias_linear=True)[0].unsupported == ""
 
+
+
+@pytest.mark.parametrize("value", [0, 1, np.False_, np.True_])
+def test_a_flag_that_is_not_a_bool_is_refused(value):
+    """``0 in (None, True, False)`` holds (``0 == False``), and the path was chosen by ``is False``: ``grouped=0``
+    (an int flag from a config) took the grouped path, the opposite of what it says.  Refused, naming it."""
+    mine, _ = experts_pair(torch.float32)
+    with pytest.raises(TypeError, match=f"grouped={value!r}: pass None"):
+        mine.grouped = value
+    with pytest.raises(TypeError, match=f"grouped={value!r}: pass None"):
+        set_grouped_experts(mine, value)
+    assert mine.grouped is None
 
 def test_models_are_built_with_grouped_experts_and_match_transformers_per_sequence():
     hf = hf_model("qwen3_moe-norm").float()
