@@ -282,6 +282,16 @@ def test_aux_loss_with_a_processor_and_the_refusals():
         make_forward("thd", moe_aux_loss=True)(dense, ids, mask)
 
 
+@pytest.mark.parametrize("flag", ["moe_aux_loss", "record_routing", "mtp"])
+@pytest.mark.parametrize("value", [2, "yes", None])
+def test_make_forward_names_a_flag_that_is_not_a_bool(flag, value):
+    """``moe_aux_loss=2`` built two aux-loss extensions (the call then raised "routing_stats is already open");
+    ``"yes"`` or None raised "can't multiply sequence by non-int" (the extensions are repeated by the flag).
+    Refused when the forward is made, naming the flag, as ``deterministic`` and ``scored_only`` are."""
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got {type(value).__name__}"):
+        make_forward("thd", **{flag: value})
+
+
 @pytest.mark.parametrize("data_format", ["thd", "bshd"])
 def test_aux_loss_composes_with_mtp(data_format):
     """``moe_aux_loss=True`` with ``mtp=True`` (two extensions of one engine): the loss pools the decoder's MoE

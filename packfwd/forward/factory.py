@@ -236,8 +236,10 @@ def make_forward(
         raise ValueError("head='fused' with mtp=True: the fused head asks the model for its final hidden states "
                          "(return_hidden=True), which skips the output layer that every MTP depth's logits come "
                          "from; use head='logits' with mtp=True")
-    if not isinstance(scored_only, bool):
-        raise TypeError(f"scored_only must be a bool, got {type(scored_only).__name__}")
+    for name, value in (("scored_only", scored_only), ("moe_aux_loss", moe_aux_loss),
+                        ("record_routing", record_routing), ("mtp", mtp)):  # the extensions repeat by the flags
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     extensions = (RoutingReplay(record_routing),) + (MoeAuxLoss(),) * moe_aux_loss + (Mtp(),) * mtp
     engine = Engine(layout, processor=logits_processor, head=fused, extensions=extensions,
                     call=vision_call if vision else text_call, tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank,
