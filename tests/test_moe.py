@@ -443,3 +443,32 @@ def test_run_micro_batches_weighs_each_micro_batch_by_its_tokens():
     torch.testing.assert_close(got.loss, want.detach(), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(model.decoder.layers[1].mlp.router.weight.grad, want_grad, atol=1e-12, rtol=1e-10)
     assert "moe_aux_loss" not in got.outputs and got.outputs["logits"].shape == (*ids.shape, V)
+
+
+def test_the_steps_aux_loss_is_detached_and_a_loss_fn_weighs_it_by_loss_tokens():
+    """What docs/moe.md tells a trainer: ``StepResult.moe_aux_loss`` is detached (a value to log: added to a loss
+    after the step it gives no gradient, the docs once said to train on it so), and a ``loss_fn`` adding
+    ``out["moe_aux_loss"]`` to every token backpropagates the micro-batches' losses weighted by their *loss*
+    tokens: with ``labels=`` (each sequence's last token has none) that is not the reported real-token weighting."""
+    from packfwd.logits import log_probs_and_entropy
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+    from packfwd.layout import next_token_labels
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    labels = next_token_labels(ids, mask)
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy, moe_aux_loss=True)
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=10, **forward.layout.plan_args)
+    groups = [g for g in plan.micro_batches[0] if g]
+    assert len(groups) > 1
+    with torch.no_grad():
+        losses = [forward(model, ids[g], mask[g], labels=labels[g])["moe_aux_loss"] for g in groups]
+    scored = [(labels[g] >= 0).sum() for g in groups]
+    got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels,
+                            loss_fn=lambda out: out["moe_aux_loss"].expand(out["log_probs"].shape))
+    assert not got.moe_aux_loss.requires_grad and got.moe_aux_loss.grad_fn is None
+    by_real = sum(loss * mask[g].sum() for loss, g in zip(losses, groups)) / mask.sum()
+    by_scored = sum(loss * n for loss, n in zip(losses, scored)) / (labels >= 0).sum()
+    torch.testing.assert_close(got.moe_aux_loss, by_real, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got.loss, by_scored, atol=1e-12, rtol=1e-12)
+    assert (got.loss - got.moe_aux_loss).abs() > 1e-4
