@@ -472,3 +472,22 @@ def test_the_steps_aux_loss_is_detached_and_a_loss_fn_weighs_it_by_loss_tokens()
     torch.testing.assert_close(got.moe_aux_loss, by_real, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(got.loss, by_scored, atol=1e-12, rtol=1e-12)
     assert (got.loss - got.moe_aux_loss).abs() > 1e-4
+
+
+def test_a_dp_rank_without_sequences_reports_a_zero_aux_loss():
+    """A plan with fewer sequences than DP ranks leaves a rank nothing to run: its ``StepResult.moe_aux_loss`` was
+    None (the docstring: None only without ``moe_aux_loss=True``), so summing or all-reducing the ranks' values over
+    DP failed on that rank alone.  It is its share, 0, and the ranks' values add up to the whole batch's."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    ids, mask = ids[:3], mask[:3]
+    forward = make_forward("thd", moe_aux_loss=True)
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=16, dp_size=4, **forward.layout.plan_args)
+    results = [run_micro_batches(forward, model, plan, ids, mask, dp_rank=r) for r in range(4)]
+    empty = [r for r in results if r.outputs is None]
+    assert len(empty) == 1 and empty[0].moe_aux_loss is not None and empty[0].moe_aux_loss == 0
+    with torch.no_grad():
+        want = sum(forward(model, ids[[i]], mask[[i]])["moe_aux_loss"] * mask[i].sum() for i in range(3)) / mask.sum()
+    torch.testing.assert_close(sum(r.moe_aux_loss for r in results).double(), want, atol=1e-12, rtol=1e-12)
