@@ -327,6 +327,28 @@ def test_an_empty_batch_has_zero_aux_loss():
     assert out["moe_aux_loss"].item() == 0.0 and not out["logits"].any()
 
 
+def test_an_empty_micro_batch_keeps_the_aux_losss_dtype():
+    """An all-padding batch's aux loss was a float32 0 in a float64 model (every other batch's is the routers'
+    score dtype), and ``StepResult.moe_aux_loss`` takes its first micro-batch's dtype: a plan whose first
+    micro-batch held only empty sequences reported the float64 loss rounded to float32."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", moe_aux_loss=True)
+    with torch.no_grad():
+        assert forward(model, ids, torch.zeros_like(mask))["moe_aux_loss"].dtype == torch.float64
+    ids, mask = torch.cat([ids[:1] * 0, ids]), torch.cat([mask[:1] & False, mask])  # an empty sequence first
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=10, min_micro_batches=5, **forward.layout.plan_args)
+    assert not any(mask[i].any() for i in plan.micro_batches[0][0])  # the first micro-batch: the empty one
+    got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0)
+    with torch.no_grad():
+        want = sum(forward(model, ids[g], mask[g])["moe_aux_loss"] * mask[g].sum()
+                   for g in plan.micro_batches[0] if mask[g].any()) / mask.sum()
+    assert got.moe_aux_loss.dtype == torch.float64
+    torch.testing.assert_close(got.moe_aux_loss, want, atol=1e-12, rtol=1e-12)
+
+
 def _parallel_worker(rank: int, world: int, hf, layouts):
     """Per layout ``(name, tp, cp)`` (TP with sequence parallelism): this rank's logits, aux loss, router grads."""
     from megatron.core import parallel_state as ps

@@ -24,14 +24,14 @@ def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device
     """:func:`load_balancing_loss` of one forward of ``model`` (its last pipeline stage, or the whole model: every
     MoE layer), its token sums all-reduced over the model's context-parallel group, and tensor-parallel group under
     sequence parallelism.  ``carried``: the earlier pipeline stages' :func:`stage_routing_sums`, pooled in (the
-    loss is then float64 arithmetic, cast to the routers' score dtype)."""
+    loss is then float64 arithmetic, cast to the routers' score dtype; so is an empty batch's 0)."""
     gpt = check_aux_loss_model(model)
     config, groups = gpt.config, gpt.pg_collection
     reduce = [groups.cp] if config.context_parallel_size > 1 else []
     if config.sequence_parallel and config.tensor_model_parallel_size > 1:
         reduce.append(groups.tp)
     loss = load_balancing_loss(stats, config.num_moe_experts, groups=reduce, carried=carried)
-    if carried is not None:
+    if carried is not None or not stats:  # float64 sums, or an empty batch's 0 (float32): the routers' dtype
         loss = loss.to(_score_dtype(config))
     return loss.to(device) if device is not None else loss
 
