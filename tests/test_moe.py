@@ -510,6 +510,7 @@ def test_a_dp_rank_without_sequences_reports_a_zero_aux_loss():
     results = [run_micro_batches(forward, model, plan, ids, mask, dp_rank=r) for r in range(4)]
     empty = [r for r in results if r.outputs is None]
     assert len(empty) == 1 and empty[0].moe_aux_loss is not None and empty[0].moe_aux_loss == 0
+    assert {r.moe_aux_loss.dtype for r in results} == {torch.float64}  # one dtype: an all-reduce over DP
     with torch.no_grad():
         want = sum(forward(model, ids[[i]], mask[[i]])["moe_aux_loss"] * mask[i].sum() for i in range(3)) / mask.sum()
     torch.testing.assert_close(sum(r.moe_aux_loss for r in results).double(), want, atol=1e-12, rtol=1e-12)

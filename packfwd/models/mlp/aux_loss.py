@@ -17,7 +17,7 @@ from torch import Tensor
 from packfwd.engine import is_moe
 from .routing import RoutingStats, check_carried, load_balancing_loss, routing_sums
 
-__all__ = ["check_aux_loss_model", "check_stage_routing", "model_aux_loss", "stage_routing_sums"]
+__all__ = ["check_aux_loss_model", "check_stage_routing", "model_aux_loss", "score_dtype", "stage_routing_sums"]
 
 
 def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device=None, carried=None) -> Tensor:
@@ -32,7 +32,7 @@ def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device
         reduce.append(groups.tp)
     loss = load_balancing_loss(stats, config.num_moe_experts, groups=reduce, carried=carried)
     if carried is not None or not stats:  # float64 sums, or an empty batch's 0 (float32): the routers' dtype
-        loss = loss.to(_score_dtype(config))
+        loss = loss.to(score_dtype(config))
     return loss.to(device) if device is not None else loss
 
 
@@ -65,7 +65,7 @@ def check_stage_routing(model: torch.nn.Module, carried, aux_loss: bool = True) 
         check_carried(carried, gpt.config.num_moe_experts)
 
 
-def _score_dtype(config) -> torch.dtype:
+def score_dtype(config) -> torch.dtype:
     """The dtype of the routers' scores (``PackedRouter._stats``): the gate's, at least float32."""
     gate = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype, config.params_dtype)
     return torch.promote_types(gate, torch.float32)
