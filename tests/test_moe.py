@@ -282,6 +282,16 @@ def test_aux_loss_with_a_processor_and_the_refusals():
         make_forward("thd", moe_aux_loss=True)(dense, ids, mask)
 
 
+@pytest.mark.parametrize("flag", ["moe_aux_loss", "record_routing", "mtp"])
+@pytest.mark.parametrize("value", [2, "yes", None])
+def test_make_forward_names_a_flag_that_is_not_a_bool(flag, value):
+    """``moe_aux_loss=2`` built two aux-loss extensions (the call then raised "routing_stats is already open");
+    ``"yes"`` or None raised "can't multiply sequence by non-int" (the extensions are repeated by the flag).
+    Refused when the forward is made, naming the flag, as ``deterministic`` and ``scored_only`` are."""
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got {type(value).__name__}"):
+        make_forward("thd", **{flag: value})
+
+
 @pytest.mark.parametrize("data_format", ["thd", "bshd"])
 def test_aux_loss_composes_with_mtp(data_format):
     """``moe_aux_loss=True`` with ``mtp=True`` (two extensions of one engine): the loss pools the decoder's MoE
@@ -315,6 +325,28 @@ def test_an_empty_batch_has_zero_aux_loss():
     ids, mask = ragged_batch()
     out = make_forward("thd", moe_aux_loss=True)(model, ids, torch.zeros_like(mask))
     assert out["moe_aux_loss"].item() == 0.0 and not out["logits"].any()
+
+
+def test_an_empty_micro_batch_keeps_the_aux_losss_dtype():
+    """An all-padding batch's aux loss was a float32 0 in a float64 model (every other batch's is the routers'
+    score dtype), and ``StepResult.moe_aux_loss`` takes its first micro-batch's dtype: a plan whose first
+    micro-batch held only empty sequences reported the float64 loss rounded to float32."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", moe_aux_loss=True)
+    with torch.no_grad():
+        assert forward(model, ids, torch.zeros_like(mask))["moe_aux_loss"].dtype == torch.float64
+    ids, mask = torch.cat([ids[:1] * 0, ids]), torch.cat([mask[:1] & False, mask])  # an empty sequence first
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=10, min_micro_batches=5, **forward.layout.plan_args)
+    assert not any(mask[i].any() for i in plan.micro_batches[0][0])  # the first micro-batch: the empty one
+    got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0)
+    with torch.no_grad():
+        want = sum(forward(model, ids[g], mask[g])["moe_aux_loss"] * mask[g].sum()
+                   for g in plan.micro_batches[0] if mask[g].any()) / mask.sum()
+    assert got.moe_aux_loss.dtype == torch.float64
+    torch.testing.assert_close(got.moe_aux_loss, want, atol=1e-12, rtol=1e-12)
 
 
 def _parallel_worker(rank: int, world: int, hf, layouts):
@@ -433,3 +465,52 @@ def test_run_micro_batches_weighs_each_micro_batch_by_its_tokens():
     torch.testing.assert_close(got.loss, want.detach(), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(model.decoder.layers[1].mlp.router.weight.grad, want_grad, atol=1e-12, rtol=1e-10)
     assert "moe_aux_loss" not in got.outputs and got.outputs["logits"].shape == (*ids.shape, V)
+
+
+def test_the_steps_aux_loss_is_detached_and_a_loss_fn_weighs_it_by_loss_tokens():
+    """What docs/moe.md tells a trainer: ``StepResult.moe_aux_loss`` is detached (a value to log: added to a loss
+    after the step it gives no gradient, the docs once said to train on it so), and a ``loss_fn`` adding
+    ``out["moe_aux_loss"]`` to every token backpropagates the micro-batches' losses weighted by their *loss*
+    tokens: with ``labels=`` (each sequence's last token has none) that is not the reported real-token weighting."""
+    from packfwd.logits import log_probs_and_entropy
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+    from packfwd.layout import next_token_labels
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    labels = next_token_labels(ids, mask)
+    forward = make_forward("thd", logits_processor=log_probs_and_entropy, moe_aux_loss=True)
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=10, **forward.layout.plan_args)
+    groups = [g for g in plan.micro_batches[0] if g]
+    assert len(groups) > 1
+    with torch.no_grad():
+        losses = [forward(model, ids[g], mask[g], labels=labels[g])["moe_aux_loss"] for g in groups]
+    scored = [(labels[g] >= 0).sum() for g in groups]
+    got = run_micro_batches(forward, model, plan, ids, mask, dp_rank=0, labels=labels,
+                            loss_fn=lambda out: out["moe_aux_loss"].expand(out["log_probs"].shape))
+    assert not got.moe_aux_loss.requires_grad and got.moe_aux_loss.grad_fn is None
+    by_real = sum(loss * mask[g].sum() for loss, g in zip(losses, groups)) / mask.sum()
+    by_scored = sum(loss * n for loss, n in zip(losses, scored)) / (labels >= 0).sum()
+    torch.testing.assert_close(got.moe_aux_loss, by_real, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(got.loss, by_scored, atol=1e-12, rtol=1e-12)
+    assert (got.loss - got.moe_aux_loss).abs() > 1e-4
+
+
+def test_a_dp_rank_without_sequences_reports_a_zero_aux_loss():
+    """A plan with fewer sequences than DP ranks leaves a rank nothing to run: its ``StepResult.moe_aux_loss`` was
+    None (the docstring: None only without ``moe_aux_loss=True``), so summing or all-reducing the ranks' values over
+    DP failed on that rank alone.  It is its share, 0, and the ranks' values add up to the whole batch's."""
+    from packfwd.micro import plan_micro_batches, run_micro_batches
+
+    model = from_hf(hf_model("mixtral"))
+    ids, mask = ragged_batch()
+    ids, mask = ids[:3], mask[:3]
+    forward = make_forward("thd", moe_aux_loss=True)
+    plan = plan_micro_batches(mask.sum(1).tolist(), max_tokens=16, dp_size=4, **forward.layout.plan_args)
+    results = [run_micro_batches(forward, model, plan, ids, mask, dp_rank=r) for r in range(4)]
+    empty = [r for r in results if r.outputs is None]
+    assert len(empty) == 1 and empty[0].moe_aux_loss is not None and empty[0].moe_aux_loss == 0
+    assert {r.moe_aux_loss.dtype for r in results} == {torch.float64}  # one dtype: an all-reduce over DP
+    with torch.no_grad():
+        want = sum(forward(model, ids[[i]], mask[[i]])["moe_aux_loss"] * mask[i].sum() for i in range(3)) / mask.sum()
+    torch.testing.assert_close(sum(r.moe_aux_loss for r in results).double(), want, atol=1e-12, rtol=1e-12)

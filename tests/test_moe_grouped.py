@@ -13,6 +13,7 @@ weight gradient is zero whatever the grouped product leaves there.  The GPU kern
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,6 +182,45 @@ def test_choices_and_refusals():
     # biased experts and GPT-OSS's clamped GLU: grouped_glu_mlp (tests/test_gpt_oss.py)
     assert experts_pair(torch.float32, grouped=True, add_bias_linear=True)[0].unsupported == ""
 
+
+
+@pytest.mark.parametrize("value", [0, 1, np.False_, np.True_])
+def test_a_flag_that_is_not_a_bool_is_refused(value):
+    """``0 in (None, True, False)`` holds (``0 == False``), and the path was chosen by ``is False``: ``grouped=0``
+    (an int flag from a config) took the grouped path, the opposite of what it says.  Refused, naming it."""
+    mine, _ = experts_pair(torch.float32)
+    with pytest.raises(TypeError, match=f"grouped={value!r}: pass None"):
+        mine.grouped = value
+    with pytest.raises(TypeError, match=f"grouped={value!r}: pass None"):
+        set_grouped_experts(mine, value)
+    assert mine.grouped is None
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_functional_call_with_other_expert_weights_equals_loading_them(grouped):
+    """``torch.func.functional_call`` on an MoE model (the grouped path reads the experts' weights as one block,
+    and stacks weights that are not one): a params dict with other expert and router weights gives the outputs of
+    a model holding them, and its tensors get that model's gradients."""
+    from packfwd.models.convert.hf import load_weights
+    from tests.test_models import _Functional
+
+    hf = hf_model("qwen3_moe-norm")
+    model, loaded = from_hf(hf, params_dtype=torch.float32), from_hf(hf, params_dtype=torch.float32)
+    set_grouped_experts(model, grouped)
+    set_grouped_experts(loaded, grouped)
+    params = {n: (p.detach() * 1.3 if "experts" in n or "router" in n else p.detach()).clone().requires_grad_()
+              for n, p in model.named_parameters()}
+    load_weights(loaded, {n: v.detach() for n, v in params.items()})
+    ids, mask = ragged_batch()
+    forward = make_forward("thd", seq_align=8)
+    got, want = forward(_Functional(model, params), ids, mask), forward(loaded, ids, mask)
+    assert not torch.allclose(want, forward(model, ids, mask))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    got.pow(2).mean().backward()
+    want.pow(2).mean().backward()
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, atol=0, rtol=0, msg=name)
+    assert all(p.grad is None for p in model.parameters())
 
 def test_models_are_built_with_grouped_experts_and_match_transformers_per_sequence():
     hf = hf_model("qwen3_moe-norm").float()

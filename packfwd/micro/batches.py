@@ -34,7 +34,8 @@ class StepResult:
     ``mtp_loss`` (an ``mtp=True`` forward, else None): ``[D]``, the rank's share of the global batch's
     token-weighted MTP loss per depth (module docstring); the per-row ``outputs`` then hold no ``"mtp_loss"``.
     ``moe_aux_loss`` (a ``moe_aux_loss=True`` forward, else None): 0-d, the rank's share of the global batch's
-    token-weighted load-balancing loss (module docstring), likewise taken out of ``outputs``."""
+    token-weighted load-balancing loss (module docstring), likewise taken out of ``outputs``; detached, like ``loss``
+    (to train on the loss, add ``out["moe_aux_loss"]`` in the ``loss_fn``: docs/moe.md)."""
 
     outputs: Any
     rows: list

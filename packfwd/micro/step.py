@@ -42,6 +42,7 @@ caller vouches that it packs the way the plan assumed.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
@@ -174,7 +175,7 @@ def run_micro_batches(
             raise TypeError("with pp_group, pass this rank's stages as a list of modules (one per virtual stage)")
 
         run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
-        return run(forward, model, list(mbs), pp_group, loss_fn, batch_masks)
+        return _zero_when_idle(run(forward, model, list(mbs), pp_group, loss_fn, batch_masks), forward, model)
     bucketed = _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processor_args)
     if bucketed is None:
         bucketed = _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, processor_args)
@@ -195,7 +196,21 @@ def run_micro_batches(
                 total = loss if total is None else total + loss  # stays on the device
         pieces.append(out)
         done.append(mb)
-    return step_result(pieces, done, torch.zeros(()) if total is None else total, batch_masks)
+    return _zero_when_idle(step_result(pieces, done, torch.zeros(()) if total is None else total, batch_masks), forward,
+                           model)
+
+
+def _zero_when_idle(result: StepResult | None, forward, model) -> StepResult | None:
+    """A rank that ran no sequence (fewer sequences than DP ranks) of a ``moe_aux_loss=True`` forward: its share of
+    the loss is 0, not None, in the other ranks' dtype (the routers' score dtype: the ranks' values add up, or are
+    all-reduced, over DP)."""
+    if result is None or result.moe_aux_loss is not None or getattr(forward, "moe_aux_loss", False) is not True:
+        return result
+    from ..models.mlp.aux_loss import check_aux_loss_model, score_dtype
+
+    last = model[-1] if isinstance(model, (list, tuple)) else model
+    dtype = score_dtype(check_aux_loss_model(last).config)
+    return dataclasses.replace(result, moe_aux_loss=torch.zeros((), dtype=dtype, device=result.loss.device))
 
 
 def _eager_step(forward, model, mb, loss_fn, counts=None):

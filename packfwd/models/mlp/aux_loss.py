@@ -17,22 +17,22 @@ from torch import Tensor
 from packfwd.engine import is_moe
 from .routing import RoutingStats, check_carried, load_balancing_loss, routing_sums
 
-__all__ = ["check_aux_loss_model", "check_stage_routing", "model_aux_loss", "stage_routing_sums"]
+__all__ = ["check_aux_loss_model", "check_stage_routing", "model_aux_loss", "score_dtype", "stage_routing_sums"]
 
 
 def model_aux_loss(model: torch.nn.Module, stats: Sequence[RoutingStats], device=None, carried=None) -> Tensor:
     """:func:`load_balancing_loss` of one forward of ``model`` (its last pipeline stage, or the whole model: every
     MoE layer), its token sums all-reduced over the model's context-parallel group, and tensor-parallel group under
     sequence parallelism.  ``carried``: the earlier pipeline stages' :func:`stage_routing_sums`, pooled in (the
-    loss is then float64 arithmetic, cast to the routers' score dtype)."""
+    loss is then float64 arithmetic, cast to the routers' score dtype; so is an empty batch's 0)."""
     gpt = check_aux_loss_model(model)
     config, groups = gpt.config, gpt.pg_collection
     reduce = [groups.cp] if config.context_parallel_size > 1 else []
     if config.sequence_parallel and config.tensor_model_parallel_size > 1:
         reduce.append(groups.tp)
     loss = load_balancing_loss(stats, config.num_moe_experts, groups=reduce, carried=carried)
-    if carried is not None:
-        loss = loss.to(_score_dtype(config))
+    if carried is not None or not stats:  # float64 sums, or an empty batch's 0 (float32): the routers' dtype
+        loss = loss.to(score_dtype(config))
     return loss.to(device) if device is not None else loss
 
 
@@ -65,7 +65,7 @@ def check_stage_routing(model: torch.nn.Module, carried, aux_loss: bool = True) 
         check_carried(carried, gpt.config.num_moe_experts)
 
 
-def _score_dtype(config) -> torch.dtype:
+def score_dtype(config) -> torch.dtype:
     """The dtype of the routers' scores (``PackedRouter._stats``): the gate's, at least float32."""
     gate = {"fp32": torch.float32, "fp64": torch.float64}.get(config.moe_router_dtype, config.params_dtype)
     return torch.promote_types(gate, torch.float32)

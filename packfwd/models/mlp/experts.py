@@ -199,7 +199,7 @@ class GroupedExperts(SequentialMLP):
 
     @grouped.setter
     def grouped(self, value: bool | None) -> None:
-        if value not in (None, True, False):
+        if value is not None and not isinstance(value, bool):  # 0 == False: an int would pass `in (None, ...)`
             raise TypeError(f"grouped={value!r}: pass None (automatic), True or False")
         if value is True and self.unsupported:
             raise ValueError(f"grouped=True: these experts {self.unsupported}, which only the sequential path "
