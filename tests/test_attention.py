@@ -250,55 +250,103 @@ def test_cudnn_backend_is_named_only_and_keeps_flash_semantics(monkeypatch):
     assert calls[-1] == dict(bottom_right=True, max_q=64, max_k=192, lse=True, dtype=torch.int32)
 
 
-def test_cudnn_ops_run_under_packfwds_own_autograd_function():
+@pytest.fixture
+def cudnn_stand_in_ops():
+    """Stand-ins for nvidia-cudnn-frontend 1.32's ops (its schemas, CPU kernels, fake kernels for torch.compile);
+    their calls are recorded.  Skipped where the real ops are registered (the frontend imported: the CUDA test)."""
+    if any(hasattr(torch.ops.cudnn, name) for name in ("sdpa_fwd", "sdpa_bwd", "_packed_lse_to_padded")):
+        pytest.skip("nvidia-cudnn-frontend's ops are registered in this process (tests/gpu checks them)")
+    calls = []
+    lib = torch.library.Library("cudnn", "FRAGMENT")
+    lib.define("sdpa_fwd(Tensor q, Tensor k, Tensor v, float attn_scale, bool is_causal=False, "
+               "bool causal_bottom_right=False, int window_left=-1, int window_right=-1, Tensor? sinks=None, "
+               "Tensor? seq_len_q=None, Tensor? seq_len_kv=None, Tensor? cu_seqlens_q=None, "
+               "Tensor? cu_seqlens_kv=None, int max_seqlen_q=0, int max_seqlen_kv=0, bool return_lse=True) "
+               "-> (Tensor, Tensor)")
+    lib.define("sdpa_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, float attn_scale, "
+               "bool is_causal=False, bool causal_bottom_right=False, int window_left=-1, int window_right=-1, "
+               "Tensor? sinks=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, int max_seqlen_q=0, "
+               "int max_seqlen_kv=0, bool is_deterministic=False) -> (Tensor, Tensor, Tensor)")
+    lib.define("_packed_lse_to_padded(Tensor lse, Tensor cu_seqlens, SymInt max_seqlen) -> Tensor")
+    fwd_names = ("is_causal", "causal_bottom_right", "window_left", "window_right", "sinks", "seq_len_q",
+                 "seq_len_kv", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv", "return_lse")
+    bwd_names = ("is_causal", "causal_bottom_right", "window_left", "window_right", "sinks", "cu_seqlens_q",
+                 "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv", "is_deterministic")
+
+    def fwd(q, k, v, scale, *args, **kw):
+        calls.append(("fwd", scale, dict(zip(fwd_names, args)) | kw))
+        return q * 2, torch.full((q.shape[0], q.shape[1], 1), 7.0)
+
+    def bwd(grad_o, q, k, v, o, stats, scale, *args, **kw):
+        calls.append(("bwd", scale, stats.shape, dict(zip(bwd_names, args)) | kw))
+        return grad_o * 3, torch.ones_like(k), torch.ones_like(v) * 5
+
+    def repad(lse, cu, max_seqlen):
+        assert torch.equal(lse, torch.full(lse.shape, 7.0))
+        return torch.zeros(cu.numel() - 1, lse.shape[1], max_seqlen, 1)
+
+    try:
+        for name, fn in (("sdpa_fwd", fwd), ("sdpa_bwd", bwd), ("_packed_lse_to_padded", repad)):
+            lib.impl(name, fn, "CPU")
+        torch.library.register_fake("cudnn::sdpa_fwd", lambda q, k, v, *a, **kw: (
+            torch.empty_like(q), q.new_empty(q.shape[0], q.shape[1], 1, dtype=torch.float32)), lib=lib)
+        torch.library.register_fake("cudnn::sdpa_bwd", lambda g, q, k, v, *a, **kw: (
+            torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), lib=lib)
+        torch.library.register_fake("cudnn::_packed_lse_to_padded", lambda lse, cu, m: lse.new_empty(
+            cu.numel() - 1, lse.shape[1], m, 1), lib=lib)
+        yield calls
+    finally:
+        torch._dynamo.reset()
+        lib._destroy()
+    assert not varlen._cudnn_ops_fit()
+
+
+def test_cudnn_ops_run_under_packfwds_own_autograd_function(cudnn_stand_in_ops):
     """``varlen._CudnnRagged`` (what the ``cudnn`` backend runs where the frontend's op schemas fit): the forward
     op gets the offsets, the rounded max lengths, the scale and the diagonal; the backward op gets the output's
     gradient and the forward's log-sum-exp laid out per sequence (``[n, h, max_q, 1]``) with the same arguments;
     the gradients it returns reach q, k and v, also under ``torch.func.grad``; the log-sum-exp takes none.  The
     ops are stand-ins registered for the test with cuDNN's schemas (the CUDA test compares the real ops' bits with
     the frontend's wrapper: tests/gpu/test_attention_choice_cuda.py)."""
-    calls = []
-    lib = torch.library.Library("cudnn", "FRAGMENT")
-    try:
-        lib.define("sdpa_fwd(Tensor q, Tensor k, Tensor v, float attn_scale, *, bool is_causal=False, "
-                   "bool causal_bottom_right=False, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_kv=None, "
-                   "SymInt max_seqlen_q=0, SymInt max_seqlen_kv=0, bool return_lse=False) -> (Tensor, Tensor)")
-        lib.define("sdpa_bwd(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor stats, float attn_scale, *, "
-                   "bool is_causal=False, bool causal_bottom_right=False, Tensor? cu_seqlens_q=None, "
-                   "Tensor? cu_seqlens_kv=None, SymInt max_seqlen_q=0, SymInt max_seqlen_kv=0, "
-                   "bool is_deterministic=False) -> (Tensor, Tensor, Tensor)")
-        lib.define("_packed_lse_to_padded(Tensor lse, Tensor cu_seqlens, SymInt max_seqlen) -> Tensor")
+    calls = cudnn_stand_in_ops
+    assert varlen._cudnn_ops_fit()
+    c = cu([2, 3])
+    q, k, v = (torch.randn(5, h, 8, requires_grad=True) for h in (4, 2, 2))
+    args = dict(scale=0.5, is_causal=True, causal_bottom_right=True, cu_seqlens_q=c, cu_seqlens_kv=c,
+                max_seqlen_q=64, max_seqlen_kv=128, return_lse=True)
+    out, lse = varlen._cudnn_ragged(q, k, v, **args)
+    assert torch.equal(out, q * 2) and not lse.requires_grad
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.full_like(q, 3.0)) and torch.equal(v.grad, torch.full_like(v, 5.0))
+    (_, scale, kw), (_, bscale, stats, bkw) = calls
+    assert scale == bscale == 0.5 and stats == (2, 4, 64, 1)
+    for given in (kw, bkw):
+        assert given["cu_seqlens_q"] is c and given["cu_seqlens_kv"] is c
+        assert given["max_seqlen_q"] == 64 and given["max_seqlen_kv"] == 128
+        assert given["is_causal"] and given["causal_bottom_right"]
+    grad = torch.func.grad(lambda x: varlen._cudnn_ragged(x, k.detach(), v.detach(), **args)[0].sum())
+    assert torch.equal(grad(q.detach()), torch.full_like(q, 3.0))
+    assert torch.equal(varlen._cudnn_ragged(q, k, v, **(args | dict(return_lse=False))), q * 2)  # as sdpa_torch
 
-        def fwd(q, k, v, scale, **kw):
-            calls.append(("fwd", scale, kw))
-            return q * 2, torch.full((q.shape[0], q.shape[1], 1), 7.0)
 
-        def bwd(grad_o, q, k, v, o, stats, scale, **kw):
-            calls.append(("bwd", scale, stats.shape, kw))
-            return grad_o * 3, torch.ones_like(k), torch.ones_like(v) * 5
+@pytest.mark.parametrize("same_offsets", [True, False], ids=["self", "cross"])
+def test_cudnn_own_autograd_compiles_fullgraph(cudnn_stand_in_ops, monkeypatch, same_offsets):
+    """``torch.compile(fullgraph=True)`` traces the ``cudnn`` backend's autograd function, forward and backward,
+    also for self-attention, where one ``cu_seqlens`` tensor is both the queries' and the keys' offsets (dynamo
+    refuses an autograd.Function given one tensor twice: "duplicate tensor input"; the frontend's custom op, which
+    packfwd called before, took it)."""
+    monkeypatch.setitem(varlen._KERNELS, "cudnn", varlen._cudnn_ragged)
+    c = cu([2, 3])
+    c_k = c if same_offsets else c.clone()
 
-        def repad(lse, cu, max_seqlen):
-            assert torch.equal(lse, torch.full(lse.shape, 7.0))
-            return torch.zeros(cu.numel() - 1, lse.shape[1], max_seqlen, 1)
+    def attend(q, k, v):
+        return varlen._cudnn(q, k, v, c, c_k, 5, 5, True, None)
 
-        for name, fn in (("sdpa_fwd", fwd), ("sdpa_bwd", bwd), ("_packed_lse_to_padded", repad)):
-            lib.impl(name, fn, "CPU")
-        assert varlen._cudnn_ops_fit()
-        c = cu([2, 3])
-        q, k, v = (torch.randn(5, h, 8, requires_grad=True) for h in (4, 2, 2))
-        args = dict(scale=0.5, is_causal=True, causal_bottom_right=True, cu_seqlens_q=c, cu_seqlens_kv=c,
-                    max_seqlen_q=64, max_seqlen_kv=128, return_lse=True)
-        out, lse = varlen._cudnn_ragged(q, k, v, **args)
-        assert torch.equal(out, q * 2) and not lse.requires_grad
-        out.sum().backward()
-        assert torch.equal(q.grad, torch.full_like(q, 3.0)) and torch.equal(v.grad, torch.full_like(v, 5.0))
-        (_, scale, kw), (_, bscale, stats, bkw) = calls
-        assert scale == bscale == 0.5 and stats == (2, 4, 64, 1)
-        for given in (kw, bkw):
-            assert given["cu_seqlens_q"] is c and given["max_seqlen_q"] == 64 and given["max_seqlen_kv"] == 128
-            assert given["is_causal"] and given["causal_bottom_right"]
-        grad = torch.func.grad(lambda x: varlen._cudnn_ragged(x, k.detach(), v.detach(), **args)[0].sum())
-        assert torch.equal(grad(q.detach()), torch.full_like(q, 3.0))
-    finally:
-        lib._destroy()
-    assert not varlen._cudnn_ops_fit()
+    q, k, v = (torch.randn(5, h, 8, requires_grad=True) for h in (4, 2, 2))
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    (out := compiled(q, k, v)).sum().backward()
+    assert torch.equal(out, q * 2)
+    assert torch.equal(q.grad, torch.full_like(q, 3.0)) and torch.equal(v.grad, torch.full_like(v, 5.0))
+    fwd, bwd = [call[-1] for call in cudnn_stand_in_ops]
+    assert fwd["causal_bottom_right"] is not same_offsets and bwd["causal_bottom_right"] is not same_offsets
+    assert torch.equal(bwd["cu_seqlens_kv"], c_k)

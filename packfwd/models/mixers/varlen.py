@@ -141,7 +141,7 @@ class _CudnnRagged(torch.autograd.Function):
         # grad mode is off here: the op's registered autograd passes straight through to its kernel
         return torch.ops.cudnn.sdpa_fwd(
             q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right, cu_seqlens_q=cu_q,
-            cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
+            cu_seqlens_kv=cu_q if cu_k is None else cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # the torch.func-ready form
@@ -157,6 +157,7 @@ class _CudnnRagged(torch.autograd.Function):
         if grad_o is None:
             return (None,) * 10
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        cu_k = cu_q if cu_k is None else cu_k
         max_q, max_k, scale, causal, bottom_right = ctx.args
         lse_padded = torch.ops.cudnn._packed_lse_to_padded(lse[:, :, 0], cu_q, max_q)  # [n, h, max_q, 1]
         dq, dk, dv = torch.ops.cudnn.sdpa_bwd(
@@ -168,9 +169,14 @@ class _CudnnRagged(torch.autograd.Function):
 
 def _cudnn_ragged(q, k, v, *, scale, is_causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
                   max_seqlen_kv, return_lse):
-    """:class:`_CudnnRagged` with ``cudnn.sdpa_torch``'s arguments: ``(out, log-sum-exp)``."""
-    return _CudnnRagged.apply(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, scale, is_causal,
-                              causal_bottom_right)
+    """:class:`_CudnnRagged` with ``cudnn.sdpa_torch``'s arguments and results: ``(out, log-sum-exp)``, or ``out``
+    alone with ``return_lse=False`` (the log-sum-exp is computed all the same: the backward consumes it).  One
+    offsets tensor for both (self-attention) goes in once, as None for the keys': dynamo cannot trace an
+    autograd.Function given one tensor twice ("duplicate tensor input"; the frontend's custom op takes it)."""
+    cu_k = None if cu_seqlens_kv is cu_seqlens_q else cu_seqlens_kv
+    out, lse = _CudnnRagged.apply(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_kv, scale, is_causal,
+                                  causal_bottom_right)
+    return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=None)
