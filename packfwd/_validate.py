@@ -21,6 +21,13 @@ def check_positive_int(name: str, value: object, hint: str | None = None) -> int
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a bool (not 0/1, a string or None: a flag that picks a path); else an error naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_rank(name: str, rank: object, size: int, size_name: str) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"{name} must be a Python int, got {type(rank).__name__}")

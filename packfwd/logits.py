@@ -59,6 +59,7 @@ import math
 import torch
 from torch import Tensor
 
+from ._validate import check_bool
 from .ops.logprob import save_row_stats
 
 __all__ = ["RowSelection", "entropy", "fused_log_probs_and_entropy", "log_probs", "log_probs_and_entropy",
@@ -202,8 +203,7 @@ def fused_log_probs_and_entropy(
             "[v_local, hdim] with v_local >= 1 and the hidden size of hidden"
         )
     group, unit = _check_group(tp_group), _is_one(temperature)
-    if not isinstance(sequence_parallel, bool):
-        raise TypeError(f"sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    check_bool("sequence_parallel", sequence_parallel)
     if sequence_parallel and group is not None:
         hidden = _GatherRows.apply(hidden, group)  # [t, hdim] on every rank
     t, v_local = hidden.shape[0], weight.shape[0]
@@ -211,7 +211,7 @@ def fused_log_probs_and_entropy(
     _check_label_range(labels, v_local * _group_size(group))
     checked = _checked_tokens(token_mask, real_tokens, t, hidden.device)
     inv_t = _inverse_temperature(temperature, t, _compute_dtype(hidden.dtype), hidden.device, checked)
-    want_sq = _check_flag("sum_pi_squared", sum_pi_squared)
+    want_sq = check_bool("sum_pi_squared", sum_pi_squared)
     rows = None
     if token_mask is not None:  # only the wanted tokens go through the head; free slots compute a harmless row
         rows = select_rows(_check_token_mask(token_mask, t, hidden.device), token_count)
@@ -376,7 +376,7 @@ def _chunked(logits, labels, temperature, tp_group, chunk_size, want_entropy, ke
     else:
         logp, ent = _RowBlocks.apply(logits, inv_t, labels, group, chunk, want_entropy, unit)
     out = {"log_probs": logp, "entropy": ent} if want_entropy else {"log_probs": logp}
-    if _check_flag("sum_pi_squared", sum_pi_squared):
+    if check_bool("sum_pi_squared", sum_pi_squared):
         out["sum_pi_squared"] = _RowSquares.apply(logits, inv_t, group, chunk)
     if mask is not None:  # every row computed, the others masked: no host sync
         out = {k: torch.where(mask, v, 0.0) for k, v in out.items()}
@@ -885,12 +885,6 @@ def _check_temperature_values(temperature: Tensor, ok: Tensor, checked: Tensor |
                  if temperature.dim()
                  else "the scalar tensor")
         raise ValueError(f"temperature is {value} at {place}: {message}")
-
-
-def _check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
 
 
 def _check_chunk(chunk_size, default: int, align: int) -> int:

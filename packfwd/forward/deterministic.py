@@ -43,6 +43,8 @@ import os
 
 import torch
 
+from .._validate import check_bool
+
 __all__ = ["INVARIANT_MIN_ROWS", "WORKSPACE_CONFIGS", "check", "check_layout", "enable", "enabled", "guarded",
            "invariant_seq_align", "restore", "state"]
 
@@ -142,8 +144,7 @@ def invariant_seq_align(seq_align: int | None, cp_size: int, tp_size: int) -> in
 def check_layout(data_format: str, tp_size: int, *, deterministic, batch_invariant) -> None:
     """``make_forward``'s eager checks of the two options (types; layouts the guarantee is not built for)."""
     for name, value in (("deterministic", deterministic), ("batch_invariant", batch_invariant)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        check_bool(name, value)
     if batch_invariant and data_format != "thd":
         raise ValueError("batch_invariant=True is built and tested for data_format='thd' (BSHD pads every row to the "
                          "longest, so a row's shapes change with the batch); use data_format='thd'")

@@ -42,7 +42,7 @@ from typing import Callable, Mapping, Sequence
 
 from torch import Tensor
 
-from .._validate import check_positive_int, check_rank
+from .._validate import check_bool, check_positive_int, check_rank
 from ..engine import Batch, Bshd, Engine, Thd, text_call
 from ..layout import rules
 from .args import check_call_args
@@ -233,8 +233,7 @@ def make_forward(
                          rules.check_seq_align(seq_align, cp_size, tp_size) if data_format == "thd" else None)
     for name, flag in (("scored_only", scored_only), ("record_routing", record_routing),
                        ("moe_aux_loss", moe_aux_loss), ("mtp", mtp), ("vision", vision)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        check_bool(name, flag)
     fused = fused_head(head, logits_processor)
     if fused is not None and mtp:  # the fused head's model call returns the final hidden states alone
         raise ValueError("head='fused' with mtp=True: the fused head asks the model for its final hidden states "
