@@ -175,7 +175,8 @@ def run_micro_batches(
             raise TypeError("with pp_group, pass this rank's stages as a list of modules (one per virtual stage)")
 
         run = pipeline.megatron_schedule if schedule == "megatron" else pipeline.packfwd_schedule
-        return _zero_when_idle(run(forward, model, list(mbs), pp_group, loss_fn, batch_masks), forward, model)
+        return _zero_when_idle(run(forward, model, list(mbs), pp_group, loss_fn, batch_masks), forward, model,
+                               input_ids.device)
     bucketed = _step_graphs(graphs, forward, model, input_ids, multi_modal_inputs, processor_args)
     if bucketed is None:
         bucketed = _padded_steps(buckets, forward, model, input_ids, multi_modal_inputs, processor_args)
@@ -196,21 +197,26 @@ def run_micro_batches(
                 total = loss if total is None else total + loss  # stays on the device
         pieces.append(out)
         done.append(mb)
-    return _zero_when_idle(step_result(pieces, done, torch.zeros(()) if total is None else total, batch_masks), forward,
-                           model)
+    zero = torch.zeros((), device=input_ids.device)
+    return _zero_when_idle(step_result(pieces, done, zero if total is None else total, batch_masks), forward, model,
+                           input_ids.device)
 
 
-def _zero_when_idle(result: StepResult | None, forward, model) -> StepResult | None:
-    """A rank that ran no sequence (fewer sequences than DP ranks) of a ``moe_aux_loss=True`` forward: its share of
-    the loss is 0, not None, in the other ranks' dtype (the routers' score dtype: the ranks' values add up, or are
-    all-reduced, over DP)."""
-    if result is None or result.moe_aux_loss is not None or getattr(forward, "moe_aux_loss", False) is not True:
+def _zero_when_idle(result: StepResult | None, forward, model, device) -> StepResult | None:
+    """A rank that ran no sequence (fewer sequences than DP ranks): its loss 0 on the batch's ``device``, and with a
+    ``moe_aux_loss=True`` forward its share of that loss 0, not None, in the other ranks' dtype (the routers' score
+    dtype): the ranks' values add up, or are all-reduced over DP (NCCL: on the device), on every rank alike."""
+    if result is None:
+        return result
+    if result.loss.device != device:  # the pipeline schedules' 0 of no micro-batch is a CPU tensor
+        result = dataclasses.replace(result, loss=result.loss.to(device))
+    if result.moe_aux_loss is not None or getattr(forward, "moe_aux_loss", False) is not True:
         return result
     from ..models.mlp.aux_loss import check_aux_loss_model, score_dtype
 
     last = model[-1] if isinstance(model, (list, tuple)) else model
     dtype = score_dtype(check_aux_loss_model(last).config)
-    return dataclasses.replace(result, moe_aux_loss=torch.zeros((), dtype=dtype, device=result.loss.device))
+    return dataclasses.replace(result, moe_aux_loss=torch.zeros((), dtype=dtype, device=device))
 
 
 def _eager_step(forward, model, mb, loss_fn, counts=None):
