@@ -249,7 +249,7 @@ def test_batch_invariant_is_refused_where_it_is_not_a_guarantee():
     # cuBLAS kernels on the H200); a given alignment must be a multiple of 16
     assert pf.make_forward("thd", batch_invariant=True).layout == pf.make_forward("thd", seq_align=16).layout
     assert pf.make_forward("thd", batch_invariant=True, seq_align=32).layout.seq_align == 32
-    assert pf.make_forward("thd", cp_size=3, cp_group=object(), batch_invariant=True).layout.seq_align == 48
+    assert pf.make_forward("thd", cp_size=3, cp_rank=0, cp_group=object(), batch_invariant=True).layout.seq_align == 48
     with pytest.raises(ValueError, match="multiple of 16"):
         pf.make_forward("thd", seq_align=8, batch_invariant=True)
 

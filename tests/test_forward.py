@@ -156,6 +156,17 @@ def test_vision_forward_refuses_a_model_without_the_hook(model):
         make_forward("thd", vision=True)(model, ids, mask)
 
 
+def test_context_parallel_needs_the_cp_rank():
+    """Hazard: cp_rank defaulted to 0, so make_forward(cp_size=2, cp_group=g) built on every rank packed rank 0's
+    share everywhere; at the first call CP rank 1 raised (its model's attention runs as rank 1) while rank 0 went on
+    into the attention's K/V all-gather and waited for it (over NCCL, until the timeout).  plan_thd requires
+    cp_rank under CP; so does make_forward, at construction, on every rank alike."""
+    with pytest.raises(ValueError, match=r"cp_size=2 needs cp_rank.*pass cp_rank="):
+        make_forward("thd", cp_size=2, cp_group=object())
+    assert make_forward("thd", cp_size=2, cp_rank=1, cp_group=object()).layout.cp_rank == 1
+    assert make_forward("thd").layout.cp_rank == 0  # one CP rank: nothing to name
+
+
 def test_bad_calls_are_refused(model):
     ids, mask = ragged_batch("right")
     with pytest.raises(ValueError, match="data_format"):

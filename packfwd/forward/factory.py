@@ -42,7 +42,7 @@ from typing import Callable, Mapping, Sequence
 
 from torch import Tensor
 
-from .._validate import check_bool, check_positive_int, check_rank
+from .._validate import check_bool, check_positive_int, check_rank, cp_rank_for
 from ..engine import Batch, Bshd, Engine, Thd, text_call
 from ..layout import rules
 from .args import check_call_args
@@ -109,7 +109,7 @@ def make_forward(
     logits_processor: Callable[..., Mapping[str, Tensor]] | None = None,
     tp_size: int = 1,
     cp_size: int = 1,
-    cp_rank: int = 0,
+    cp_rank: int | None = None,
     cp_group=None,
     seq_align: int | None = None,
     check_group=None,
@@ -129,7 +129,8 @@ def make_forward(
     it the plan reads the lengths back from the device once.
 
     ``tp_size``: the tensor-parallel size when the model uses sequence parallelism (packed lengths must divide by
-    it); ``cp_size``/``cp_rank``/``cp_group``: context parallelism (THD only): each rank packs its zigzag share,
+    it); ``cp_size``/``cp_rank``/``cp_group``: context parallelism (THD only): each rank packs its zigzag share
+    (``cp_rank``, this process's rank in ``cp_group``, is required when ``cp_size > 1``),
     and the outputs of all CP ranks are all-gathered over ``cp_group`` to unpack them (the gather's backward keeps
     this rank's share of the gradient: every rank must compute the same loss from the unpacked outputs).
     ``seq_align``: per-sequence alignment of ``plan_thd``.
@@ -215,7 +216,6 @@ def make_forward(
         raise TypeError("logits_processor must be callable: processor(logits [t, v], **packed_args) -> dict")
     tp_size = check_positive_int("tp_size", tp_size)
     cp_size = check_positive_int("cp_size", cp_size)
-    cp_rank = check_rank("cp_rank", cp_rank, cp_size, "cp_size")
     if cp_size > 1 and data_format != "thd":
         raise ValueError("context parallelism needs data_format='thd'")
     if seq_align is not None and data_format != "thd":
@@ -225,6 +225,9 @@ def make_forward(
         )
     if cp_size > 1 and cp_group is None:
         raise ValueError("cp_size > 1 needs cp_group (to gather every CP rank's outputs); pass the CP process group")
+    # required under CP, as plan_thd requires it: a default of 0 packed rank 0's share on every rank, and the rank
+    # whose model then refused it raised alone while the others waited in the attention's all-gather
+    cp_rank = check_rank("cp_rank", cp_rank_for(cp_size, cp_rank), cp_size, "cp_size")
     check_guarantees(data_format, tp_size, deterministic=deterministic, batch_invariant=batch_invariant)
     if batch_invariant:  # no packed batch smaller than one GEMM tile's rows (deterministic.INVARIANT_MIN_ROWS)
         seq_align = invariant_seq_align(seq_align, cp_size, tp_size)
