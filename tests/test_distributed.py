@@ -427,3 +427,38 @@ def test_a_stage_built_under_a_launcher_has_its_pipeline_group():
     warned = run_local(_stage_groups, 2, tiny_hf(), True, backend="gloo", timeout=120)  # made earlier: said
     assert all(len(w) == 1 and "data parallelism of 2" in w[0] and "ensure_model_parallel(pp_size=2" in w[0]
                for w in warned)
+
+
+def _virtual_stages_out_of_order(rank, world_size, hf):
+    """PP=2 x VPP=3 (6 layers): rank 0 passes its virtual stages 1 and 2 swapped (neither holds the embedding
+    or the output layer)."""
+    from megatron.core import parallel_state as ps
+
+    from packfwd.models.runtime import ensure_model_parallel
+    from packfwd.parallel import pipeline_forward_backward
+
+    ensure_model_parallel(pp_size=2, vpp_size=3)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    stages = [from_hf(hf, pp_rank=pp_rank, pp_size=2, vpp_rank=v, vpp_size=3) for v in range(3)]
+    if rank == 0:
+        stages = [stages[0], stages[2], stages[1]]
+    ids, mask, _, _ = batch()
+    forward = make_forward("thd")
+    try:
+        pipeline_forward_backward(stages, lambda stage, mb: forward(stage, *mb), [(ids, mask)],
+                                  pp_group=ps.get_pipeline_model_parallel_group())
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ps.destroy_model_parallel()
+    return "no error"
+
+
+def test_virtual_stages_out_of_order_are_refused():
+    """Hazard: the placement check read only the embedding and the output layer, so middle virtual stages in
+    another order ran their layers at the wrong places in the chain: logits off by ~3.7, no error."""
+    hf = randomise(Qwen2ForCausalLM(Qwen2Config(**{**TINY, "num_hidden_layers": 6}, num_key_value_heads=2)), 0)
+    got = run_local(_virtual_stages_out_of_order, 2, hf, backend="gloo", timeout=120)
+    assert got[0] == got[1], "every rank must raise the same error"
+    assert "stages[1] of pipeline rank 0 was built for virtual stage 2" in got[0], got[0]
+    assert "vpp_rank=v" in got[0]

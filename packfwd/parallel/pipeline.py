@@ -226,10 +226,18 @@ def _recv(src: int, group: Any, device: torch.device) -> list[Tensor]:
 def _check_placement(stages, pp: int, rank: int) -> None:
     """Each stage where the chain puts it: stage ``v`` of this rank is global stage ``v * pp + rank``; a stage that
     says whether it holds the embedding or the output layer (``pre_process`` / ``post_process``, as Megatron-Core's
-    models do) must hold them exactly at the first and the last global stage."""
+    models do) must hold them exactly at the first and the last global stage, and one that says which virtual
+    stage it was built for (Megatron-Core's ``vp_stage``) must be ``stages[vp_stage]`` (middle stages hold neither
+    the embedding nor the output layer: in another order they would run their layers at other places, silently)."""
     n = pp * len(stages)
     for v, stage in enumerate(stages):
         gpt = unwrap(stage)
+        built = getattr(gpt, "vp_stage", None)
+        if built is not None and built != v:
+            raise ValueError(
+                f"stages[{v}] of pipeline rank {rank} was built for virtual stage {built} (vpp_rank={built}); pass "
+                f"this rank's stages in order, stages[v] built with vpp_rank=v (vpp_size={len(stages)})"
+            )
         pre, post = getattr(gpt, "pre_process", None), getattr(gpt, "post_process", None)
         at = v * pp + rank
         if (pre is not None and bool(pre) != (at == 0)) or (post is not None and bool(post) != (at == n - 1)):
