@@ -277,7 +277,8 @@ def test_vision_timing_and_positions_refused_where_they_cannot_be_used():
         with pytest.raises(ValueError, match="takes no second_per_grid_ts"):
             forward(Recorder(), timing)
     verl_layout = torch.zeros(b.ids.shape[0], 4, b.ids.shape[1], dtype=torch.long)
-    with pytest.raises(ValueError, match=r"position_ids has shape .* takes \[3, b, s\]"):  # [4, b, s] read as k=4
+    n, s = b.ids.shape  # [4, b, s] read as k=4, refused in the caller's shape, before the model runs
+    with pytest.raises(ValueError, match=rf"position_ids has shape \({n}, 4, {s}\).* takes \[3, {n}, {s}\]"):
         pv.model_forward_gen(True)(model, b.ids, b.mask, verl_layout, {})
 
 

@@ -365,6 +365,25 @@ def test_bad_inputs_name_the_fix():
         model.language_model(ids[:2, :5], torch.zeros(2, 2, 5, dtype=torch.long), None)
 
 
+@pytest.mark.parametrize("data_format", ["thd", "bshd"])
+def test_positions_of_another_coordinate_count_are_refused_in_the_callers_shape(data_format):
+    """Hazard: [4, b, s] positions (a text row and (t, h, w), as some trainers hand Qwen2-VL) went past the forward's
+    check and the vision tower, and the language model refused them in its packed shape ((4, 1, 49): no dim the
+    caller had).  The forward checks them against the model's three coordinates, in the caller's shape, first."""
+    hf, model, ids, mask, mm, _ = setup("qwen2_vl")
+    text = (mask.long().cumsum(1) - 1).clamp(min=0)
+    four = torch.stack([text] * 4)
+    called = []
+    hook = model.visual.register_forward_hook(lambda *_: called.append(1))
+    try:
+        with pytest.raises(ValueError, match=rf"position_ids has shape \(4, {ids.shape[0]}, {ids.shape[1]}\).*"
+                                             rf"takes \[3, {ids.shape[0]}, {ids.shape[1]}\]"):
+            pf.make_forward(data_format, vision=True)(model, ids, mask, four, multi_modal_inputs=mm)
+    finally:
+        hook.remove()
+    assert not called, "refused before the vision tower ran"
+
+
 # ----------------------------------------------------------------------------------------------- micro-batches
 
 

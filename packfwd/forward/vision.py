@@ -124,12 +124,14 @@ def vision_call(step) -> dict:
     """The engine's call strategy of ``make_forward(vision=True)``: :func:`vision_kwargs` of the step."""
     batch = step.batch
     return vision_kwargs(step.model, step.layout, step.plan, step.ids, batch.input_ids, batch.attention_mask,
-                         batch.position_ids)
+                         batch.position_ids, step.facts.rope_coords)
 
 
-def vision_kwargs(model, layout, plan, ids: Tensor, input_ids: Tensor, attention_mask, position_ids) -> dict:
+def vision_kwargs(model, layout, plan, ids: Tensor, input_ids: Tensor, attention_mask, position_ids,
+                  coords: int | str | None = "any") -> dict:
     """The keyword arguments (module docstring's table, multimodal inputs aside) of ``model`` under ``layout``
-    (the engine's ``Thd`` / ``Bshd`` adapter) with ``plan``; ``ids``: the packed ids."""
+    (the engine's ``Thd`` / ``Bshd`` adapter) with ``plan``; ``ids``: the packed ids.  ``coords``: the position
+    coordinates the model takes (``ModelFacts.rope_coords``), checked in the caller's shapes before the model runs."""
     if not takes_packing(model):
         from ..models.runtime.gpt import unwrap
 
@@ -144,7 +146,7 @@ def vision_kwargs(model, layout, plan, ids: Tensor, input_ids: Tensor, attention
         raise ValueError("make_forward(vision=True) takes a padded [b, s] batch with its attention_mask, not a jagged "
                          "nested one: pad it (input_ids.to_padded_tensor(pad_id)) and pass the mask")
     if position_ids is not None:
-        check_positions(position_ids, input_ids)
+        check_positions(position_ids, input_ids, coords)
     given = _plan_method(plan, "inputs_to_embed")(input_ids, ids, attention_mask, position_ids)
     return dict(zip(("input_ids", "attention_mask", "position_ids"), given), packing=VisionPacking(plan),
                 **layout.model_kwargs(plan))

@@ -139,7 +139,8 @@ def _verl_call(step, *, thd: bool, vision: bool, packed_ids: bool) -> dict:
     any other vision model: verl's (THD: the padded ids and mask; BSHD: the compacted ones; no positions)."""
     batch, layout, plan, ids = step.batch, step.layout, step.plan, step.ids
     if vision and takes_packing(step.model):
-        return vision_kwargs(step.model, layout, plan, ids, batch.input_ids, batch.attention_mask, batch.position_ids)
+        return vision_kwargs(step.model, layout, plan, ids, batch.input_ids, batch.attention_mask, batch.position_ids,
+                             step.facts.rope_coords)
     if vision:
         if thd:
             return dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=None,

@@ -20,7 +20,7 @@ Every CP rank runs the vision tower on all the batch's images (the tower is not 
 parallelism the packed embeddings are scattered over the TP ranks as Megatron-Core's embedding scatters its own.
 A pipeline stage without the embedding (``pre_process=False``) skips steps 1-2 and takes its input through
 ``set_input_tensor``.  The model reads as the language model does where packfwd's forwards look (``config``,
-``pre_process``, ``post_process``, ``output_layer``, ``vocab_size``, ``pg_collection``).
+``pre_process``, ``post_process``, ``output_layer``, ``vocab_size``, ``pg_collection``, ``position_embedding_type``).
 
 Qwen3.5 (``Qwen3_5ForConditionalGeneration``, ``Qwen3_5MoeForConditionalGeneration``): the same steps with its vision
 tower (no deepstack features: transformers 5.x's Qwen3.5 tower returns the merged features only), its hybrid
@@ -72,6 +72,7 @@ class VisionLanguageModel(torch.nn.Module):
     vocab_size = property(lambda self: self.language_model.vocab_size)
     pg_collection = property(lambda self: self.language_model.pg_collection)
     output_layer = property(lambda self: getattr(self.language_model, "output_layer", None))
+    position_embedding_type = property(lambda self: self.language_model.position_embedding_type)  # "mrope"
 
     def set_input_tensor(self, tensor) -> None:
         self.language_model.set_input_tensor(tensor)
