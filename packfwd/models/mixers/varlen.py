@@ -119,6 +119,10 @@ _CUDNN_BWD_ARGS = _CUDNN_FWD_ARGS - {"return_lse"} | {"is_deterministic"}
 
 
 def _cudnn_ops_fit() -> bool:
+    try:  # registers _packed_lse_to_padded, which the frontend's wrapper imports only in its first backward
+        import cudnn.sdpa.packed_lse  # noqa: F401
+    except Exception:  # noqa: BLE001 - no frontend, or another layout of it: the ops' presence decides below
+        pass
     try:
         ops = torch.ops.cudnn
         fwd, bwd = ({a.name for a in op.default._schema.arguments} for op in (ops.sdpa_fwd, ops.sdpa_bwd))
