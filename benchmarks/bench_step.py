@@ -28,9 +28,7 @@ Variants (``--variants``, each optional; a variant that cannot run is recorded w
   ``attention`` say which ran.  ``packfwd_micro_cudnn``: the same ``run_micro_batches`` call with ``buckets=False``
   on the fused model with ``attention_backend="cudnn"``: the plain cuDNN step through the micro-batch runner, so
   that ``packfwd_fused_cudnn`` -> ``packfwd_micro_cudnn`` -> ``packfwd_default`` splits the default row's cost into
-  the runner's and the padding's.  ``packfwd_fused_cudnn_wrapper``: ``packfwd_fused_cudnn`` with cuDNN's ops called
-  through the frontend's own wrapper (``cudnn.sdpa_torch``, its ``torch.library`` autograd) instead of packfwd's
-  autograd function: the same kernels (``logprobs_equal_to_fused_cudnn``), the Python around them measured.
+  the runner's and the padding's.
 * ``packfwd_compiled``: the plain model with each ``TransformerLayer`` compiled (regional ``torch.compile``,
   ``dynamic=True``; fullgraph, else with graph breaks), or where dynamo cannot trace the layer its MLP and norms
   (``--compile-scope``); every failure recorded.  Megatron-Core's row-parallel linears warn on every call (a graph
@@ -96,7 +94,7 @@ from packfwd.logits import log_probs, vocab_parallel  # noqa: E402
 
 VARIANTS = ("packfwd_plain", "packfwd_fused", "packfwd_compiled", "hf_padded", "hf_liger",
             "packfwd_fused_torch_norms", "packfwd_fused_kernel_norms", "packfwd_fused_cudnn", "packfwd_fused_graph",
-            "packfwd_fused_cudnn_graph", "packfwd_default", "packfwd_micro_cudnn", "packfwd_fused_cudnn_wrapper")
+            "packfwd_fused_cudnn_graph", "packfwd_default", "packfwd_micro_cudnn")
 # the fused model with every norm torch's rms_norm / packfwd's Triton kernels (packfwd.models.norm.FUSED_NORMS)
 NORM_VARIANTS = {"packfwd_fused_torch_norms": "torch", "packfwd_fused_kernel_norms": "kernel"}
 SHAPES = {  # transformers config fields: the full shapes, and tiny ones for --smoke
@@ -721,19 +719,6 @@ def run_variant(name, hf, family, batch, cfg, timer) -> tuple[dict, object]:
             if cfg.host_profile:
                 row["host_profile"] = host_profile(step, module, cfg.device)
         return row, module
-    if name == "packfwd_fused_cudnn_wrapper":  # the same row through the frontend's own wrapper (its autograd)
-        from packfwd.models.mixers import varlen
-
-        try:
-            import cudnn
-        except ImportError as e:
-            raise Skip(f"nvidia-cudnn-frontend is not importable ({e})") from None
-        kept = varlen._cudnn_func
-        varlen._cudnn_func = lambda: cudnn.sdpa_torch
-        try:
-            return run_variant("packfwd_fused_cudnn", hf, family, batch, cfg, timer)[0] | {"variant": name}, None
-        finally:
-            varlen._cudnn_func = kept
     if name.startswith("packfwd"):
         from packfwd.models import norm
 
@@ -836,10 +821,6 @@ def check(rows, lps, batch, cfg) -> None:
                 diff = (lps[r["variant"]].float() - lps["packfwd_fused"].float())[scored].abs()
                 r["logprob_max_abs_diff_vs_fused"], r["logprob_mean_abs_diff_vs_fused"] = map(
                     float, (diff.max(), diff.mean()))
-    if "packfwd_fused_cudnn" in lps and "packfwd_fused_cudnn_wrapper" in lps:  # the same kernels: the same bits
-        row = next(r for r in rows if r["variant"] == "packfwd_fused_cudnn_wrapper")
-        row["logprobs_equal_to_fused_cudnn"] = bool(torch.equal(lps["packfwd_fused_cudnn"],
-                                                                lps["packfwd_fused_cudnn_wrapper"]))
     ref_name = next((n for n in ("hf_padded", "packfwd_plain", "packfwd_fused") if n in lps), None)
     if ref_name is None:
         return

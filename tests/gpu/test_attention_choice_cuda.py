@@ -48,39 +48,3 @@ def test_prefer_cudnn_is_checked_reported_and_named_alike():
         finally:
             matmul.allow_bf16_reduced_precision_reduction = previous
     print(f"prefer_cudnn attention: {forward.attention_backend(auto)}")
-
-
-@pytest.mark.parametrize("kv_lengths", [None, [9, 70, 3]], ids=["self", "bottom_right"])
-def test_cudnn_own_autograd_gives_the_frontend_wrappers_bits(kv_lengths):
-    """packfwd calls cuDNN's ragged ops under its own autograd function (``varlen._CudnnRagged``): the output and
-    the gradients of q, k and v are the bits of the frontend's ``cudnn.sdpa_torch`` on the same inputs (the same
-    kernels), for causal self-attention (top-left diagonal) and for unequal query/key offsets (bottom-right)."""
-    cudnn = pytest.importorskip("cudnn")
-    from packfwd.models.mixers import varlen
-
-    assert varlen._cudnn_ops_fit(), "nvidia-cudnn-frontend's op schemas changed: packfwd uses its wrapper"
-    assert varlen._cudnn_func() is varlen._cudnn_ragged
-    g = torch.Generator(device="cuda").manual_seed(0)
-    lens_q = [5, 64, 3]
-    lens_k = kv_lengths or lens_q
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_k = cu_q if kv_lengths is None else torch.tensor(
-        [0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q = torch.randn(sum(lens_q), 8, 64, generator=g, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lens_k), 2, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    w = torch.randn(sum(lens_q), 8, 64, generator=g, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for fn in (varlen._cudnn_ragged, cudnn.sdpa_torch):
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
-        kept = varlen._KERNELS.get("cudnn")
-        varlen._KERNELS["cudnn"] = fn
-        try:
-            out = varlen._cudnn(*x, cu_q, cu_k, max(lens_q), max(lens_k), True, None)
-        finally:
-            varlen._KERNELS["cudnn"] = kept
-        (out.float() * w.float()).sum().backward()
-        results.append([out.detach(), *(t.grad for t in x)])
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
-        assert torch.equal(a, b), f"{name} differs from the frontend wrapper's"
-    want = varlen.varlen_attention_reference(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), True)
-    torch.testing.assert_close(results[0][0].float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -11,9 +11,7 @@ Backends (``backend=`` a name, or None for the best available one for the inputs
 * ``"flash_attn"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16), when flash-attn is installed.
 * ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16), PyTorch's own flash kernel.
 * ``"cudnn"``: cuDNN's fused attention over ragged offsets (CUDA, fp16/bf16), through the ``nvidia-cudnn-frontend``
-  package's torch ops (``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd``, under packfwd's own autograd function; the
-  package's ``cudnn.sdpa_torch`` where their schemas differ) and the cuDNN torch ships; the optional extra
-  ``packfwd[cudnn]``.
+  package's torch op (``cudnn.sdpa_torch``) and the cuDNN torch ships; the optional extra ``packfwd[cudnn]``.
   Named, or taken by ``backend="prefer_cudnn"`` where it is faster (:func:`choose_backend`: fp16/bf16, one head dim
   of at most 128) once it has passed a check on the device (a small attention, forward and backward, against the
   reference), not under split-K control (batch invariance: cuDNN plans per batch shape).  One cuDNN graph per distinct ``(n, max_seqlen)`` (forward) and
@@ -105,82 +103,9 @@ def _cudnn_func():
     try:
         import cudnn
 
-        wrapper = cudnn.sdpa_torch  # importing it registers cuDNN's torch ops (torch.ops.cudnn.sdpa_fwd / _bwd)
+        return cudnn.sdpa_torch  # importing it registers cuDNN's torch ops (torch.ops.cudnn.sdpa_fwd / _bwd)
     except Exception:  # noqa: BLE001 - not installed, or no cuDNN library it can load: the backend is absent
         return None
-    return _cudnn_ragged if _cudnn_ops_fit() else wrapper
-
-
-# The arguments packfwd passes to cuDNN's ops by name (nvidia-cudnn-frontend 1.32's schemas); another schema: the
-# frontend's own wrapper (cudnn.sdpa_torch) instead.
-_CUDNN_FWD_ARGS = {"is_causal", "causal_bottom_right", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q",
-                   "max_seqlen_kv", "return_lse"}
-_CUDNN_BWD_ARGS = _CUDNN_FWD_ARGS - {"return_lse"} | {"is_deterministic"}
-
-
-def _cudnn_ops_fit() -> bool:
-    try:  # registers _packed_lse_to_padded, which the frontend's wrapper imports only in its first backward
-        import cudnn.sdpa.packed_lse  # noqa: F401
-    except Exception:  # noqa: BLE001 - no frontend, or another layout of it: the ops' presence decides below
-        pass
-    try:
-        ops = torch.ops.cudnn
-        fwd, bwd = ({a.name for a in op.default._schema.arguments} for op in (ops.sdpa_fwd, ops.sdpa_bwd))
-        ops._packed_lse_to_padded.default  # noqa: B018 - its presence is the check
-    except (AttributeError, RuntimeError):
-        return False
-    return _CUDNN_FWD_ARGS <= fwd and _CUDNN_BWD_ARGS <= bwd
-
-
-class _CudnnRagged(torch.autograd.Function):
-    """cuDNN's ragged attention ops under packfwd's own autograd function.  The frontend's wrapper registers its
-    backward through ``torch.library``, which on every call fills each default of the op's 16-argument schema and
-    runs a generated function around it: 2.5-3.0 ms of a 16-layer 1B step's host time under cProfile on an H100
-    (benchmarks/results/h100-2026-12-06f/run1_step.json, history 23), in the forward the host must keep ahead of.
-    The same ops, so the same kernels and bits: the forward's packed log-sum-exp, laid out per sequence as the
-    backward op takes it, is what the backward consumes."""
-
-    @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right):
-        # grad mode is off here: the op's registered autograd passes straight through to its kernel
-        return torch.ops.cudnn.sdpa_fwd(
-            q, k, v, scale, is_causal=causal, causal_bottom_right=bottom_right, cu_seqlens_q=cu_q,
-            cu_seqlens_kv=cu_q if cu_k is None else cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # the torch.func-ready form
-        q, k, v, cu_q, cu_k, *args = inputs
-        o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.args = tuple(args)  # max_q, max_k, scale, causal, bottom_right
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx, grad_o, _grad_lse):
-        if grad_o is None:
-            return (None,) * 10
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        cu_k = cu_q if cu_k is None else cu_k
-        max_q, max_k, scale, causal, bottom_right = ctx.args
-        lse_padded = torch.ops.cudnn._packed_lse_to_padded(lse[:, :, 0], cu_q, max_q)  # [n, h, max_q, 1]
-        dq, dk, dv = torch.ops.cudnn.sdpa_bwd(
-            grad_o, q, k, v, o, lse_padded, scale, is_causal=causal, causal_bottom_right=bottom_right,
-            cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k,
-            is_deterministic=torch.are_deterministic_algorithms_enabled())
-        return dq, dk, dv, *(None,) * 7
-
-
-def _cudnn_ragged(q, k, v, *, scale, is_causal, causal_bottom_right, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                  max_seqlen_kv, return_lse):
-    """:class:`_CudnnRagged` with ``cudnn.sdpa_torch``'s arguments and results: ``(out, log-sum-exp)``, or ``out``
-    alone with ``return_lse=False`` (the log-sum-exp is computed all the same: the backward consumes it).  One
-    offsets tensor for both (self-attention) goes in once, as None for the keys': dynamo cannot trace an
-    autograd.Function given one tensor twice ("duplicate tensor input"; the frontend's custom op takes it)."""
-    cu_k = None if cu_seqlens_kv is cu_seqlens_q else cu_seqlens_kv
-    out, lse = _CudnnRagged.apply(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_kv, scale, is_causal,
-                                  causal_bottom_right)
-    return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=None)
