@@ -128,7 +128,7 @@ def vision_call(step) -> dict:
 
 
 def vision_kwargs(model, layout, plan, ids: Tensor, input_ids: Tensor, attention_mask, position_ids,
-                  coords: int | str | None = "any") -> dict:
+                  coords: int | str | None) -> dict:
     """The keyword arguments (module docstring's table, multimodal inputs aside) of ``model`` under ``layout``
     (the engine's ``Thd`` / ``Bshd`` adapter) with ``plan``; ``ids``: the packed ids.  ``coords``: the position
     coordinates the model takes (``ModelFacts.rope_coords``), checked in the caller's shapes before the model runs."""

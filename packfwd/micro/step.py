@@ -208,8 +208,9 @@ def _zero_when_idle(result: StepResult | None, forward, model, device) -> StepRe
     dtype): the ranks' values add up, or are all-reduced over DP (NCCL: on the device), on every rank alike."""
     if result is None:
         return result
-    if result.loss.device != device:  # the pipeline schedules' 0 of no micro-batch is a CPU tensor
-        result = dataclasses.replace(result, loss=result.loss.to(device))
+    if result.loss.device != device:  # the pipeline schedules' 0 of no micro-batch or no loss_fn: a CPU 0
+        # made again on the device (a copy from pageable host memory would wait for the stream: a sync)
+        result = dataclasses.replace(result, loss=torch.zeros((), dtype=result.loss.dtype, device=device))
     if result.moe_aux_loss is not None or getattr(forward, "moe_aux_loss", False) is not True:
         return result
     from ..models.mlp.aux_loss import check_aux_loss_model, score_dtype
